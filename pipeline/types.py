@@ -1,0 +1,116 @@
+"""The data that moves through the pipeline: samples, groups and their status.
+
+Field names follow slime's `Sample` (see shared/SLIME_CONTRACT.md) so a slime
+Sample can be built from ours without loss.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    """slime's sample status values; `str` so they serialize as their value."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    group_index: int | None = None
+    index: int | None = None
+    prompt: str | list[dict] = ""
+    label: str | None = None
+    metadata: dict = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # prompt + response ids
+    response_length: int = 0  # how many of `tokens` at the end are the response
+    response: str = ""
+    reward: float | dict | None = None
+    loss_mask: list[int] | None = None  # None means all ones
+    rollout_log_probs: list[float] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    status: Status = Status.PENDING
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.response_length:] if self.response_length else []
+
+    def to_dict(self) -> dict[str, Any]:
+        """slime's `Sample.to_dict` shape: status as its string value."""
+        return {
+            "group_index": self.group_index,
+            "index": self.index,
+            "prompt": self.prompt,
+            "label": self.label,
+            "metadata": self.metadata,
+            "tokens": list(self.tokens),
+            "response_length": self.response_length,
+            "response": self.response,
+            "reward": self.reward,
+            "loss_mask": self.loss_mask,
+            "rollout_log_probs": self.rollout_log_probs,
+            "weight_versions": list(self.weight_versions),
+            "status": self.status.value,
+        }
+
+
+def parse_version(version: str | int | None) -> int | None:
+    """Weight versions are strings on the engine side ("default" before any
+    update); the pipeline counts them as integers. Non-numeric means 0."""
+    if version is None:
+        return None
+    if isinstance(version, int):
+        return version
+    try:
+        return int(version)
+    except ValueError:
+        return 0
+
+
+@dataclass
+class Group:
+    """`n_samples_per_prompt` copies of one prompt; the unit of work and of training."""
+
+    group_id: str  # stable across requeues: "<dataset>:<epoch>:<row>"
+    samples: list[Sample]
+    prompt_ids: list[int] = field(default_factory=list)  # tokenized prompt, shared by samples
+    attempts: int = 0  # engine/reward failures so far
+    restarts: int = 0  # times restarted from the prompt because too stale
+    admitted_version: int | None = None  # trainer weight version at first claim
+    dataset: str = ""
+    epoch: int = 0
+    row: int = 0
+    created_at: float = field(default_factory=time.time)
+    claimed_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None  # last worker that held it
+    error: str | None = None  # why it was dead-lettered
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples)
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version that produced any token of this group."""
+        versions = [parse_version(v) for s in self.samples for v in s.weight_versions]
+        versions = [v for v in versions if v is not None]
+        if versions:
+            return min(versions)
+        return self.admitted_version
+
+    def rewards(self) -> list[float | dict | None]:
+        return [s.reward for s in self.samples]
+
+
+@dataclass
+class Entry:
+    """A group read from a stream, with the stream entry id it came from."""
+
+    entry_id: str
+    group: Group
