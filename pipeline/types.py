@@ -92,6 +92,17 @@ class Group:
     worker: str | None = None  # last worker that held it
     error: str | None = None  # why it was dead-lettered
 
+    @classmethod
+    def fresh(cls, group_id: str, prompt: str | list[dict], n_samples: int, label: str | None = None,
+              metadata: dict | None = None, dataset: str = "", epoch: int = 0, row: int = 0) -> Group:
+        """A new group of `n_samples` copies of one prompt, as the producer pushes it."""
+        samples = [
+            Sample(group_index=row, index=row * n_samples + i, prompt=prompt, label=label,
+                   metadata=dict(metadata or {}))
+            for i in range(n_samples)
+        ]
+        return cls(group_id=group_id, samples=samples, dataset=dataset, epoch=epoch, row=row)
+
     @property
     def n_samples(self) -> int:
         return len(self.samples)

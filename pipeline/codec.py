@@ -1,0 +1,205 @@
+"""The wire format: msgpack maps with a schema version.
+
+Token ids are little-endian int32 bytes, log-probs little-endian float32 bytes and
+loss masks packed bits (absent when all ones). The tokenized prompt is stored once
+per group; each sample stores only the tokens after it. Long response texts are
+zlib-compressed. Decoding validates every field and raises `DecodeError`; nothing
+is ever unpickled or evaluated.
+"""
+from __future__ import annotations
+
+import sys
+import zlib
+from array import array
+from typing import Any
+
+import msgpack
+
+from .types import Group, Sample, Status
+
+SCHEMA_VERSION = 1
+_COMPRESS_TEXT_OVER = 512  # bytes; below this zlib's header costs more than it saves
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+class DecodeError(ValueError):
+    """A stored entry is not a valid group of this schema."""
+
+
+def _pack_array(typecode: str, values: list) -> bytes:
+    arr = array(typecode, values)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _unpack_array(typecode: str, data: Any, what: str) -> list:
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise DecodeError(f"{what}: expected a byte string of 4-byte items, got {type(data).__name__}")
+    arr = array(typecode)
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def _pack_mask(mask: list[int] | None) -> list | None:
+    if mask is None:
+        return None
+    if all(mask):  # the common case costs two bytes
+        return [len(mask), b""]
+    bits = bytearray((len(mask) + 7) // 8)
+    for i, m in enumerate(mask):
+        if m:
+            bits[i >> 3] |= 1 << (i & 7)
+    return [len(mask), bytes(bits)]
+
+
+def _unpack_mask(packed: Any) -> list[int] | None:
+    if packed is None:
+        return None
+    if not (isinstance(packed, list) and len(packed) == 2 and isinstance(packed[0], int)
+            and isinstance(packed[1], bytes)):
+        raise DecodeError("loss_mask: expected [length, bits]")
+    length, bits = packed
+    if not bits:
+        return [1] * length
+    if len(bits) != (length + 7) // 8:
+        raise DecodeError(f"loss_mask: {len(bits)} bytes cannot hold {length} bits")
+    return [(bits[i >> 3] >> (i & 7)) & 1 for i in range(length)]
+
+
+def _encode_sample(s: Sample, prompt_ids: list[int]) -> dict:
+    n_prompt = len(prompt_ids)
+    shares_prompt = n_prompt > 0 and s.tokens[:n_prompt] == prompt_ids
+    tail = s.tokens[n_prompt:] if shares_prompt else s.tokens
+    text = s.response.encode()
+    compressed = len(text) > _COMPRESS_TEXT_OVER
+    return {
+        "gi": s.group_index,
+        "ix": s.index,
+        "p": s.prompt,
+        "l": s.label,
+        "m": s.metadata,
+        "sp": shares_prompt,
+        "t": _pack_array("i", tail),
+        "rl": s.response_length,
+        "r": zlib.compress(text, 1) if compressed else text,
+        "rz": compressed,
+        "rw": s.reward,
+        "lm": _pack_mask(s.loss_mask),
+        "lp": None if s.rollout_log_probs is None else _pack_array("f", s.rollout_log_probs),
+        "wv": s.weight_versions,
+        "st": s.status.value,
+    }
+
+
+def encode_group(group: Group) -> bytes:
+    return msgpack.packb(
+        {
+            "v": SCHEMA_VERSION,
+            "id": group.group_id,
+            "pid": _pack_array("i", group.prompt_ids),
+            "s": [_encode_sample(s, group.prompt_ids) for s in group.samples],
+            "att": group.attempts,
+            "rst": group.restarts,
+            "adm": group.admitted_version,
+            "ds": group.dataset,
+            "ep": group.epoch,
+            "row": group.row,
+            "ct": group.created_at,
+            "clt": group.claimed_at,
+            "ft": group.finished_at,
+            "wk": group.worker,
+            "err": group.error,
+        },
+        use_bin_type=True,
+    )
+
+
+def _field(m: dict, key: str, types: tuple, what: str, optional: bool = False) -> Any:
+    if key not in m:
+        raise DecodeError(f"{what}: missing field {key!r}")
+    value = m[key]
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) and bool not in types:
+        raise DecodeError(f"{what}: field {key!r} is a bool")
+    if not isinstance(value, types):
+        names = "/".join(t.__name__ for t in types)
+        raise DecodeError(f"{what}: field {key!r} should be {names}, got {type(value).__name__}")
+    return value
+
+
+def _decode_sample(m: Any, prompt_ids: list[int], i: int) -> Sample:
+    what = f"sample {i}"
+    if not isinstance(m, dict):
+        raise DecodeError(f"{what}: expected a map, got {type(m).__name__}")
+    tail = _unpack_array("i", _field(m, "t", (bytes,), what), f"{what} tokens")
+    tokens = prompt_ids + tail if _field(m, "sp", (bool,), what) else tail
+    text = _field(m, "r", (bytes,), what)
+    if _field(m, "rz", (bool,), what):
+        try:
+            text = zlib.decompress(text)
+        except zlib.error as exc:
+            raise DecodeError(f"{what}: response text does not decompress: {exc}") from None
+    lp = _field(m, "lp", (bytes,), what, optional=True)
+    reward = _field(m, "rw", (int, float, dict), what, optional=True)
+    status = _field(m, "st", (str,), what)
+    try:
+        status_value = Status(status)
+    except ValueError:
+        raise DecodeError(f"{what}: unknown status {status!r}") from None
+    response_length = _field(m, "rl", (int,), what)
+    if not 0 <= response_length <= len(tokens):
+        raise DecodeError(f"{what}: response_length {response_length} outside 0..{len(tokens)}")
+    wv = _field(m, "wv", (list,), what)
+    if not all(isinstance(v, str) for v in wv):
+        raise DecodeError(f"{what}: weight_versions must be strings")
+    prompt = _field(m, "p", (str, list), what)
+    return Sample(
+        group_index=_field(m, "gi", (int,), what, optional=True),
+        index=_field(m, "ix", (int,), what, optional=True),
+        prompt=prompt,
+        label=_field(m, "l", (str,), what, optional=True),
+        metadata=_field(m, "m", (dict,), what),
+        tokens=tokens,
+        response_length=response_length,
+        response=text.decode("utf-8", errors="replace"),
+        reward=float(reward) if isinstance(reward, int) else reward,
+        loss_mask=_unpack_mask(m.get("lm")),
+        rollout_log_probs=None if lp is None else _unpack_array("f", lp, f"{what} log-probs"),
+        weight_versions=wv,
+        status=status_value,
+    )
+
+
+def decode_group(data: bytes) -> Group:
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise DecodeError(f"not msgpack: {exc}") from None
+    if not isinstance(m, dict):
+        raise DecodeError(f"expected a map, got {type(m).__name__}")
+    version = m.get("v")
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"schema version {version!r}, this code reads {SCHEMA_VERSION}")
+    what = "group"
+    prompt_ids = _unpack_array("i", _field(m, "pid", (bytes,), what), "prompt_ids")
+    samples = [_decode_sample(s, prompt_ids, i) for i, s in enumerate(_field(m, "s", (list,), what))]
+    return Group(
+        group_id=_field(m, "id", (str,), what),
+        samples=samples,
+        prompt_ids=prompt_ids,
+        attempts=_field(m, "att", (int,), what),
+        restarts=_field(m, "rst", (int,), what),
+        admitted_version=_field(m, "adm", (int,), what, optional=True),
+        dataset=_field(m, "ds", (str,), what),
+        epoch=_field(m, "ep", (int,), what),
+        row=_field(m, "row", (int,), what),
+        created_at=_field(m, "ct", (int, float), what),
+        claimed_at=_field(m, "clt", (int, float), what, optional=True),
+        finished_at=_field(m, "ft", (int, float), what, optional=True),
+        worker=_field(m, "wk", (str,), what, optional=True),
+        error=_field(m, "err", (str,), what, optional=True),
+    )

@@ -1,0 +1,53 @@
+-- Move up to ARGV[2] group ids from the head of the prompt list into one worker's
+-- in-flight set, unless admission is paused, the results backlog is full, or the
+-- staleness budget (AReaL pacing: admitted <= (max_staleness + version + 1) * batch_size)
+-- is spent. Claiming also counts as a heartbeat.
+-- KEYS: prompts, payloads, inflight, workers, control, results, admitted
+-- ARGV: worker, max_groups
+-- Returns {status, weight_version, gid, payload, admitted_version, gid, payload, ...}
+-- with status one of ok, empty, paused, backlog, budget.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+
+local ctl = redis.call('HMGET', KEYS[5], 'paused', 'max_ready', 'max_staleness',
+                       'batch_size', 'weight_version', 'admitted')
+local version = tonumber(ctl[5]) or 0
+if ctl[1] == '1' then return {'paused', version} end
+
+local want = tonumber(ARGV[2])
+if ctl[2] then
+  local room = tonumber(ctl[2]) - redis.call('XLEN', KEYS[6])
+  if room <= 0 then return {'backlog', version} end
+  want = math.min(want, room)
+end
+
+local limit = nil
+if ctl[3] and ctl[4] then
+  limit = (tonumber(ctl[3]) + version + 1) * tonumber(ctl[4])
+end
+local admitted = tonumber(ctl[6]) or 0
+
+local out = {'ok', version}
+local status = 'ok'
+for _ = 1, want do
+  local gid = redis.call('LPOP', KEYS[1])
+  if not gid then status = 'empty' break end
+  local first = redis.call('HSETNX', KEYS[7], gid, version) == 1
+  if first and limit and admitted >= limit then
+    -- Over budget: undo and leave it at the head for when the trainer catches up.
+    redis.call('HDEL', KEYS[7], gid)
+    redis.call('LPUSH', KEYS[1], gid)
+    status = 'budget'
+    break
+  end
+  if first then admitted = admitted + 1 end
+  redis.call('SADD', KEYS[3], gid)
+  out[#out + 1] = gid
+  out[#out + 1] = redis.call('HGET', KEYS[2], gid) or ''
+  out[#out + 1] = redis.call('HGET', KEYS[7], gid)
+end
+redis.call('HSET', KEYS[5], 'admitted', admitted)
+if #out > 2 then return out end
+out[1] = status
+return out

