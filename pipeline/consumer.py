@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from . import metrics as prom
 from .codec import DecodeError, encode_group
 from .connection import socket_timeout_of
 from .control import ControlState, read_control
@@ -193,10 +194,14 @@ class Consumer:
         taken, self._held = self._held[:n], self._held[n:]
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started
+        prom.TRAINER_WAIT.observe(metrics.wait_s)
+        for reason, count in metrics.dropped.items():
+            prom.FILTER_DROPS.labels(reason).inc(count)
         for entry, group in taken:
             self._uncommitted[entry.entry_id] = group.group_id
             lag = control.weight_version - (group.oldest_version() or 0)
             metrics.staleness[lag] = metrics.staleness.get(lag, 0) + 1
+            prom.STALENESS.observe(lag)
         return Batch([g for _, g in taken], [e.entry_id for e, _ in taken], control.weight_version, metrics)
 
     def commit(self, batch: Batch) -> int:

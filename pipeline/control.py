@@ -1,12 +1,18 @@
 """Pipeline-wide settings and state kept in the `control` hash."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from .keys import Keys
+
+if TYPE_CHECKING:
+    from .queue import Queue
 
 
 @dataclass
@@ -62,3 +68,105 @@ def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
 def set_weight_version(client: redis.Redis, keys: Keys, version: int) -> None:
     client.hset(keys.control, "weight_version", version)
     _announce(client, keys, read_control(client, keys))
+
+
+# -- the weight-update protocol (trainer side) -------------------------------------------
+
+
+class EngineControl(Protocol):
+    """What the controller needs from the engines; workers.engine.EngineSet is one.
+    (pipeline/ owns Redis state and never imports the HTTP client.)"""
+
+    async def pause_generation(self, mode: str = "abort") -> Any: ...
+
+    async def continue_generation(self) -> Any: ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all_requests: bool = False) -> Any: ...
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed; the pipeline stays paused. The message names the engines."""
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class PauseReport:
+    mode: str
+    quiesce_s: float  # pause() to every in-flight group settled (abort) or frozen
+    requeued: int  # groups in the requeue stream after the pause
+
+
+@dataclass
+class ResumeReport:
+    weight_version: int
+    released: int  # aborted groups put back at the head of the prompt list
+    first_claim_s: float | None  # resume() to the first claim by any worker (None: none seen)
+
+
+class Controller:
+    """pause → (update weights) → resume, for one pipeline and its engines."""
+
+    def __init__(self, queue: "Queue", engines: EngineControl | None = None, release_policy: str = "continue"):
+        self.queue = queue
+        self.redis = queue.redis
+        self.keys = queue.keys
+        self.engines = engines
+        self.release_policy = release_policy
+
+    def _inflight(self) -> int:
+        workers = [w.decode() for w in self.redis.zrange(self.keys.workers, 0, -1)]
+        return sum(self.redis.scard(self.keys.inflight(w)) for w in workers)
+
+    async def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> PauseReport:
+        """Stop admission, then pause every engine. With `abort`, wait until the
+        workers have requeued every interrupted group."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
+        started = time.monotonic()
+        set_paused(self.redis, self.keys, True)
+        if self.engines is not None:
+            await self.engines.pause_generation(mode)
+        if mode == "abort":
+            deadline = started + timeout_s
+            while self._inflight() > 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"pause: {self._inflight()} groups still in flight after {timeout_s:g}s")
+                await asyncio.sleep(0.005)
+        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue))
+
+    async def resume(self, weight_version: int | None = None, first_claim_timeout_s: float = 5.0) -> ResumeReport:
+        """Record the new version, continue the engines, release aborted groups to the
+        head of the prompt list, reopen admission."""
+        if weight_version is not None:
+            set_weight_version(self.redis, self.keys, weight_version)
+        if self.engines is not None:
+            await self.engines.continue_generation()
+        released = self.queue.release(self.release_policy)
+        claims_before = int(self.redis.hget(self.keys.stats, "claims") or 0)
+        started = time.monotonic()
+        set_paused(self.redis, self.keys, False)
+        first_claim = None
+        if self.redis.llen(self.keys.prompts):
+            while time.monotonic() - started < first_claim_timeout_s:
+                if int(self.redis.hget(self.keys.stats, "claims") or 0) > claims_before:
+                    first_claim = time.monotonic() - started
+                    break
+                await asyncio.sleep(0.002)
+        return ResumeReport(read_control(self.redis, self.keys).weight_version, released, first_claim)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int,
+                                       mode: str = "abort") -> tuple[PauseReport, ResumeReport]:
+        """pause → every engine loads `model_path` as `weight_version` → resume. If an
+        engine fails, the pipeline stays paused and the error names it."""
+        if self.engines is None:
+            raise WeightUpdateError("no engines configured for this controller")
+        pause = await self.pause(mode)
+        try:
+            await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version))
+        except Exception as exc:
+            raise WeightUpdateError(f"weight update to version {weight_version} from {model_path} failed; "
+                                    f"the pipeline stays paused: {exc}") from exc
+        return pause, await self.resume(weight_version)

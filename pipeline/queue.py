@@ -106,7 +106,7 @@ class Queue:
     def claim(self, worker: str, max_groups: int) -> Claim:
         k = self.keys
         reply = self._scripts["claim"](
-            keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted],
+            keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted, k.stats],
             args=[worker, max_groups],
         )
         claim = Claim(status=_text(reply[0]), weight_version=int(reply[1]))
@@ -263,6 +263,17 @@ class Queue:
         now_ms = seconds * 1000 + micros // 1000
         rows = self.redis.zrangebyscore(self.keys.workers, now_ms - int(self.lease_s * 1000), "+inf", withscores=True)
         return {_text(w): (now_ms - score) / 1000 for w, score in rows}
+
+    def depths(self) -> dict[str, int]:
+        """Groups queued, waiting in each stream; one round trip."""
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.llen(k.prompts)
+        pipe.xlen(k.results)
+        pipe.xlen(k.requeue)
+        pipe.xlen(k.dead)
+        prompts, results, requeue, dead = pipe.execute()
+        return {"prompts": prompts, "results": results, "requeue": requeue, "dead": dead}
 
     def stats(self) -> dict[str, int]:
         return {_text(k): int(v) for k, v in self.redis.hgetall(self.keys.stats).items()}

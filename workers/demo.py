@@ -1,0 +1,126 @@
+"""`rollout demo`: the whole pipeline on one machine, on embedded defaults.
+
+Embedded Redis (AOF on, unix socket) → SGLang simulator → bundled arithmetic
+dataset → worker processes → a minimal trainer loop taking exact batches. Ends with
+the audit: every pushed group accounted for, none trained twice.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import statistics
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipeline.audit import audit
+from pipeline.connection import connect
+from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.control import configure
+from pipeline.producer import PushOptions, push_dataset
+from pipeline.queue import Queue
+from pipeline.redis_server import RedisServer, register_local, unregister_local
+
+from .local import start_worker_process, stop_processes
+from .simulator import SimConfig, start_simulator
+
+log = logging.getLogger(__name__)
+
+DATASET = Path(__file__).with_name("data") / "arithmetic.jsonl"
+NAMESPACE = "demo"
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 5
+    batch_size: int = 8
+    n_samples: int = 4
+    workers: int = 2
+    max_new_tokens: int = 512
+    step_timeout_s: float = 60.0
+    seed: int = 0
+
+
+def _numeric(reward) -> float | None:
+    return float(reward) if isinstance(reward, (int, float)) else None
+
+
+def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> dict:
+    say = echo or (lambda _msg: None)
+    workdir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
+    server = RedisServer(workdir / "redis")
+    sim = None
+    procs: list[subprocess.Popen] = []
+    steps: list[dict] = []
+    trained: list[str] = []
+    try:
+        url = server.start()
+        register_local(server)
+        sim = start_simulator(SimConfig(seed=opts.seed))
+        queue = Queue(connect(url), NAMESPACE)
+        # Keep a modest backlog so workers pause instead of racing through the dataset.
+        configure(queue.redis, queue.keys, max_ready=4 * opts.batch_size)
+        rows = sum(1 for line in DATASET.open() if line.strip())
+        epochs = max(1, math.ceil(opts.steps * opts.batch_size / rows))
+        report = push_dataset(queue, DATASET, PushOptions(n_samples_per_prompt=opts.n_samples, epochs=epochs,
+                                                          shuffle=True, seed=opts.seed))
+        say(f"redis {url} | simulator {sim.url} | pushed {report.pushed} groups of {opts.n_samples} "
+            f"| {opts.workers} workers")
+        for i in range(opts.workers):
+            procs.append(start_worker_process(url, NAMESPACE, [sim.url], workdir / f"worker-{i}.log",
+                                              ["--max-new-tokens", str(opts.max_new_tokens), "--lease", "10"]))
+        consumer = Consumer(queue.redis, NAMESPACE)
+        say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} {'staleness':>9}")
+        for step in range(opts.steps):
+            batch = consumer.next_batch(opts.batch_size, timeout=opts.step_timeout_s)
+            samples = [s for g in batch.groups for s in g.samples]
+            rewards = [r for r in (_numeric(s.reward) for s in samples) if r is not None]
+            row = {
+                "step": step,
+                "wait_s": round(batch.metrics.wait_s, 3),
+                "groups": len(batch),
+                "samples": len(samples),
+                "mean_reward": round(statistics.fmean(rewards), 4) if rewards else None,
+                "truncated": sum(s.status.value == "truncated" for s in samples),
+                "max_staleness": max(batch.metrics.staleness, default=0),
+                "group_ids": [g.group_id for g in batch.groups],
+            }
+            trained += row["group_ids"]
+            consumer.commit(batch)
+            steps.append(row)
+            say(f"{step:>4} {row['wait_s']:>7.3f} {row['groups']:>6} {row['samples']:>7} "
+                f"{row['mean_reward'] if row['mean_reward'] is not None else '-':>7} {row['truncated']:>9} "
+                f"{row['max_staleness']:>9}")
+        stop_processes(procs)
+        result = audit(queue)
+        duplicates = len(trained) - len(set(trained))
+        ok = result.ok and duplicates == 0
+        all_rewards = [r for s in steps if s["mean_reward"] is not None for r in [s["mean_reward"]]]
+        say(f"trained {len(trained)} groups in {len(steps)} steps, mean reward "
+            f"{statistics.fmean(all_rewards):.3f}, {duplicates} trained twice" if all_rewards else "no rewards")
+        say(f"audit: {result.summary()}")
+        return {
+            "ok": ok,
+            "steps": steps,
+            "groups_trained": len(trained),
+            "trained_twice": duplicates,
+            "mean_reward": round(statistics.fmean(all_rewards), 4) if all_rewards else None,
+            "audit": result.to_dict(),
+        }
+    except BatchTimeout as exc:
+        say(f"demo failed: {exc}")
+        for i, p in enumerate(procs):
+            tail = (workdir / f"worker-{i}.log").read_text()[-2000:]
+            say(f"--- worker {i} log (last lines) ---\n{tail}")
+        return {"ok": False, "error": str(exc), "steps": steps}
+    finally:
+        stop_processes(procs)
+        if sim is not None:
+            sim.stop()
+        unregister_local(server)
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+

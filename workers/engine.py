@@ -1,0 +1,634 @@
+"""Async client for SGLang's native HTTP API, plus router discovery.
+
+The protocol is described in /work/shared/SGLANG_API.md. Two layers:
+
+* ``EngineClient`` talks to one URL (an engine, or a router for ``/generate``).
+* ``EngineSet`` takes the URLs a worker was configured with (engines and/or
+  routers): generation goes through those URLs, control calls go to every
+  engine *behind* them, because the router answers 404 to ``/pause_generation``,
+  ``/abort_request``, ``/update_weights_*`` and friends.
+
+Error taxonomy (what callers branch on):
+
+* ``EngineUnavailable``: connection refused/reset/dropped, timeouts, HTTP 5xx,
+  408 and 429. Retriable: the same request may succeed later or elsewhere.
+* ``EngineRequestError``: any other 4xx. The request itself is bad; retrying it
+  unchanged is pointless (poison input → dead letters).
+* ``EngineError``: the base class; raised directly for answers that break the
+  protocol (e.g. a 200 without ``meta_info``).
+* ``EngineControlError``: an ``EngineSet`` control call failed on some engines;
+  lists each failing engine URL with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Discovery, health and similar metadata calls should not inherit the long
+# generation timeout: a hung router must not stall a weight update for 10 min.
+META_TIMEOUT_S = 10.0
+# The router's /workers lists a DP-aware engine once per rank as "url@rank";
+# control calls must go to the engine's base URL, once.
+_DP_RANK_SUFFIX = re.compile(r"@\d+$")
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class EngineError(Exception):
+    """Base class for everything this module raises about an engine."""
+
+    def __init__(self, message: str, url: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not answer (network, timeout, 5xx). Retriable."""
+
+
+class EngineRequestError(EngineError):
+    """The engine rejected the request (4xx). Not retriable as is."""
+
+
+class EngineControlError(EngineError):
+    """A fanned-out control call failed on at least one engine.
+
+    ``errors`` maps each failing engine URL to its exception, ``results`` holds
+    the answers of the engines that succeeded (so the caller can see exactly
+    which engines already paused / loaded the new weights).
+    """
+
+    def __init__(self, operation: str, errors: dict[str, BaseException], results: dict[str, Any]):
+        total = len(errors) + len(results)
+        details = "; ".join(f"engine {url} failed: {err}" for url, err in errors.items())
+        super().__init__(
+            f"{operation} failed on {len(errors)} of {total} engine(s): {details}",
+            url=next(iter(errors), None),
+        )
+        self.operation = operation
+        self.errors = errors
+        self.results = results
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    output_log_probs: list[float]
+    text: str
+    finish_type: str  # "stop" | "length" | "abort"
+    finish_reason: dict | None  # raw meta_info.finish_reason
+    weight_version: str
+    prompt_tokens: int
+    completion_tokens: int
+    rid: str
+    e2e_latency: float | None
+
+
+def parse_generate_response(
+    data: Any, url: str | None = None, return_logprob: bool = True
+) -> GenerateResult:
+    """Turn one non-streaming ``/generate`` answer into a ``GenerateResult``.
+
+    Token ids and log-probs come from ``meta_info.output_token_logprobs``
+    (``[logprob, token_id, text_or_null]``), as slime does. A missing key means
+    zero tokens: SGLang 0.4.10-0.5.2 omit it for "Abort before prefill".
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+        raise EngineError(f"malformed /generate answer from {url}: {str(data)[:200]}", url=url)
+    meta = data["meta_info"]
+
+    raw_reason = meta.get("finish_reason")
+    if isinstance(raw_reason, dict):
+        finish_type = raw_reason.get("type")
+    elif isinstance(raw_reason, str):  # tolerate a bare string, never seen in 0.4+
+        finish_type, raw_reason = raw_reason, {"type": raw_reason}
+    else:
+        finish_type = None
+    if finish_type not in FINISH_TYPES:
+        # Fail loudly: an unknown finish state must not be published as a sample.
+        raise EngineError(f"unknown finish_reason from {url}: {raw_reason!r}", url=url)
+
+    ids: list[int] = []
+    log_probs: list[float] = []
+    if return_logprob:
+        entries = meta.get("output_token_logprobs") or []
+        try:
+            for entry in entries:
+                log_probs.append(float(entry[0]))
+                ids.append(int(entry[1]))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise EngineError(
+                f"malformed output_token_logprobs from {url}: {exc}", url=url
+            ) from exc
+    else:
+        ids = [int(t) for t in data.get("output_ids") or []]
+
+    e2e = meta.get("e2e_latency")
+    return GenerateResult(
+        output_ids=ids,
+        output_log_probs=log_probs,
+        text=data.get("text") or "",
+        finish_type=finish_type,
+        finish_reason=raw_reason,
+        # Engines before 0.5.2 have no weight versions; "default" is SGLang's own default.
+        weight_version=str(meta.get("weight_version") or "default"),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        completion_tokens=int(meta.get("completion_tokens", len(ids)) or 0),
+        rid=str(meta.get("id") or ""),
+        e2e_latency=float(e2e) if e2e is not None else None,
+    )
+
+
+def _error_message(body: Any) -> str:
+    """Extract the human message from any of the error shapes engines/routers use."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])  # SGLang <= 0.5.22, router
+        if isinstance(err, str):
+            return err  # SGLang 0.5.23
+        for key in ("message", "detail"):  # update_weights {"success": false, ...}; FastAPI
+            if body.get(key):
+                return str(body[key])
+    if body in (None, ""):
+        return "(empty body)"
+    return str(body)[:500]
+
+
+def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
+    """One session for thousands of concurrent requests.
+
+    limit=0 removes aiohttp's default cap of 100 connections, which would
+    otherwise silently queue the worker's >= 4,096 in-flight generations.
+    """
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    )
+
+
+# --------------------------------------------------------------------------- one URL
+
+
+class EngineClient:
+    """Client for one SGLang engine (or a router, for /generate only)."""
+
+    def __init__(
+        self, url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0
+    ):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = session
+        self._owns_session = session is None
+        # None = unknown; False = engine predates 0.5.6 and takes no pause body.
+        self._pause_takes_body: bool | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        # Created lazily so the client can be built outside a running loop.
+        if self._session is None or self._session.closed:
+            self._session = make_session(self.timeout_s)
+            self._owns_session = True
+        return self._session
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        timeout_s: float | None = None,
+        send_body: bool = True,
+    ) -> Any:
+        """Send one request; return the decoded body (JSON, text or None).
+
+        Raises EngineUnavailable / EngineRequestError according to the taxonomy
+        in the module docstring.
+        """
+        url = self.url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if send_body and payload is not None:
+            kwargs["json"] = payload
+        try:
+            async with self._get_session().request(method, url, **kwargs) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError as exc:
+            raise EngineUnavailable(
+                f"{method} {url} timed out after {timeout.total:g}s", url=self.url
+            ) from exc
+        except aiohttp.ClientError as exc:
+            # Refused, reset, server disconnected, payload cut short: all transient.
+            raise EngineUnavailable(
+                f"{method} {url} failed: {type(exc).__name__}: {exc}", url=self.url
+            ) from exc
+
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            body: Any = json.loads(text) if text.strip() else None
+        except ValueError:
+            body = text  # plain-text answers: router 422s, "Cache flushed." etc.
+
+        if status < 400:
+            return body
+        message = f"{method} {url} -> HTTP {status}: {_error_message(body)}"
+        # 408/429 are the router's queue timeout / rate limit: load, not a bad request.
+        if status >= 500 or status in (408, 429):
+            raise EngineUnavailable(message, url=self.url, status=status)
+        raise EngineRequestError(message, url=self.url, status=status)
+
+    # -- generation -------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        body = await self._request("POST", "/generate", payload)
+        if isinstance(body, list):
+            # A list answer means a batch or n > 1: this client is single-sample only.
+            raise EngineError(
+                f"/generate on {self.url} returned {len(body)} results; "
+                "expected one (is sampling_params.n > 1?)",
+                url=self.url,
+            )
+        result = parse_generate_response(body, self.url, return_logprob)
+        if not result.rid and rid is not None:
+            result.rid = rid
+        return result
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        if abort_all:
+            payload: dict[str, Any] = {"abort_all": True}
+        elif rid:
+            payload = {"rid": rid}  # the engine matches rids by prefix
+        else:
+            raise ValueError("abort() needs a rid or abort_all=True")
+        await self._request("POST", "/abort_request", payload)
+
+    # -- pause / resume ---------------------------------------------------------------
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            # Validate here: an invalid mode would be answered 400 and trigger
+            # the old-engine fallback, silently turning a typo into an abort.
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self._pause_takes_body is not False:
+            try:
+                await self._request("POST", "/pause_generation", {"mode": mode})
+                self._pause_takes_body = True
+                return
+            except EngineRequestError as exc:
+                if self._pause_takes_body:
+                    raise  # it accepted a body before: this is a real error
+                logger.info(
+                    "engine %s rejected a pause body (%s); retrying without one", self.url, exc
+                )
+        await self._request("POST", "/pause_generation", send_body=False)
+        if self._pause_takes_body is None:
+            self._pause_takes_body = False
+            logger.info("engine %s takes /pause_generation without a body (pre-0.5.6)", self.url)
+        if mode != "abort":
+            logger.warning(
+                "engine %s only supports pause mode 'abort' (SGLang < 0.5.6); requested %r, "
+                "so its in-flight requests were aborted instead",
+                self.url,
+                mode,
+            )
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    # -- weights ----------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict:
+        payload: dict[str, Any] = {
+            "model_path": model_path,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        body = await self._request("POST", "/update_weights_from_disk", payload)
+        return self._check_success(body, "update_weights_from_disk")
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True
+    ) -> dict:
+        body = await self._request(
+            "POST",
+            "/update_weight_version",
+            {"new_version": new_version, "abort_all_requests": abort_all_requests},
+        )
+        return self._check_success(body, "update_weight_version")
+
+    def _check_success(self, body: Any, operation: str) -> dict:
+        # Failures can also come back as 200 {"success": false}; never treat that as done.
+        if not isinstance(body, dict):
+            return {"success": True, "message": body}
+        if body.get("success") is False:
+            raise EngineRequestError(
+                f"{operation} on {self.url} failed: {_error_message(body)}", url=self.url
+            )
+        return body
+
+    # -- metadata ---------------------------------------------------------------------
+
+    async def model_info(self) -> dict:
+        try:
+            body = await self._request("GET", "/get_model_info", timeout_s=META_TIMEOUT_S)
+        except EngineRequestError as exc:
+            if exc.status != 404:
+                raise
+            body = await self._request("GET", "/model_info", timeout_s=META_TIMEOUT_S)
+        if not isinstance(body, dict):
+            raise EngineError(f"malformed model_info from {self.url}: {body!r:.200}", url=self.url)
+        return body
+
+    async def weight_version(self) -> str:
+        info = await self.model_info()
+        return str(info.get("weight_version") or "default")
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=META_TIMEOUT_S)
+            return True
+        except EngineError as exc:
+            logger.debug("engine %s unhealthy: %s", self.url, exc)
+            return False
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the engine refused (requests still running)."""
+        try:
+            await self._request("POST", "/flush_cache", send_body=False)
+            return True
+        except EngineRequestError as exc:
+            logger.info("engine %s did not flush its cache: %s", self.url, exc)
+            return False
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _normalize_engine_url(url: str) -> str:
+    return _DP_RANK_SUFFIX.sub("", url.strip()).rstrip("/")
+
+
+def _dedupe(urls: list[str]) -> list[str]:
+    return list(dict.fromkeys(urls))
+
+
+async def discover_engines(url: str, session: aiohttp.ClientSession | None) -> list[str]:
+    """Engine base URLs behind ``url``: the router's workers, or ``[url]`` for an engine.
+
+    Current routers answer ``GET /workers`` with ``{"workers": [{"id", "url", ...}]}``,
+    older ones ``GET /list_workers`` with ``{"urls": [...]}``; an engine answers 404
+    to both. A router that has not registered its workers yet returns ``[]``.
+    """
+    base = url.rstrip("/")
+    client = EngineClient(base, session, timeout_s=META_TIMEOUT_S)
+    try:
+        statuses: list[int | None] = []
+        for path in ("/workers", "/list_workers"):
+            try:
+                body = await client._request("GET", path)
+            except EngineRequestError as exc:
+                statuses.append(exc.status)
+                continue
+            if isinstance(body, dict) and isinstance(body.get("workers"), list):
+                workers = [w for w in body["workers"] if isinstance(w, dict) and w.get("url")]
+                for w in workers:
+                    if w.get("is_healthy") is False:
+                        # Still listed: it may come back with stale weights, so it
+                        # must receive control calls too (their failure is reported).
+                        logger.warning("router %s reports engine %s unhealthy", base, w["url"])
+                engines = _dedupe([_normalize_engine_url(w["url"]) for w in workers])
+            elif isinstance(body, dict) and isinstance(body.get("urls"), list):
+                engines = _dedupe([_normalize_engine_url(str(u)) for u in body["urls"]])
+            else:
+                statuses.append(None)  # answered, but not a worker list
+                continue
+            if not engines:
+                logger.warning("router %s has no registered engines (yet)", base)
+            logger.debug("router %s -> engines %s", base, engines)
+            return engines
+        if statuses == [404, 404]:
+            return [base]
+        # Neither 404 nor a worker list: accept the URL as an engine only if it
+        # answers like one (raises EngineError otherwise).
+        await client.model_info()
+        return [base]
+    finally:
+        await client.close()
+
+
+# --------------------------------------------------------------------------- many URLs
+
+
+class EngineSet:
+    """The engines a worker or trainer uses, given as engine and/or router URLs.
+
+    ``generate`` goes through the given URLs (round-robin when several; a router
+    balances by itself). Control calls go to every discovered engine directly and
+    concurrently; they return ``{engine_url: result}`` or raise
+    ``EngineControlError`` naming each failing engine.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = 600.0,
+        refresh_before_control: bool = True,
+    ):
+        if isinstance(urls, str):
+            urls = [urls]
+        self.urls = _dedupe([u.rstrip("/") for u in urls])
+        if not self.urls:
+            raise ValueError("EngineSet needs at least one engine or router URL")
+        self.timeout_s = timeout_s
+        # Re-discover before each control call so an engine that joined the router
+        # since the last call is not left out of a pause or weight update.
+        self.refresh_before_control = refresh_before_control
+        self._session = session
+        self._owns_session = session is None
+        self._rr = itertools.count()
+        self._gen_clients: list[EngineClient] | None = None
+        self._by_source: dict[str, list[str]] = {}  # given URL -> engines behind it
+        self._engine_clients: dict[str, EngineClient] = {}
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = make_session(self.timeout_s)
+            self._owns_session = True
+        return self._session
+
+    @property
+    def engines(self) -> list[str]:
+        """Engine URLs found by the last refresh()."""
+        return list(self._engine_clients)
+
+    async def refresh(self) -> list[str]:
+        """Re-discover the engines behind every given URL.
+
+        A source that fails discovery keeps its previously known engines (they
+        can still be reached directly while a router restarts); one never
+        discovered raises EngineControlError.
+        """
+        session = self._get_session()
+        found = await asyncio.gather(
+            *(discover_engines(u, session) for u in self.urls), return_exceptions=True
+        )
+        errors: dict[str, BaseException] = {}
+        for source, res in zip(self.urls, found):
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res
+                if source in self._by_source:
+                    logger.warning(
+                        "discovery via %s failed (%s); keeping engines %s",
+                        source, res, self._by_source[source],
+                    )
+                else:
+                    errors[source] = res
+            else:
+                self._by_source[source] = res
+        engines = _dedupe([e for src in self.urls for e in self._by_source.get(src, [])])
+        clients = {}
+        for e in engines:
+            # Reuse clients so per-engine state (the pause fallback) survives refreshes.
+            clients[e] = self._engine_clients.get(e) or EngineClient(e, session, self.timeout_s)
+        self._engine_clients = clients
+        if errors:
+            raise EngineControlError("discovery", errors, {})
+        return engines
+
+    # -- generation -------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        if self._gen_clients is None:
+            session = self._get_session()
+            self._gen_clients = [EngineClient(u, session, self.timeout_s) for u in self.urls]
+        client = self._gen_clients[next(self._rr) % len(self._gen_clients)]
+        return await client.generate(input_ids, sampling_params, rid, return_logprob)
+
+    # -- control fan-out --------------------------------------------------------------
+
+    async def _fanout(
+        self, operation: str, call: Callable[[EngineClient], Awaitable[T]]
+    ) -> dict[str, T]:
+        if self.refresh_before_control or not self._engine_clients:
+            await self.refresh()
+        if not self._engine_clients:
+            raise EngineControlError(
+                operation,
+                {u: EngineError("no engines discovered", url=u) for u in self.urls},
+                {},
+            )
+        clients = list(self._engine_clients.values())
+        outcomes = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+        results: dict[str, T] = {}
+        errors: dict[str, BaseException] = {}
+        for client, out in zip(clients, outcomes):
+            if isinstance(out, BaseException):
+                if not isinstance(out, Exception):
+                    raise out  # CancelledError / KeyboardInterrupt must propagate
+                logger.error("%s on engine %s failed: %s", operation, client.url, out)
+                errors[client.url] = out
+            else:
+                results[client.url] = out
+        if errors:
+            raise EngineControlError(operation, errors, results)
+        return results
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, None]:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return await self._fanout("pause_generation", lambda c: c.pause_generation(mode))
+
+    async def continue_generation(self) -> dict[str, None]:
+        return await self._fanout("continue_generation", lambda c: c.continue_generation())
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict[str, None]:
+        # Even a single rid goes to every engine: behind a router we do not know
+        # which engine holds it, and the router does not route /abort_request.
+        if not abort_all and not rid:
+            raise ValueError("abort() needs a rid or abort_all=True")
+        return await self._fanout("abort", lambda c: c.abort(rid, abort_all))
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, dict]:
+        return await self._fanout(
+            "update_weights_from_disk",
+            lambda c: c.update_weights_from_disk(model_path, weight_version, abort_all_requests),
+        )
+
+    async def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True
+    ) -> dict[str, dict]:
+        return await self._fanout(
+            "update_weight_version",
+            lambda c: c.update_weight_version(new_version, abort_all_requests),
+        )
+
+    async def model_info(self) -> dict[str, dict]:
+        return await self._fanout("model_info", lambda c: c.model_info())
+
+    async def weight_versions(self) -> dict[str, str]:
+        return await self._fanout("weight_version", lambda c: c.weight_version())
+
+    async def flush_cache(self) -> dict[str, bool]:
+        return await self._fanout("flush_cache", lambda c: c.flush_cache())
+
+    async def health(self) -> dict[str, bool]:
+        """Per-engine health; never raises for an unhealthy engine (it maps to False)."""
+        return await self._fanout("health", lambda c: c.health())
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()

@@ -1,0 +1,34 @@
+"""Starting and stopping local worker processes (used by `rollout demo` and `rollout up`)."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def start_worker_process(redis_url: str, namespace: str, engine_urls: list[str], log_path: Path,
+                         extra_args: list[str] | None = None) -> subprocess.Popen:
+    """`rollout worker` as a child process, its output in `log_path`."""
+    args = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace, "-v", "worker"]
+    for url in engine_urls:
+        args += ["--engine-url", url]
+    with log_path.open("w") as log_file:
+        return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM (a worker hands its in-flight groups back, then exits); SIGKILL after the timeout."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

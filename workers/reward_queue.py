@@ -1,0 +1,224 @@
+"""Offload slow reward judges to rq workers.
+
+`RQReward` has the same ``score(args, samples)`` interface as `workers.rewards.Reward`,
+but instead of calling the function in the generation worker it enqueues one rq job
+per group and awaits the result. The rq worker process loads the reward by path
+(`score_group_job`), so judges with heavy dependencies (a verifier model, a
+sandbox) live on their own hosts and scale independently.
+
+No pickle anywhere (DESIGN.md invariant 8): rq pickles job arguments and results by
+default, so both the queue here and every rq worker must use rq's
+``JSONSerializer``. In rq >= 1.12 the serializer given to the Queue is stored on
+the Job and used for the arguments (job hash field ``data``, zlib-compressed JSON),
+``meta``, and the return value (results stream ``rq:results:<id>``, base64 of the
+serializer output). Start workers with::
+
+    rq worker --serializer json --url redis://HOST:PORT rollout-rewards
+
+(or ``Worker([...], connection=..., serializer=JSONSerializer)``). A worker started
+without the JSON serializer would fail to decode our jobs (JSON is not pickle), so
+a misconfiguration fails loudly instead of silently unpickling.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
+from typing import Any
+
+from redis import Redis
+from rq import Queue
+from rq.command import send_stop_job_command
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from pipeline.types import Sample, Status
+from workers.rewards import Reward, RewardError, RewardValue, validate_reward
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUE = "rollout-rewards"
+
+__all__ = ["DEFAULT_QUEUE", "RQReward", "sample_from_dict", "score_group_job"]
+
+
+# --------------------------------------------------------------------------- rq worker side
+
+
+_SAMPLE_FIELDS = frozenset(f.name for f in fields(Sample))
+
+
+def sample_from_dict(data: dict[str, Any]) -> Sample:
+    """Inverse of `Sample.to_dict` for the fields Sample knows; unknown keys are ignored."""
+    kwargs = {k: v for k, v in data.items() if k in _SAMPLE_FIELDS}
+    if "status" in kwargs:
+        kwargs["status"] = Status(kwargs["status"])
+    return Sample(**kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_reward(path: str, group: bool) -> Reward:
+    return Reward.from_path(path, group=group)
+
+
+def score_group_job(path: str, group: bool, args: dict[str, Any], samples: list[dict[str, Any]]) -> list[RewardValue]:
+    """The rq job: score one group of plain sample dicts with the reward at `path`.
+
+    Runs in the rq worker process; arguments and the return value travel as JSON.
+    Exceptions propagate, so rq marks the job failed and stores the traceback text.
+    """
+    reward = _cached_reward(path, group)
+    return asyncio.run(reward.score(SimpleNamespace(**args), [sample_from_dict(s) for s in samples]))
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def _plain_args(args: Any) -> dict[str, Any]:
+    """The JSON-safe part of slime's args Namespace (it also holds objects that JSON
+    cannot carry; those are dropped, and a reward that needs them must not be offloaded)."""
+    if args is None:
+        return {}
+    items = vars(args).items() if hasattr(args, "__dict__") else dict(args).items()
+    plain: dict[str, Any] = {}
+    for key, value in items:
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            logger.debug("not sending args.%s (%s) to the rq reward worker: not JSON", key, type(value).__name__)
+            continue
+        plain[key] = value
+    return plain
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no exception text"
+
+
+@dataclass
+class RQReward:
+    """Score groups on rq workers: one job per group on `queue_name`.
+
+    `timeout` bounds the wait for the result (queueing included) and is also rq's
+    execution limit for the job (`job_timeout`, unless given). `delete_jobs` removes
+    the job and its result from Redis once read (results are consumed exactly once).
+    """
+
+    path: str
+    connection: Redis
+    group: bool = False
+    queue_name: str = DEFAULT_QUEUE
+    timeout: float = 300.0
+    job_timeout: int | None = None
+    poll_interval: float = 0.02
+    max_poll_interval: float = 0.5
+    result_ttl: int = 600  # seconds a result lives if nobody reads it
+    failure_ttl: int = 3600
+    delete_jobs: bool = True
+    queue: Queue = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.connection.get_connection_kwargs().get("decode_responses"):
+            # rq reads binary job data (zlib) and breaks on str responses
+            raise ValueError("RQReward needs a Redis connection with decode_responses=False")
+        self.queue = Queue(self.queue_name, connection=self.connection, serializer=JSONSerializer)
+        self.name = f"rq:{self.queue_name}:{self.path}"
+
+    async def score(self, args: Any, samples: Sequence[Sample]) -> list[RewardValue]:
+        """Enqueue one job for the group and wait for its rewards. Raises RewardError."""
+        samples = list(samples)
+        if not samples:
+            return []
+        payload = [s.to_dict() for s in samples]
+        job_timeout = self.job_timeout or max(1, int(self.timeout))
+        # rq and the sync redis client block: keep the event loop free
+        job: Job = await asyncio.to_thread(
+            self.queue.enqueue,
+            score_group_job,
+            self.path,
+            self.group,
+            _plain_args(args),
+            payload,
+            job_timeout=job_timeout,
+            result_ttl=self.result_ttl,
+            failure_ttl=self.failure_ttl,
+            description=f"reward {self.path} for group_index={samples[0].group_index}",
+        )
+        logger.debug("enqueued reward job %s (%s, %d samples)", job.id, self.path, len(samples))
+        try:
+            values = await self._wait(job)
+        except BaseException:
+            # timeout, failure or cancellation of the caller (e.g. an aborted group)
+            await asyncio.to_thread(self._abandon, job)
+            raise
+        if self.delete_jobs:
+            await asyncio.to_thread(self._delete, job)
+
+        if not isinstance(values, list) or len(values) != len(samples):
+            raise RewardError(f"reward job {job.id} ({self.path}) returned {values!r:.200}; expected {len(samples)} values")
+        reward_key = getattr(args, "reward_key", None)
+        return [validate_reward(v, reward_key, name=self.path) for v in values]
+
+    async def _wait(self, job: Job) -> Any:
+        deadline = time.monotonic() + self.timeout
+        interval = self.poll_interval
+        while True:
+            status = await asyncio.to_thread(self._status, job)
+            if status == JobStatus.FINISHED:
+                result = await asyncio.to_thread(Result.fetch_latest, job, JSONSerializer)
+                if result is None or result.type != Result.Type.SUCCESSFUL:
+                    raise RewardError(f"reward job {job.id} ({self.path}) finished but its result is missing")
+                return result.return_value
+            if status == JobStatus.FAILED:
+                result = await asyncio.to_thread(Result.fetch_latest, job, JSONSerializer)
+                text = result.exc_string if result is not None else None
+                if text:
+                    logger.warning("reward job %s (%s) failed:\n%s", job.id, self.path, text)
+                hint = ""
+                if text and "DeserializationError" in text:
+                    hint = " (the rq worker could not decode the job: start it with --serializer json)"
+                raise RewardError(f"reward job {job.id} ({self.path}) failed: {_last_line(text)}{hint}")
+            if status in (JobStatus.STOPPED, JobStatus.CANCELED, None):
+                raise RewardError(f"reward job {job.id} ({self.path}) ended without a result (status={status})")
+            if time.monotonic() >= deadline:
+                raise RewardError(
+                    f"reward job {job.id} ({self.path}) timed out after {self.timeout:g}s "
+                    f"(status={status.value}; is an rq worker with --serializer json running "
+                    f"on queue {self.queue_name!r}?)"
+                )
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(interval * 1.5, self.max_poll_interval)
+
+    @staticmethod
+    def _status(job: Job) -> JobStatus | None:
+        try:
+            return job.get_status(refresh=True)
+        except NoSuchJobError:  # expired or deleted
+            return None
+
+    def _abandon(self, job: Job) -> None:
+        """Best effort: do not leave an unwanted job running or queued."""
+        try:
+            status = self._status(job)
+            if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
+                job.cancel()
+            elif status == JobStatus.STARTED:
+                send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
+            if self.delete_jobs and status not in (JobStatus.STARTED, None):
+                job.delete()
+        except Exception:  # noqa: BLE001 - cleanup must not mask the real error
+            logger.warning("could not clean up reward job %s", job.id, exc_info=True)
+
+    def _delete(self, job: Job) -> None:
+        try:
+            job.delete()
+        except Exception:  # noqa: BLE001
+            logger.warning("could not delete reward job %s", job.id, exc_info=True)

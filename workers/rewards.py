@@ -1,0 +1,395 @@
+"""Reward loading, validation and the built-in reward functions.
+
+slime's reward plug point (`--custom-rm-path`) takes either
+
+* a per-sample function ``async def rm(args, sample) -> float | dict``, or
+* with ``--group-rm``, a per-group function ``async def rm(args, samples) -> list[float]``.
+
+Plain (sync) functions are accepted as well and run in a thread so a slow judge
+does not block the worker's event loop.
+
+`load_reward(path, group)` resolves a built-in name or a dotted path to such a
+function; `Reward` wraps it behind one method, `score(args, samples)`, that always
+takes a whole group and returns one validated value per sample.
+
+Validation rules (the worker publishes whatever `score` returns, so it must be
+trustworthy; see DESIGN.md invariant 9, "fail loudly"):
+
+* A reward is a real number (int/float, including numpy scalars) or a dict
+  (slime's ``--reward-key`` picks the value used for training). Numbers are
+  returned as ``float``.
+* ``bool`` is rejected: ``True``/``False`` usually means a judge's pass/fail flag
+  was returned by mistake, and a bool travelling on the wire as ``true`` breaks
+  consumers that expect a number. Return ``float(ok)`` instead.
+* NaN and +/-inf are rejected (they poison the advantage computation).
+* A dict must have string keys; when ``args.reward_key`` is set, the dict must
+  contain that key and its value must be a finite real number.
+* A group function must return exactly ``len(samples)`` values.
+* Any exception raised by a reward function propagates as `RewardError` carrying
+  the original message. It is never turned into a 0 reward: the worker retries the
+  group and eventually dead-letters it.
+
+Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import aiohttp
+
+from pipeline.types import Sample
+
+logger = logging.getLogger(__name__)
+
+RewardValue = float | dict
+# A reward function as slime defines it: per-sample (args, sample) or per-group
+# (args, samples); sync or async.
+RewardFn = Callable[..., Any]
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "Reward",
+    "RewardError",
+    "RewardFn",
+    "RewardValue",
+    "exact_match",
+    "extract_boxed",
+    "load_reward",
+    "math_boxed",
+    "math_equal",
+    "normalize_answer",
+    "remote_rm",
+    "validate_reward",
+]
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed (the function raised, timed out, or returned
+    something that is not a valid reward). The group must not be published."""
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+async def exact_match(args: Any, sample: Sample) -> float:
+    """1.0 when the stripped response equals the stripped label, else 0.0."""
+    if sample.label is None:
+        raise RewardError("exact_match needs a label, but sample.label is None")
+    return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
+
+
+_BOXED = "\\boxed{"
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in `text`, braces balanced.
+
+    Returns None when there is no complete boxed answer (none at all, or the last
+    one is unterminated; an unterminated box falls back to the previous one).
+    """
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth = 1
+        pos = start + len(_BOXED)
+        while pos < len(text):
+            ch = text[pos]
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start + len(_BOXED):pos]
+            pos += 1
+        # unbalanced (e.g. the generation was truncated inside the box): try an earlier one
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+_WS = re.compile(r"\s+")
+_DECIMAL = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)$")
+_FRACTION = re.compile(r"^([+-]?\d+)/([+-]?\d+)$")
+# \frac{a}{b}, \dfrac{a}{b}, \tfrac{a}{b} with integer or decimal a, b (after the
+# whitespace removal of normalize_answer); an optional sign in front.
+_LATEX_FRAC = re.compile(r"^([+-]?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical string form of a final answer: no whitespace, no ``$``, no
+    trailing ``.``; a label written as ``\\boxed{...}`` is unboxed."""
+    boxed = extract_boxed(answer)
+    if boxed is not None:
+        answer = boxed
+    answer = _WS.sub("", answer).replace("$", "")
+    return answer.rstrip(".")
+
+
+def _parse_number(text: str) -> Fraction | None:
+    """Parse an int, a decimal, ``a/b`` or ``\\frac{a}{b}`` exactly; None otherwise."""
+    if _DECIMAL.match(text):
+        return Fraction(text)
+    m = _FRACTION.match(text)
+    if m:
+        num, den = int(m.group(1)), int(m.group(2))
+        return Fraction(num, den) if den != 0 else None
+    m = _LATEX_FRAC.match(text)
+    if m:
+        sign, num_s, den_s = m.groups()
+        num, den = _parse_number(num_s), _parse_number(den_s)
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+        return -value if sign == "-" else value
+    return None
+
+
+def math_equal(answer: str, label: str) -> bool:
+    """Compare two final answers after `normalize_answer`.
+
+    Numbers (ints, decimals, ``a/b``, ``\\frac{a}{b}``) compare exactly as
+    rationals, so ``\\frac{3}{4}`` == ``0.75`` == ``3/4`` but ``0.333`` != ``1/3``.
+    Everything else compares as normalized strings (no symbolic algebra).
+    """
+    a, b = normalize_answer(answer), normalize_answer(label)
+    num_a, num_b = _parse_number(a), _parse_number(b)
+    if num_a is not None and num_b is not None:
+        return num_a == num_b
+    return a == b
+
+
+async def math_boxed(args: Any, sample: Sample) -> float:
+    """1.0 when the last ``\\boxed{...}`` of the response matches the label.
+
+    No boxed answer in the response gives 0.0 (a formatting failure of the model,
+    a legitimate reward); a missing label is a data error and raises.
+    """
+    if sample.label is None:
+        raise RewardError("math_boxed needs a label, but sample.label is None")
+    answer = extract_boxed(sample.response)
+    if answer is None:
+        return 0.0
+    return 1.0 if math_equal(answer, str(sample.label)) else 0.0
+
+
+DEFAULT_RM_TIMEOUT = 60.0
+
+
+async def remote_rm(args: Any, sample: Sample) -> float:
+    """POST ``{"prompt", "response", "label"}`` to ``args.rm_url`` (slime's remote_rm).
+
+    The answer must be a JSON number or ``{"reward": number}``. HTTP errors,
+    timeouts (``args.rm_timeout`` seconds, default 60) and malformed answers raise
+    `RewardError`.
+    """
+    url = getattr(args, "rm_url", None)
+    if not url:
+        raise RewardError("remote_rm needs args.rm_url, but it is not set")
+    timeout = float(getattr(args, "rm_timeout", None) or DEFAULT_RM_TIMEOUT)
+    payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
+    try:
+        # One session per call, like slime: sessions are bound to an event loop, and
+        # the rq offload runs each job in a fresh loop.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.post(url, json=payload) as resp:
+                if resp.status >= 400:
+                    body = (await resp.text())[:200]
+                    raise RewardError(f"remote_rm {url} answered HTTP {resp.status}: {body}")
+                answer = await resp.json(content_type=None)
+    except asyncio.TimeoutError as exc:
+        raise RewardError(f"remote_rm {url} timed out after {timeout:g}s") from exc
+    except aiohttp.ClientError as exc:
+        raise RewardError(f"remote_rm {url} request failed: {type(exc).__name__}: {exc}") from exc
+    except ValueError as exc:  # body is not JSON
+        raise RewardError(f"remote_rm {url} answered with invalid JSON: {exc}") from exc
+    if isinstance(answer, dict):
+        if "reward" not in answer:
+            raise RewardError(f"remote_rm {url} answered a dict without 'reward': {answer!r:.200}")
+        answer = answer["reward"]
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise RewardError(f"remote_rm {url} answered a non-number: {answer!r:.200}")
+    return float(answer)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math_boxed": math_boxed,
+    "remote_rm": remote_rm,
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _per_sample_as_group(fn: RewardFn) -> RewardFn:
+    """slime with --group-rm and a built-in reward scores the samples one by one."""
+
+    async def group_rm(args: Any, samples: Sequence[Sample]) -> list[Any]:
+        return list(await asyncio.gather(*(fn(args, s) for s in samples)))
+
+    group_rm.__name__ = group_rm.__qualname__ = getattr(fn, "__name__", "reward")
+    return group_rm
+
+
+def load_reward(path: str, group: bool = False) -> RewardFn:
+    """Resolve `path` to a reward function.
+
+    `path` is a built-in name (see `BUILTIN_REWARDS`) or a dotted path
+    ``package.module.func`` / ``package.module:func``. `group` says which slime
+    signature the function has (``--group-rm``); it cannot be inferred from the
+    function. A built-in with ``group=True`` is adapted to score sample by sample.
+
+    Raises ValueError naming `path` when the module or attribute does not exist or
+    is not callable.
+    """
+    if path in BUILTIN_REWARDS:
+        fn = BUILTIN_REWARDS[path]
+        return _per_sample_as_group(fn) if group else fn
+
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"reward path {path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "nor a dotted path like 'package.module.func' or 'package.module:func'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward path {path!r}: cannot import module {module_name!r}: {exc}") from exc
+
+    obj: Any = module
+    for part in attr.split("."):  # 'module:Class.method' is allowed
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ValueError(f"reward path {path!r}: module {module_name!r} has no attribute {attr!r}") from exc
+    if not callable(obj):
+        raise ValueError(f"reward path {path!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def validate_reward(value: Any, reward_key: str | None = None, *, name: str = "reward") -> RewardValue:
+    """Return `value` as a valid reward (numbers as float) or raise RewardError."""
+    if isinstance(value, bool):
+        raise RewardError(f"reward {name!r} returned a bool ({value}); return float(...) instead")
+    if _is_real(value):
+        number = float(value)
+        if not math.isfinite(number):
+            raise RewardError(f"reward {name!r} returned {number}, which is not a finite number")
+        return number
+    if isinstance(value, dict):
+        bad_keys = [k for k in value if not isinstance(k, str)]
+        if bad_keys:
+            raise RewardError(f"reward {name!r} returned a dict with non-string keys {bad_keys!r:.200}")
+        if reward_key:
+            if reward_key not in value:
+                raise RewardError(
+                    f"reward {name!r} returned a dict without reward_key {reward_key!r}: keys {sorted(value)!r:.200}"
+                )
+            picked = value[reward_key]
+            if not _is_real(picked) or not math.isfinite(float(picked)):
+                raise RewardError(
+                    f"reward {name!r} returned {reward_key!r}={picked!r:.100}, which is not a finite number"
+                )
+        return value
+    raise RewardError(
+        f"reward {name!r} returned {type(value).__name__} {value!r:.200}; expected a number or a dict"
+    )
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _describe(fn: Any) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return f"{module}.{name}" if module and module != __name__ else name
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+class Reward:
+    """One reward function behind one interface: `score(args, samples)`.
+
+    ``Reward(fn, group=False)`` wraps a per-sample function (samples of a group are
+    scored concurrently); ``group=True`` wraps a per-group function.
+    """
+
+    def __init__(self, fn: RewardFn, group: bool = False, name: str | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"reward function must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.group = group
+        self.name = name or _describe(fn)
+
+    @classmethod
+    def from_path(cls, path: str, group: bool = False) -> Reward:
+        return cls(load_reward(path, group=group), group=group, name=path)
+
+    def __repr__(self) -> str:
+        return f"Reward({self.name!r}, group={self.group})"
+
+    async def _call(self, args: Any, arg: Any) -> Any:
+        if _is_async(self.fn):
+            result = await self.fn(args, arg)
+        else:
+            # sync judges may block (HTTP, subprocess, heavy parsing): keep the loop free
+            result = await asyncio.to_thread(self.fn, args, arg)
+        if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
+            result = await result
+        return result
+
+    def _error(self, exc: BaseException, where: str) -> RewardError:
+        if isinstance(exc, RewardError):
+            detail = str(exc)
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+        return RewardError(f"reward {self.name!r} failed on {where}: {detail}")
+
+    async def score(self, args: Any, samples: Sequence[Sample]) -> list[RewardValue]:
+        """One validated reward per sample, in order. Raises RewardError."""
+        samples = list(samples)
+        if not samples:
+            return []
+        reward_key = getattr(args, "reward_key", None)
+        if self.group:
+            try:
+                values = await self._call(args, samples)
+            except Exception as exc:
+                raise self._error(exc, f"group of {len(samples)} samples") from exc
+            if not isinstance(values, (list, tuple)) or len(values) != len(samples):
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{type(values).__name__} {values!r:.100}"
+                raise RewardError(
+                    f"group reward {self.name!r} must return a list of {len(samples)} values, got {got}"
+                )
+        else:
+            # return_exceptions: let every sample finish (sync ones run in threads and
+            # cannot be cancelled anyway), then report the first failure.
+            results = await asyncio.gather(*(self._call(args, s) for s in samples), return_exceptions=True)
+            for sample, result in zip(samples, results):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):  # CancelledError, KeyboardInterrupt
+                        raise result
+                    where = f"sample group_index={sample.group_index} index={sample.index}"
+                    raise self._error(result, where) from result
+            values = results
+        return [validate_reward(v, reward_key, name=self.name) for v in values]

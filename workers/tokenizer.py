@@ -1,0 +1,236 @@
+"""Tokenizers for the generation workers and the SGLang simulator.
+
+Two kinds, one interface (`encode`, `decode`, `apply_chat_template`,
+`eos_token_id`):
+
+- `ByteTokenizer`: UTF-8 bytes as token ids plus three special ids. No
+  dependencies; the simulator, the demo and most tests use it.
+- `HFTokenizer`: an adapter over a Hugging Face `transformers` tokenizer, or over a
+  bare `tokenizers` ``tokenizer.json`` file. Both libraries are optional and are
+  imported only when such a tokenizer is requested.
+
+`load_tokenizer` picks one from a name; `encode_prompt` turns a dataset prompt
+(a string or chat messages) into prompt token ids.
+
+The simple chat template shared by `ByteTokenizer` and tokenizers that have no
+template of their own renders each message as ``<|role|>\\ncontent\\n`` and, with
+``add_generation_prompt``, ends with ``<|assistant|>\\n``::
+
+    <|system|>
+    You are terse.
+    <|user|>
+    What is 2 + 3?
+    <|assistant|>
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
+
+# Token strings tried, in order, to find the special ids of a bare tokenizer.json
+# file (it carries no tokenizer_config.json saying which token is which).
+_EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "[CLS]")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the workers and the simulator need from a tokenizer."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    """Chat messages must be a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"chat messages must be a non-empty list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"chat message {i} must be a dict, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"chat message {i} needs a non-empty string 'role'")
+        if not isinstance(content, str):
+            raise ValueError(f"chat message {i} needs a string 'content', got {type(content).__name__}")
+    return messages
+
+
+def simple_chat_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The template documented in the module docstring."""
+    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in _check_messages(messages)]
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, then BOS, EOS and PAD."""
+
+    name_or_path = "byte"
+    bos_token_id = 256
+    eos_token_id = 257
+    pad_token_id = 258
+    vocab_size = 259
+    _SPECIAL_TEXT = {256: "<|bos|>", 257: "<|eos|>", 258: "<|pad|>"}
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of `text`; never adds special tokens."""
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode str, got {type(text).__name__}")
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Invalid UTF-8 becomes U+FFFD; special ids are dropped or shown as `<|eos|>` etc."""
+        out: list[str] = []
+        run = bytearray()
+        for token in ids:
+            if 0 <= token < 256:
+                run.append(token)
+                continue
+            if token not in self._SPECIAL_TEXT:
+                raise ValueError(f"token id {token} is outside the byte vocabulary [0, {self.vocab_size})")
+            if skip_special_tokens:
+                continue
+            # A special token splits the byte run: decode what came before it.
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(self._SPECIAL_TEXT[token])
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return simple_chat_template(messages, add_generation_prompt)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """Adapter giving a Hugging Face tokenizer the `ByteTokenizer` interface.
+
+    `backend` is either a `transformers.PreTrainedTokenizerBase` or a
+    `tokenizers.Tokenizer` (from a bare tokenizer.json). Use `load_tokenizer`
+    rather than building one directly.
+    """
+
+    def __init__(self, backend: Any, name_or_path: str = "", *, eos_token_id: int | None = None,
+                 bos_token_id: int | None = None, pad_token_id: int | None = None) -> None:
+        self.backend = backend
+        self.name_or_path = name_or_path
+        # A transformers tokenizer has `apply_chat_template`; a tokenizers.Tokenizer does not.
+        self._is_transformers = hasattr(backend, "apply_chat_template")
+        if self._is_transformers:
+            self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(backend, "eos_token_id", None)
+            self.bos_token_id = bos_token_id if bos_token_id is not None else getattr(backend, "bos_token_id", None)
+            self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(backend, "pad_token_id", None)
+        else:
+            self.eos_token_id = eos_token_id if eos_token_id is not None else self._find_token(_EOS_CANDIDATES)
+            self.bos_token_id = bos_token_id if bos_token_id is not None else self._find_token(_BOS_CANDIDATES)
+            self.pad_token_id = pad_token_id if pad_token_id is not None else self._find_token(_PAD_CANDIDATES)
+        self._warned_template = False
+
+    def _find_token(self, candidates: Sequence[str]) -> int | None:
+        for token in candidates:
+            token_id = self.backend.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        if self._is_transformers:
+            return len(self.backend)
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` without added BOS/EOS (special-token strings in the
+        text, e.g. from a chat template, still map to their ids)."""
+        if not isinstance(text, str):
+            raise ValueError(f"can only encode str, got {type(text).__name__}")
+        if self._is_transformers:
+            return list(self.backend.encode(text, add_special_tokens=False))
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        _check_messages(messages)
+        if self._is_transformers and getattr(self.backend, "chat_template", None):
+            return self.backend.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        if not self._warned_template:
+            logger.warning("tokenizer %r has no chat template; using the simple <|role|> template",
+                           self.name_or_path)
+            self._warned_template = True
+        return simple_chat_template(messages, add_generation_prompt)
+
+    def __repr__(self) -> str:
+        kind = "transformers" if self._is_transformers else "tokenizers"
+        return f"HFTokenizer({self.name_or_path!r}, backend={kind})"
+
+
+def _load_tokenizer_json(path: str) -> HFTokenizer:
+    try:
+        from tokenizers import Tokenizer as RawTokenizer
+    except ImportError as exc:
+        raise RuntimeError(
+            f"loading {path!r} needs the 'tokenizers' package: {HF_INSTALL_HINT}"
+        ) from exc
+    return HFTokenizer(RawTokenizer.from_file(path), path)
+
+
+def _load_transformers(name_or_path: str) -> HFTokenizer:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise RuntimeError(
+            f"loading tokenizer {name_or_path!r} needs the 'transformers' package: {HF_INSTALL_HINT}"
+        ) from exc
+    return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
+
+
+def load_tokenizer(name_or_path: str | None) -> ByteTokenizer | HFTokenizer:
+    """None or "byte" → `ByteTokenizer`; a path to a ``*.json`` file → that
+    `tokenizers` file; anything else → `transformers.AutoTokenizer.from_pretrained`.
+
+    Raises RuntimeError (with the install hint) when the needed library is missing.
+    """
+    if name_or_path is None or name_or_path == "byte":
+        return ByteTokenizer()
+    if os.path.isfile(name_or_path) and name_or_path.endswith(".json"):
+        return _load_tokenizer_json(name_or_path)
+    return _load_transformers(name_or_path)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
+    """Prompt token ids for one dataset prompt.
+
+    A list prompt (chat messages) is always rendered with the chat template; a
+    string is wrapped as a single user message only when `apply_chat_template`.
+    Raises ValueError for any prompt it cannot encode (wrong type, malformed
+    messages), so callers can treat that as poison input.
+    """
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True)
+    elif isinstance(prompt, str):
+        if apply_chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:
+            text = prompt
+    else:
+        raise ValueError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
+    return tokenizer.encode(text)
