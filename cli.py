@@ -10,10 +10,12 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import redis
 
 from pipeline.connection import ConnectionFailed, connect, redact
 from pipeline.keys import check_namespace
@@ -21,6 +23,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import local_redis_url
 
 DEFAULT_NAMESPACE = "rollout"
+ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
 
 
 @dataclass
@@ -42,7 +45,61 @@ class Context:
         try:
             return Queue(connect(self.url()), self.namespace)
         except ConnectionFailed as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(self.scrub(str(exc))) from None
+
+    def scrub(self, text: str) -> str:
+        """`text` with the Redis password (if any) masked: errors never show it."""
+        if self.redis_url:
+            from urllib.parse import unquote, urlsplit
+
+            try:
+                password = urlsplit(self.redis_url).password
+            except ValueError:
+                password = None
+            text = text.replace(self.redis_url, redact(self.redis_url))
+            for secret in {password, unquote(password or "")} - {None, ""}:
+                text = text.replace(secret, "***")
+        return text
+
+    def nonempty_queue(self) -> Queue:
+        """The queue, or a one-line error when the namespace holds nothing at all."""
+        from pipeline.status import empty_message, namespace_is_empty
+
+        queue = self.queue()
+        if namespace_is_empty(queue.redis, queue.keys):
+            raise click.ClickException(empty_message(queue.redis, self.namespace))
+        return queue
+
+
+class RolloutGroup(click.Group):
+    """Turns Redis failures anywhere below into one clear line (password masked)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ConnectionFailed as exc:
+            raise click.ClickException(_scrub(ctx, str(exc))) from None
+        except redis.AuthenticationError as exc:
+            raise click.ClickException(_scrub(ctx, f"Redis refused the credentials: {exc}")) from None
+        except redis.ConnectionError as exc:
+            raise click.ClickException(_scrub(ctx, f"lost the connection to Redis: {exc}")) from None
+        except redis.RedisError as exc:
+            raise click.ClickException(_scrub(ctx, f"Redis error: {exc}")) from None
+
+
+def _scrub(ctx: click.Context, text: str) -> str:
+    obj = ctx.find_object(Context)
+    return obj.scrub(text) if obj is not None else text
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, default=str)
 
 
 def _setup_logging(verbose: int) -> None:
@@ -51,7 +108,7 @@ def _setup_logging(verbose: int) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=RolloutGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="redis://, rediss:// or unix:// URL "
               "(env ROLLOUT_REDIS_URL). Default: the local Redis of `rollout up` / `rollout demo`.")
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
@@ -65,7 +122,9 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
     \b
     Example:
       rollout demo                      # everything locally, on embedded defaults
+      rollout up                        # a local stack with a live dashboard
       rollout --redis-url redis://h:6379 push data.jsonl --n-samples 8
+      rollout --namespace exp1 status --watch
     """
     _setup_logging(verbose)
     try:
@@ -128,7 +187,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 
 
 @main.command()
-@click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar="ROLLOUT_ENGINE_URLS",
+@click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
 @click.option("--concurrency", default=512, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
@@ -213,8 +272,11 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
     """
     from workers.simulator import SimConfig, serve
 
-    config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
-                       median_tokens=median_tokens, p99_tokens=p99_tokens, skill=skill, error_rate=error_rate)
+    try:
+        config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
+                           length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
+    except ValueError as exc:
+        raise click.ClickException(f"bad simulator settings: {exc}") from None
     click.echo(f"SGLang simulator on http://{host}:{port}", err=True)
     try:
         asyncio.run(serve(config, host, port))
@@ -253,5 +315,663 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
         sys.exit(1)
 
 
+
+
+# -- up --------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=0),
+              help="Generation worker processes.")
+@click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Simulators to start (ignored with --engine-url).")
+@click.option("--engine-url", "engine_urls", multiple=True,
+              help="Use these SGLang engines or router instead of simulators; repeat for several.")
+@click.option("--concurrency", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Samples in flight per engine, per worker.")
+@click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
+@click.option("--lease", "lease_s", default=10.0, show_default=True, type=click.FloatRange(min=1),
+              help="Worker lease in seconds.")
+@click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Simulator: median output length.")
+@click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
+              help="Simulator: p99 output length.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
+@click.option("--redis-port", type=click.IntRange(1, 65535),
+              help="Also listen on 127.0.0.1:PORT. Default: a unix socket in the data directory only.")
+@click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Dashboard refresh interval in seconds.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0),
+              help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
+@click.pass_obj
+def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
+       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, refresh_s, duration_s) -> None:
+    """Run a local stack in the foreground with a live dashboard.
+
+    Starts an embedded Redis (AOF on, registered so every other `rollout`
+    command in this account finds it without --redis-url), SGLang simulators
+    unless --engine-url is given, and N worker processes; then shows the queue,
+    workers and throughput live. Ctrl-C stops everything cleanly; the Redis data
+    directory is kept, so the next `rollout up` continues where this one stopped.
+
+    \b
+    Example:
+      rollout up --workers 4 --engines 2
+      rollout push prompts.jsonl --n-samples 8      # in another terminal
+      rollout consume --batch-size 16 --steps 10    # a stand-in trainer
+    """
+    from workers.stack import StackError, StackOptions, run_stack
+
+    if obj.redis_url:
+        raise click.UsageError("`rollout up` starts its own Redis: drop --redis-url / ROLLOUT_REDIS_URL "
+                               "(they are for the other commands)")
+    if sim_median_tokens > sim_p99_tokens:
+        raise click.BadParameter("must be at least --sim-median-tokens", param_hint="--sim-p99-tokens")
+    urls = [u for url in engine_urls for u in url.split()]
+    opts = StackOptions(
+        namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
+        redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
+        worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
+                     "--reward", reward, "--lease", str(lease_s)],
+        sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
+    )
+    try:
+        run_stack(opts, _console())
+    except StackError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# -- status ----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes with --watch.")
+@click.option("--sample", "sample_s", default=1.0, show_default=True, type=click.FloatRange(min=0),
+              help="Without --watch: seconds between the two counter samples behind the published and "
+                   "claimed rates (0: skip them; the committed rate is exact either way).")
+@click.pass_obj
+def status(obj: Context, as_json, watch, interval, sample_s) -> None:
+    """Show the pipeline: queue depths, workers, throughput, staleness.
+
+    Depths: prompts, in flight per worker, results ready and pending (delivered
+    to a trainer, not yet committed), requeue, dead letters. Workers: engines,
+    state and last heartbeat. Rates over the last minute: committed (exact,
+    from commit times), published and claimed (from counter samples). Staleness
+    of the waiting results and the age of the oldest one.
+
+    \b
+    JSON keys (stable): namespace, empty, prompts, inflight, inflight_by_worker,
+    results_ready, results_pending, requeue, dead, workers_alive, workers,
+    weight_version, paused, throughput, staleness, backlog_age_s, alerts, ...
+
+    \b
+    Example:
+      rollout status
+      rollout --namespace exp1 status --json | jq .results_ready
+      rollout status --watch --interval 1
+    """
+    from pipeline.status import RateTracker, empty_message, render, snapshot
+
+    queue = obj.queue()
+    tracker = RateTracker()
+    if not watch:
+        if sample_s > 0:
+            snapshot(queue, tracker, staleness_sample=0)
+            time.sleep(sample_s)
+        snap = snapshot(queue, tracker)
+        if snap.empty:
+            raise click.ClickException(empty_message(queue.redis, obj.namespace))
+        if as_json:
+            click.echo(snap.to_json())
+        else:
+            _console().print(render(snap))
+        return
+    try:
+        if as_json:
+            while True:
+                click.echo(snapshot(queue, tracker).to_json())
+                time.sleep(interval)
+        console = _console()
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(render(snapshot(queue, tracker)), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(snapshot(queue, tracker)))
+        else:
+            while True:
+                console.print(render(snapshot(queue, tracker)))
+                console.rule()
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+# -- audit -----------------------------------------------------------------------------
+
+
+@main.command("audit")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.pass_obj
+def audit_cmd(obj: Context, as_json) -> None:
+    """Check conservation: every pushed group is in exactly one place.
+
+    Counts the prompt list, each worker's in-flight set, the requeue, results
+    (undelivered and pending) and dead-letter streams, and what was committed,
+    dropped or discarded, and checks they add up to what was pushed, with no
+    group in two places. Exit code 0 when it adds up, 1 when anything is
+    missing or duplicated (or the namespace is empty).
+
+    \b
+    Example:
+      rollout --namespace exp1 audit
+      rollout audit --json | jq .missing
+    """
+    from pipeline.audit import audit
+
+    queue = obj.nonempty_queue()
+    with _console(stderr=True).status("auditing (reading every stream) ..."):
+        report = audit(queue)
+    if as_json:
+        click.echo(_dump(report.to_dict()))
+    else:
+        _print_audit(report)
+    if not report.ok:
+        sys.exit(1)
+
+
+def _print_audit(report) -> None:
+    from rich.table import Table
+
+    table = Table(box=None, padding=(0, 2), show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [("prompts", report.prompts)]
+    for worker, n in sorted(report.inflight.items()):
+        rows.append((f"in flight: {worker[:40]}", n))
+    rows += [("requeue", report.requeue), ("results undelivered", report.results_undelivered),
+             ("results pending", report.results_pending), ("dead letters", report.dead),
+             ("dropped", report.dropped), ("committed", report.committed), ("discarded", report.discarded),
+             ("= accounted", report.accounted), ("pushed", report.pushed)]
+    for name, n in rows:
+        table.add_row(name, f"{n:,}")
+    console = _console()
+    console.print(table)
+    if report.ok:
+        console.print("audit OK: every pushed group is in exactly one place", style="green")
+        return
+    if report.missing:
+        console.print(f"PROBLEM: {report.missing} pushed groups found nowhere" if report.missing > 0
+                      else f"PROBLEM: {-report.missing} more groups found than pushed", style="red")
+    if report.duplicates:
+        console.print(f"PROBLEM: {len(report.duplicates)} groups in two places: "
+                      f"{', '.join(report.duplicates[:10])}", style="red", markup=False)
+    if report.orphan_payloads:
+        console.print(f"PROBLEM: {report.orphan_payloads} stored payloads of groups neither queued nor in flight",
+                      style="red")
+    if report.missing_payloads:
+        console.print(f"PROBLEM: {report.missing_payloads} queued or in-flight groups have no payload", style="red")
+
+
+# -- pause / resume --------------------------------------------------------------------
+
+
+def _engines_for_control(queue: Queue, engine_urls: tuple[str, ...]) -> tuple[list[str], str]:
+    """Engine URLs for a control call: given ones, else those the live workers report."""
+    urls = [u for url in engine_urls for u in url.split()]
+    if urls:
+        return urls, "given"
+    found: list[str] = []
+    workers = list(queue.live_workers())
+    if workers:
+        for raw in queue.redis.hmget(queue.keys.worker_info, workers):
+            try:
+                for e in (json.loads(raw).get("engines") or []) if raw else []:
+                    if isinstance(e, str) and e not in found:
+                        found.append(e)
+            except (ValueError, AttributeError):
+                continue
+    return found, "reported by the live workers"
+
+
+def _engine_error_types():
+    from workers.engine import EngineError
+
+    return (EngineError,)
+
+
+_ENGINE_URL_OPTION = click.option(
+    "--engine-url", "engine_urls", multiple=True, envvar=ENGINE_URLS_ENV,
+    help="Engine or router URL to control; repeat for several (env ROLLOUT_ENGINE_URLS). "
+         "Default: the engines the live workers report in their heartbeats.")
+
+
+@main.command()
+@click.option("--mode", type=click.Choice(["abort", "retract", "in_place"]), default="abort", show_default=True,
+              help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
+                   "keep them inside the engines.")
+@_ENGINE_URL_OPTION
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="abort: seconds to wait for the workers to requeue every interrupted group.")
+@click.pass_obj
+def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
+    """Stop admission and pause the engines (before a weight update).
+
+    Workers stop claiming at once. Every engine (each one behind a router) gets
+    /pause_generation; with --mode abort, interrupted groups go to the requeue
+    stream with their partial output and continue after `rollout resume`.
+
+    \b
+    Example:
+      rollout pause --mode abort
+      rollout pause --mode in_place --engine-url http://router:30000
+    """
+    from pipeline.control import Controller, set_paused
+    from workers.engine import EngineSet
+
+    queue = obj.queue()
+    urls, source = _engines_for_control(queue, engine_urls)
+    if not urls:
+        set_paused(queue.redis, queue.keys, True)
+        inflight = sum(queue.redis.scard(queue.keys.inflight(w)) for w in queue.live_workers())
+        click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
+                   f"reports any); {inflight} groups in flight finish normally")
+        return
+
+    async def go():
+        engines = EngineSet(urls)
+        try:
+            return await Controller(queue, engines).pause(mode, timeout_s=timeout_s), engines.engines
+        finally:
+            await engines.close()
+
+    try:
+        report, reached = asyncio.run(go())
+    except _engine_error_types() as exc:
+        raise click.ClickException(f"admission is paused in Redis, but pausing the engines failed: "
+                                   f"{obj.scrub(str(exc))}") from None
+    except TimeoutError as exc:
+        raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
+            from None
+    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {len(reached)} engines {source} "
+               f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream")
+
+
+@main.command()
+@click.option("--weight-version", type=click.IntRange(min=0),
+              help="The trainer's new weight version. Default: unchanged.")
+@click.option("--release-policy", type=click.Choice(["continue", "restart", "drop"]), default="continue",
+              show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
+@_ENGINE_URL_OPTION
+@click.pass_obj
+def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
+    """Record the new weight version, continue the engines, reopen admission.
+
+    Aborted groups in the requeue stream go back to the head of the prompt list
+    first (continuing from their partial output by default).
+
+    \b
+    Example:
+      rollout resume --weight-version 12
+      rollout resume --weight-version 12 --engine-url http://router:30000
+    """
+    from pipeline.control import Controller
+    from workers.engine import EngineSet
+
+    queue = obj.queue()
+    urls, source = _engines_for_control(queue, engine_urls)
+    wait_claim = 5.0 if queue.live_workers() else 0.0
+
+    async def go():
+        engines = EngineSet(urls) if urls else None
+        try:
+            report = await Controller(queue, engines, release_policy=release_policy).resume(
+                weight_version, first_claim_timeout_s=wait_claim)
+            return report, (engines.engines if engines else [])
+        finally:
+            if engines is not None:
+                await engines.close()
+
+    try:
+        report, reached = asyncio.run(go())
+    except _engine_error_types() as exc:
+        raise click.ClickException(f"continuing the engines failed, admission stays paused: "
+                                   f"{obj.scrub(str(exc))}") from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    first = "" if report.first_claim_s is None else f"; first claim after {report.first_claim_s:.3f}s"
+    where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
+             "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
+    click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
+               f"{first}; {where}")
+
+
+# -- dead letters ----------------------------------------------------------------------
+
+
+@main.group()
+def dead() -> None:
+    """Inspect dead letters with their errors, send them back, or discard them.
+
+    A dead letter is a group that failed for good: engine or reward failures past
+    the attempt limit, a malformed entry, a bad dataset row. IDs are stream entry
+    ids (as `dead list` shows) or group ids.
+
+    \b
+    Example:
+      rollout dead list
+      rollout dead show 1712345678901-0
+      rollout dead retry --all
+      rollout dead drop data.jsonl:0:17
+    """
+
+
+@dead.command("list")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=0), help="Oldest N (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: {namespace, total, dead_letters}.")
+@click.pass_obj
+def dead_list(obj: Context, limit, as_json) -> None:
+    """List dead letters, oldest first, with their errors.
+
+    \b
+    Example:
+      rollout dead list --limit 20
+    """
+    from rich.table import Table
+
+    from pipeline import deadletters
+
+    queue = obj.nonempty_queue()
+    total = deadletters.count(queue)
+    letters = deadletters.list_dead(queue, limit or None)
+    if as_json:
+        click.echo(_dump({"namespace": obj.namespace, "total": total,
+                          "dead_letters": [l.summary() for l in letters]}))
+        return
+    console = _console()
+    if not letters:
+        console.print(f"no dead letters in namespace {obj.namespace!r}", markup=False)
+        return
+    table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
+    table.add_column("id", no_wrap=True)
+    table.add_column("group", overflow="ellipsis", no_wrap=True, max_width=24)
+    table.add_column("age", justify="right", no_wrap=True)
+    table.add_column("try", justify="right", no_wrap=True)
+    table.add_column("error", overflow="ellipsis", no_wrap=True, min_width=12)
+    for l in letters:
+        g = l.group
+        table.add_row(l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
+                      ("[cannot retry] " if l.not_retriable else "") + (l.error or "-"))
+    console.print(table)
+    shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
+    console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
+
+
+def _age(seconds) -> str:
+    from pipeline.status import _age as age
+
+    return age(seconds)
+
+
+@dead.command("show")
+@click.argument("ident", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object with every field.")
+@click.pass_obj
+def dead_show(obj: Context, ident, as_json) -> None:
+    """Show one dead letter in full: error, group, samples, raw row.
+
+    \b
+    Example:
+      rollout dead show 1712345678901-0
+      rollout dead show data.jsonl:0:17 --json
+    """
+    from pipeline import deadletters
+
+    queue = obj.nonempty_queue()
+    letters, missing = deadletters.find(queue, [ident])
+    if missing:
+        raise click.ClickException(f"no dead letter {ident!r} in namespace {obj.namespace!r} "
+                                   "(`rollout dead list` shows the ids)")
+    if as_json:
+        for l in letters:
+            click.echo(_dump(l.details()))
+        return
+    for l in letters:
+        d = l.details()
+        lines = [f"dead letter {l.entry_id}", f"  group      {l.group_id}", f"  age        {_age(l.age_s)}",
+                 f"  error      {l.error or '-'}"]
+        if l.not_retriable:
+            lines.append(f"  retry      no: {l.not_retriable}")
+        else:
+            lines.append(f"  retry      yes: rollout dead retry {l.entry_id}")
+        if l.group is None:
+            lines.append(f"  payload    {len(l.data)} bytes, does not decode: {l.decode_error}")
+        else:
+            g = l.group
+            lines += [f"  dataset    {g.dataset} epoch {g.epoch} row {g.row}",
+                      f"  attempts   {g.attempts}   restarts {g.restarts}   last worker {g.worker or '-'}",
+                      f"  prompt     {str(d.get('prompt'))[:200]!s}"]
+            if d.get("raw_row"):
+                lines.append(f"  raw row    {d['raw_row'][:300]}")
+            for s in d["samples"]:
+                lines.append(f"  sample {s['index']}: {s['status']}, {s['response_length']} tokens, reward "
+                             f"{s['reward']}, versions {','.join(s['weight_versions']) or '-'}")
+        click.echo("\n".join(lines))
+
+
+@dead.command("retry")
+@click.argument("idents", nargs=-1, metavar="[ID]...")
+@click.option("--all", "all_", is_flag=True, help="Every dead letter that can be retried.")
+@click.option("--restart", is_flag=True, help="Also forget any generated output: generate from the prompt.")
+@click.pass_obj
+def dead_retry(obj: Context, idents, all_, restart) -> None:
+    """Send dead letters back to the head of the prompt list.
+
+    Their attempt counts are reset and their errors cleared. Bad dataset rows and
+    undecodable payloads cannot be retried: given by id, nothing is done and the
+    error names them; with --all they are skipped and listed.
+
+    \b
+    Example:
+      rollout dead retry 1712345678901-0 1712345678950-0
+      rollout dead retry --all --restart
+    """
+    from pipeline import deadletters
+
+    queue = obj.nonempty_queue()
+    try:
+        result = deadletters.retry(queue, list(idents), all_, restart)
+    except deadletters.DeadLetterError as exc:
+        raise click.ClickException(str(exc)) from None
+    for letter, why in result.skipped:
+        click.echo(f"skipped {letter.describe()}: {why}", err=True)
+    click.echo(f"retried {result.settled} dead letters: back at the head of the prompt list"
+               + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
+
+
+@dead.command("drop")
+@click.argument("idents", nargs=-1, metavar="[ID]...")
+@click.option("--all", "all_", is_flag=True, help="Every dead letter.")
+@click.pass_obj
+def dead_drop(obj: Context, idents, all_) -> None:
+    """Discard dead letters for good (the audit counts them as discarded).
+
+    \b
+    Example:
+      rollout dead drop 1712345678901-0
+      rollout dead drop --all
+    """
+    from pipeline import deadletters
+
+    queue = obj.nonempty_queue()
+    try:
+        _letters, n = deadletters.drop(queue, list(idents), all_)
+    except deadletters.DeadLetterError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"dropped {n} dead letters")
+
+
+# -- consume ---------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--batch-size", required=True, type=click.IntRange(min=1), help="Groups per batch (B).")
+@click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1), help="Batches to take (K).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, one per line.")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds to wait for each batch; on timeout the error says why none came.")
+@click.option("--consumer", default="trainer", show_default=True,
+              help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
+@click.option("--metrics-port", type=int, help="Serve the trainer-side Prometheus metrics on this port.")
+@click.pass_obj
+def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port) -> None:
+    """A stand-in trainer: take K exact batches and commit them.
+
+    For each batch it prints the group ids, sample statuses, rewards, weight
+    versions and staleness. For smoke tests and debugging: the groups are
+    committed (gone from the queue) without training.
+
+    \b
+    Example:
+      rollout consume --batch-size 16 --steps 10
+      rollout consume --batch-size 4 --steps 1 --json | jq '.groups[].rewards'
+    """
+    from collections import Counter
+
+    from rich.progress import Progress
+
+    from pipeline.consumer import BatchTimeout, Consumer
+
+    if metrics_port:
+        from pipeline.metrics import serve_metrics
+
+        serve_metrics(metrics_port)
+    queue = obj.queue()
+    reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
+    console = _console()
+    started = time.monotonic()
+    done = 0
+    with Progress(transient=True, console=_console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task(f"batches of {batch_size}", total=steps)
+        for step in range(steps):
+            try:
+                batch = reader.next_batch(batch_size, timeout=timeout_s)
+            except BatchTimeout as exc:
+                raise click.ClickException(f"after {done} of {steps} batches: {exc}") from None
+            reader.commit(batch)
+            done += 1
+            progress.advance(task)
+            row = _batch_record(step, batch)
+            if as_json:
+                click.echo(_dump(row))
+            else:
+                _print_batch(console, row, steps)
+    if not as_json:
+        console.print(f"committed {done} batches ({done * batch_size} groups) in "
+                      f"{time.monotonic() - started:.2f}s", markup=False)
+
+
+def _batch_record(step: int, batch) -> dict:
+    import statistics
+
+    groups = []
+    rewards_all = []
+    for g in batch.groups:
+        rewards = [s.reward for s in g.samples]
+        rewards_all += [r for r in rewards if isinstance(r, (int, float))]
+        versions = sorted({v for s in g.samples for v in s.weight_versions}, key=lambda v: (len(v), v))
+        groups.append({
+            "group_id": g.group_id,
+            "statuses": [s.status.value for s in g.samples],
+            "rewards": rewards,
+            "weight_versions": versions,
+            "staleness": batch.weight_version - (g.oldest_version() or 0),
+        })
+    m = batch.metrics
+    return {
+        "step": step,
+        "groups": groups,
+        "group_ids": [g["group_id"] for g in groups],
+        "weight_version": batch.weight_version,
+        "wait_s": round(m.wait_s, 3),
+        "mean_reward": round(statistics.fmean(rewards_all), 4) if rewards_all else None,
+        "staleness": {str(k): v for k, v in sorted(m.staleness.items())},
+        "dropped": m.dropped,
+        "restarted": m.restarted,
+        "dead": m.dead,
+        "duplicates": m.duplicates,
+    }
+
+
+def _print_batch(console, row: dict, steps: int) -> None:
+    from collections import Counter
+
+    from rich.table import Table
+
+    lags = " ".join(f"{k}:{v}" for k, v in row["staleness"].items())
+    reward = "-" if row["mean_reward"] is None else f"{row['mean_reward']:.3f}"
+    head = (f"step {row['step'] + 1}/{steps}  {len(row['groups'])} groups  wait {row['wait_s']:.2f}s  "
+            f"version {row['weight_version']}  mean reward {reward}  lag:groups {lags}")
+    extra = [f"{n} {what}" for what, n in (("restarted", row["restarted"]), ("dead-lettered", row["dead"]),
+                                           ("duplicates", row["duplicates"])) if n]
+    extra += [f"{n} dropped ({reason})" for reason, n in row["dropped"].items()]
+    console.print(head + ("; " + ", ".join(extra) if extra else ""), markup=False, soft_wrap=True)
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table.add_column("group", overflow="ellipsis", no_wrap=True, max_width=26)
+    table.add_column("statuses", overflow="ellipsis", no_wrap=True, max_width=22)
+    table.add_column("rewards", overflow="ellipsis", no_wrap=True, max_width=16)
+    table.add_column("versions", overflow="ellipsis", no_wrap=True, max_width=8)
+    table.add_column("lag", justify="right")
+    for g in row["groups"]:
+        statuses = ", ".join(f"{n} {s}" for s, n in Counter(g["statuses"]).items())
+        rewards = " ".join(f"{r:g}" if isinstance(r, (int, float)) else ("-" if r is None else "{..}")
+                           for r in g["rewards"])
+        table.add_row(g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"]))
+    console.print(table)
+
+
+# -- purge -----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--yes", is_flag=True, help="Really delete (required).")
+@click.pass_obj
+def purge(obj: Context, yes) -> None:
+    """Delete every key of one namespace (and nothing else).
+
+    Removes the prompts, payloads, streams, in-flight sets, counters, dataset
+    cursors and control settings of --namespace, found with SCAN on the
+    namespace's hash tag. Other namespaces on the same Redis are untouched.
+    Refuses without --yes.
+
+    \b
+    Example:
+      rollout --namespace scratch purge --yes
+    """
+    from pipeline.admin import namespace_keys, purge as purge_keys
+
+    queue = obj.queue()
+    n_keys = sum(1 for _ in namespace_keys(queue.redis, obj.namespace))
+    if not yes:
+        raise click.ClickException(f"purge deletes all {n_keys} keys of namespace {obj.namespace!r}; "
+                                   "re-run with --yes to do it")
+    if n_keys == 0:
+        click.echo(f"namespace {obj.namespace!r} is already empty: nothing to delete")
+        return
+    live = queue.live_workers()
+    if live:
+        click.echo(f"warning: {len(live)} live workers still use namespace {obj.namespace!r}; they will "
+                   "re-register (stop them to keep it empty)", err=True)
+    with _console(stderr=True).status(f"deleting {n_keys} keys ..."):
+        deleted = purge_keys(queue.redis, obj.namespace)
+    click.echo(f"purged namespace {obj.namespace!r}: {deleted} keys deleted")
+
+
 if __name__ == "__main__":
-    main()
+    main(prog_name="rollout")

@@ -157,6 +157,8 @@ def _decode_sample(m: Any, prompt_ids: list[int], i: int) -> Sample:
     if not all(isinstance(v, str) for v in wv):
         raise DecodeError(f"{what}: weight_versions must be strings")
     prompt = _field(m, "p", (str, list), what)
+    if "lm" not in m:  # absent is not "all ones": that is [length, b""]
+        raise DecodeError(f"{what}: missing field 'lm'")
     return Sample(
         group_index=_field(m, "gi", (int,), what, optional=True),
         index=_field(m, "ix", (int,), what, optional=True),

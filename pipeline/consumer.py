@@ -167,7 +167,10 @@ class Consumer:
         metrics.restarted += 1
         reset_group(group)
         group.restarts += 1
-        group.admitted_version = None
+        # Generated again from the prompt, under at least the current version. (None would
+        # let claim fill in the first admission's version from the admitted hash, and a
+        # group whose samples carry no weight versions would be judged stale forever.)
+        group.admitted_version = control.weight_version
         return Settle("prompt", entry.entry_id, group.group_id, payload=encode_group(group))
 
     def next_batch(self, n: int, timeout: float | None = None) -> Batch:

@@ -179,7 +179,8 @@ def _item(row: Row, dataset: str, epoch: int, opts: PushOptions) -> tuple[str, s
     gid = f"{dataset}:{epoch}:{row.index}"
     if row.error:
         log.error("%s: %s; dead-lettering the row as group %s", row.where, row.error, gid)
-        group = Group.fresh(gid, "", 0, metadata={"raw": row.raw}, dataset=dataset, epoch=epoch, row=row.index)
+        # One placeholder sample: with none, Group.fresh drops the metadata and the raw line with it.
+        group = Group.fresh(gid, "", 1, metadata={"raw": row.raw}, dataset=dataset, epoch=epoch, row=row.index)
         group.error = f"{row.where}: {row.error}"
         return group.error, gid, encode_group(group)
     group = Group.fresh(gid, row.prompt, opts.n_samples_per_prompt, row.label, row.metadata,

@@ -301,7 +301,7 @@ def test_missing_group_field(key):
     assert f"missing field {key!r}" in _bad(lambda m: m.pop(key))
 
 
-@pytest.mark.parametrize("key", ["t", "sp", "r", "rz", "rl", "rw", "st", "wv", "p", "m", "lp"])
+@pytest.mark.parametrize("key", ["t", "sp", "r", "rz", "rl", "rw", "st", "wv", "p", "m", "lp", "lm"])
 def test_missing_sample_field(key):
     msg = _bad(lambda m: m["s"][2].pop(key))
     assert msg.startswith("sample 2:") and repr(key) in msg

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -638,4 +637,312 @@ def test_engine_set_refresh_failures():
     run(go())
 
 
+def test_engine_set_health_never_raises():
+    a = FakeEngine()
+
+    async def go():
+        async with engines(a) as (ua,):
+            router = FakeEngine({("GET", "/workers"): router_workers(ua, f"http://127.0.0.1:{free_port()}")})
+            async with engines(router) as (ur,):
+                dead = f"http://127.0.0.1:{free_port()}"
+                es = EngineSet([ur, dead])
+                try:
+                    return ur, ua, dead, await es.health()
+                finally:
+                    await es.close()
+
+    ur, ua, dead, health = run(go())
+    assert health[ur] is True and health[ua] is True
+    assert health[dead] is False  # unreachable and never discovered
+    assert list(health.values()).count(False) == 2  # plus the router's dead engine
+
+
 # ----------------------------------------------------------------------------- real router + simulators
+#
+# These run the real Rust router (`python -m sglang_router.launch_router`) as a
+# subprocess in front of two in-process simulators. What they pin down about
+# sglang-router 0.3.x (see also the module docstring of workers/engine.py):
+#   * startup: /health answers ~1-2 s after launch, but the --worker-urls are
+#     registered asynchronously ("Router ready | workers: []"), so readiness means
+#     "GET /workers lists every engine", not "/health is 200";
+#   * GET /workers -> {"workers": [{"id", "url", "is_healthy", "load", ...}], "total", "stats"};
+#     /list_workers is gone (404); POST /workers {"url"} answers 202 and registers
+#     in the background; DELETE /workers/{id} removes;
+#   * /generate is forwarded (rid preserved); control endpoints answer 404;
+#   * the default policy (cache_aware) may send all unloaded traffic to one engine,
+#     so these tests use --policy round_robin to make "both engines get traffic"
+#     deterministic.
+
+ROUTER_STARTUP_TIMEOUT_S = 30.0
+
+
+def _http_json(url: str, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def _router_engine_urls(router_url: str) -> list[str]:
+    try:
+        return [w["url"] for w in _http_json(router_url + "/workers", timeout=2)["workers"]]
+    except (OSError, urllib.error.URLError, ValueError, KeyError):
+        return []
+
+
+class RouterProcess:
+    """`python -m sglang_router.launch_router` on a free port, stdout/stderr to a log file."""
+
+    def __init__(self, worker_urls: list[str], log_path: str, extra_args: list[str] = ()):
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError as exc:  # a missing router is a broken test environment, not a skip
+            pytest.fail(f"sglang-router is not installed ({exc}); `pip install sglang-router` "
+                        "(it is in the [test] extra of pyproject.toml)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        args = [sys.executable, "-m", "sglang_router.launch_router",
+                "--worker-urls", *worker_urls,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                # the metrics exporter defaults to 0.0.0.0:29000: two routers would collide
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--log-level", "warn", *extra_args]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.startup_s: float | None = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def wait_ready(self, expected: list[str], timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"sglang router exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if sorted(_router_engine_urls(self.url)) == sorted(expected):
+                self.startup_s = time.monotonic() - self.started
+                return
+            time.sleep(0.05)
+        pytest.fail(f"sglang router at {self.url} did not list {expected} within {timeout:g}s:\n"
+                    f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # graceful: the router waits for in-flight requests
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def router_env(tmp_path_factory):
+    from workers.simulator import SimConfig, start_simulator
+
+    sims = [start_simulator(SimConfig(seed=i, decode_tokens_per_s=400.0, length_median=16.0,
+                                      length_p99=64.0)) for i in range(2)]
+    router = None
+    try:
+        router = RouterProcess([s.url for s in sims], str(tmp_path_factory.mktemp("router") / "router.log"),
+                               ["--policy", "round_robin"])
+        router.wait_ready([s.url for s in sims])
+        logging.getLogger(__name__).info("router ready after %.2fs", router.startup_s)
+        yield router, sims
+    finally:
+        if router is not None:
+            router.stop()
+        for s in sims:
+            s.stop()
+
+
+def _submitted(sim) -> int:
+    return _http_json(sim.url + "/sim/stats")["stats"].get("submitted", 0)
+
+
+def _running(sims) -> int:
+    return sum(_http_json(s.url + "/v1/loads")["aggregate"]["total_reqs"] for s in sims)
+
+
+PROMPT = list(b"What is 2 + 3?")
+
+
+@pytest.mark.slow
+def test_router_startup_and_discovery(router_env):
+    router, sims = router_env
+    assert router.startup_s is not None and router.startup_s < ROUTER_STARTUP_TIMEOUT_S
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await discover_engines(router.url, s), await discover_engines(sims[0].url, s)
+
+    behind_router, direct = run(go())
+    assert sorted(behind_router) == sorted(s.url for s in sims)
+    assert direct == [sims[0].url]
+
+
+@pytest.mark.slow
+def test_router_forwards_generate_to_both_engines(router_env):
+    router, sims = router_env
+    before = [_submitted(s) for s in sims]
+
+    async def go():
+        es = EngineSet([router.url])
+        try:
+            return await asyncio.gather(*(
+                es.generate(PROMPT, {"max_new_tokens": 32, "temperature": 1.0, "no_stop_trim": True,
+                                     "spaces_between_special_tokens": False}, rid=f"via-router-{i}")
+                for i in range(8)))
+        finally:
+            await es.close()
+
+    results = run(go())
+    assert [r.rid for r in results] == [f"via-router-{i}" for i in range(8)]  # rid survives the router
+    for r in results:
+        assert r.finish_type in ("stop", "length")
+        assert 0 < len(r.output_ids) == len(r.output_log_probs) == r.completion_tokens <= 32
+        assert r.prompt_tokens == len(PROMPT)
+    gained = [_submitted(s) - b for s, b in zip(sims, before)]
+    assert sum(gained) == 8 and all(g > 0 for g in gained), gained
+
+
+@pytest.mark.slow
+def test_router_answers_404_to_control_calls(router_env):
+    """The protocol: control endpoints must be called on each engine, never the router."""
+    router, _ = router_env
+
+    async def go():
+        client = EngineClient(router.url)
+        try:
+            calls = {
+                "pause_generation": client.pause_generation("abort"),
+                "continue_generation": client.continue_generation(),
+                "abort_request": client.abort(abort_all=True),
+                "update_weight_version": client.update_weight_version("nope"),
+                "update_weights_from_disk": client.update_weights_from_disk("/nope"),
+            }
+            statuses = {}
+            for name, coro in calls.items():
+                with pytest.raises(EngineRequestError) as info:
+                    await coro
+                statuses[name] = info.value.status
+            # /flush_cache is the exception: the router fans it out itself.
+            flushed = await client.flush_cache()
+            return statuses, flushed
+        finally:
+            await client.close()
+
+    statuses, flushed = run(go())
+    assert set(statuses.values()) == {404}, statuses
+    assert flushed is True
+
+
+@pytest.mark.slow
+def test_engine_set_control_calls_reach_each_engine_behind_router(router_env):
+    router, sims = router_env
+
+    async def go():
+        es = EngineSet([router.url])
+        try:
+            out = await es.update_weight_version("v-42")
+            assert sorted(out) == sorted(s.url for s in sims)
+            # each engine reports it directly ...
+            for s in sims:
+                client = EngineClient(s.url)
+                assert await client.weight_version() == "v-42"
+                await client.close()
+            assert set((await es.weight_versions()).values()) == {"v-42"}
+            # ... and generations through the router carry it
+            results = await asyncio.gather(*(es.generate(PROMPT, {"max_new_tokens": 8}) for _ in range(4)))
+            assert {r.weight_version for r in results} == {"v-42"}
+            out = await es.update_weights_from_disk("/ckpt/step-43", weight_version="v-43")
+            assert all(r["success"] for r in out.values())
+            assert set((await es.weight_versions()).values()) == {"v-43"}
+        finally:
+            await es.close()
+
+    run(go())
+
+
+@pytest.mark.slow
+def test_pause_and_abort_through_engine_set_end_requests_routed_by_router(router_env):
+    router, sims = router_env
+    long = {"max_new_tokens": 4000, "ignore_eos": True}  # ~10 s at 400 tok/s
+
+    async def wait_running(n: int) -> None:
+        for _ in range(200):
+            if await asyncio.to_thread(_running, sims) >= n:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{n} requests never became active on the simulators")
+
+    async def go():
+        es = EngineSet([router.url])
+        try:
+            # abort by rid: the router does not route /abort_request, the set fans it out
+            one = asyncio.create_task(es.generate(PROMPT, long, rid="abort-me-1"))
+            await wait_running(1)
+            await asyncio.sleep(0.1)
+            assert set(await es.abort(rid="abort-me-1")) == {s.url for s in sims}
+            single = await asyncio.wait_for(one, 5)
+            assert single.finish_type == "abort" and 0 < len(single.output_ids) < 4000
+
+            # pause(abort) on every engine ends all in-flight generations with partial output
+            tasks = [asyncio.create_task(es.generate(PROMPT, long)) for _ in range(6)]
+            await wait_running(6)
+            await asyncio.sleep(0.1)
+            await es.pause_generation("abort")
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+            assert {r.finish_type for r in results} == {"abort"}
+            assert all(len(r.output_ids) == len(r.output_log_probs) > 0 for r in results)
+            await es.continue_generation()
+            after = await es.generate(PROMPT, {"max_new_tokens": 8})
+            assert after.finish_type in ("stop", "length")
+        finally:
+            await es.close()
+
+    run(go())
+
+
+@pytest.mark.slow
+def test_engine_set_refresh_sees_engine_added_to_router(router_env):
+    from workers.simulator import start_simulator
+
+    router, sims = router_env
+    extra = start_simulator()
+    try:
+        answer = _http_json(router.url + "/workers", "POST", {"url": extra.url})
+        assert answer["status"] == "accepted"  # 202: registration happens in the background
+        deadline = time.monotonic() + 15
+        while extra.url not in _router_engine_urls(router.url):
+            assert time.monotonic() < deadline, "router never registered the new engine"
+            time.sleep(0.05)
+
+        async def go():
+            es = EngineSet([router.url])
+            try:
+                out = await es.update_weight_version("v-added")
+                return sorted(out), es.engines
+            finally:
+                await es.close()
+
+        reached, engines_seen = run(go())
+        assert reached == sorted([extra.url] + [s.url for s in sims])
+        assert sorted(engines_seen) == reached
+        assert _http_json(extra.url + "/get_model_info")["weight_version"] == "v-added"
+    finally:
+        workers = _http_json(router.url + "/workers")["workers"]
+        for w in workers:
+            if w["url"] == extra.url:
+                _http_json(f"{router.url}/workers/{w['id']}", "DELETE")
+        deadline = time.monotonic() + 15
+        while extra.url in _router_engine_urls(router.url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        extra.stop()
+

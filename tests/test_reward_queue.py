@@ -185,7 +185,8 @@ def test_builtin_reward_scored_by_rq_worker(conn):
 
 def test_custom_group_reward_and_args(conn):
     group = make_group(["a", "bbb"])
-    reward = RQReward("tests.test_reward_queue.group_len_reward", conn, group=True, queue_name="q-group")
+    # keyword form, as workers/worker.py builds it
+    reward = RQReward(redis=conn, path="tests.test_reward_queue.group_len_reward", group=True, queue_name="q-group")
     assert asyncio.run(score_with_worker(reward, ARGS, [group], conn)) == [[1.0, 3.0]]
 
     # args travel as JSON; values JSON cannot carry (here a lock) are dropped, not pickled
@@ -219,13 +220,16 @@ def test_timeout_without_worker_cancels_job(conn):
     assert not conn.keys("rq:job:*")
 
 
-def test_cancelled_caller_cancels_job(conn):
+@pytest.mark.parametrize("delay", [0.0, 0.2], ids=["while-enqueueing", "while-waiting"])
+def test_cancelled_caller_cancels_job(conn, delay):
+    """An aborted group cancels its scoring task: the job must not stay queued."""
     reward = RQReward("math_boxed", conn, timeout=30)
 
     async def main() -> None:
         task = asyncio.create_task(reward.score(ARGS, make_group(["x"])))
         while reward.queue.count < 1:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(delay)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -355,6 +359,27 @@ def test_cli_worker_subprocess(conn, redis_server):
         return await task
 
     assert asyncio.run(main()) == [2.0, 4.0]
+
+
+def test_with_pipeline_connection(conn, redis_server):
+    """The generation worker hands over the pipeline's client (RESP2 pinned, 30 s socket timeout)."""
+    from pipeline.connection import connect
+
+    client = connect(f"redis://127.0.0.1:{redis_server}/0")
+    try:
+        reward = RQReward(redis=client, path="exact_match", queue_name="q-pipeline")
+        assert asyncio.run(score_with_worker(reward, ARGS, [make_group(["42", "4"])], client)) == [[1.0, 0.0]]
+    finally:
+        client.close()
+
+
+def test_unreachable_redis_is_a_reward_error():
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    dead = Redis(port=_free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    with pytest.raises(RewardError, match="cannot enqueue.*ConnectionError"):
+        asyncio.run(RQReward("math_boxed", dead).score(ARGS, make_group(["x"])))
 
 
 def test_decode_responses_connection_rejected(redis_server):

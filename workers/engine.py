@@ -18,6 +18,25 @@ Error taxonomy (what callers branch on):
   protocol (e.g. a 200 without ``meta_info``).
 * ``EngineControlError``: an ``EngineSet`` control call failed on some engines;
   lists each failing engine URL with its error.
+
+What the real router (sglang-router 0.3.x, Rust) does, as verified by
+tests/test_engine_client.py and by hand:
+
+* ``GET /workers`` -> ``{"workers": [{"id", "url", "model_id", "is_healthy",
+  "load", ...}], "total", "stats"}``; ``/list_workers`` is gone (404). With
+  ``--dp-aware`` each DP rank is listed as ``"<url>@<rank>"`` (stripped here).
+  ``POST /workers {"url"}`` answers 202 and registers in the background.
+* Forwarded: ``/generate`` (re-serialized through a typed struct: ``rid`` is kept,
+  unknown fields and ``sampling_params.spaces_between_special_tokens`` are
+  dropped) and ``GET /get_model_info`` (one worker's answer). ``/v1/models`` is
+  answered by the router itself; ``/v1/loads`` is 404.
+  ``POST /flush_cache`` is fanned out by the router itself. ``/pause_generation``,
+  ``/continue_generation``, ``/abort_request``, ``/update_weight*`` and
+  ``/model_info`` answer 404.
+* 4xx from an engine are passed through unchanged; 5xx are retried (5 attempts
+  by default) and count towards a per-engine circuit breaker; with every circuit
+  open it answers 503 ``no_available_workers``. Its own JSON type errors are 422
+  with a plain-text body.
 """
 
 from __future__ import annotations
@@ -626,8 +645,24 @@ class EngineSet:
         return await self._fanout("flush_cache", lambda c: c.flush_cache())
 
     async def health(self) -> dict[str, bool]:
-        """Per-engine health; never raises for an unhealthy engine (it maps to False)."""
-        return await self._fanout("health", lambda c: c.health())
+        """Health of the generation path: every given URL (routers included, since
+        generation goes through them) and every discovered engine. Never raises:
+        anything unreachable or undiscoverable maps to False."""
+        try:
+            await self.refresh()
+        except EngineError as exc:
+            logger.warning("engine discovery failed during health check: %s", exc)
+        session = self._get_session()
+        urls = _dedupe(self.urls + list(self._engine_clients))
+        clients = [
+            self._engine_clients.get(u) or EngineClient(u, session, self.timeout_s) for u in urls
+        ]
+        healthy = await asyncio.gather(*(c.health() for c in clients))
+        out = dict(zip(urls, healthy))
+        for source in self.urls:
+            if source not in self._by_source:
+                out[source] = False  # never discovered: its engines are unknown
+        return out
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None and not self._session.closed:

@@ -25,13 +25,15 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
-from redis import Redis
+from redis import Redis, RedisError
+from redis.cluster import RedisCluster
 from rq import Queue
 from rq.command import send_stop_job_command
 from rq.exceptions import NoSuchJobError
@@ -113,7 +115,7 @@ class RQReward:
     """
 
     path: str
-    connection: Redis
+    redis: Redis  # a sync client (rq is sync); decode_responses=False
     group: bool = False
     queue_name: str = DEFAULT_QUEUE
     timeout: float = 300.0
@@ -126,10 +128,13 @@ class RQReward:
     queue: Queue = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.connection.get_connection_kwargs().get("decode_responses"):
+        if isinstance(self.redis, RedisCluster):
+            # rq's multi-key commands and registries assume one node
+            raise ValueError("RQReward needs a plain Redis connection; rq does not support Redis Cluster")
+        if self.redis.get_connection_kwargs().get("decode_responses"):
             # rq reads binary job data (zlib) and breaks on str responses
             raise ValueError("RQReward needs a Redis connection with decode_responses=False")
-        self.queue = Queue(self.queue_name, connection=self.connection, serializer=JSONSerializer)
+        self.queue = Queue(self.queue_name, connection=self.redis, serializer=JSONSerializer)
         self.name = f"rq:{self.queue_name}:{self.path}"
 
     async def score(self, args: Any, samples: Sequence[Sample]) -> list[RewardValue]:
@@ -139,25 +144,34 @@ class RQReward:
             return []
         payload = [s.to_dict() for s in samples]
         job_timeout = self.job_timeout or max(1, int(self.timeout))
+        description = f"reward {self.path} for group_index={samples[0].group_index}"
+
+        def enqueue() -> Job:
+            return self.queue.enqueue(
+                score_group_job,
+                self.path,
+                self.group,
+                _plain_args(args),
+                payload,
+                job_timeout=job_timeout,
+                result_ttl=self.result_ttl,
+                failure_ttl=self.failure_ttl,
+                description=description,
+            )
+
         # rq and the sync redis client block: keep the event loop free
-        job: Job = await asyncio.to_thread(
-            self.queue.enqueue,
-            score_group_job,
-            self.path,
-            self.group,
-            _plain_args(args),
-            payload,
-            job_timeout=job_timeout,
-            result_ttl=self.result_ttl,
-            failure_ttl=self.failure_ttl,
-            description=f"reward {self.path} for group_index={samples[0].group_index}",
-        )
+        try:
+            job = await self._enqueue_cancellable(enqueue)
+        except RedisError as exc:
+            raise RewardError(f"reward queue {self.queue_name!r}: cannot enqueue: {type(exc).__name__}: {exc}") from exc
         logger.debug("enqueued reward job %s (%s, %d samples)", job.id, self.path, len(samples))
         try:
             values = await self._wait(job)
-        except BaseException:
+        except BaseException as exc:
             # timeout, failure or cancellation of the caller (e.g. an aborted group)
             await asyncio.to_thread(self._abandon, job)
+            if isinstance(exc, RedisError):
+                raise RewardError(f"reward job {job.id} ({self.path}): lost Redis: {type(exc).__name__}: {exc}") from exc
             raise
         if self.delete_jobs:
             await asyncio.to_thread(self._delete, job)
@@ -166,6 +180,34 @@ class RQReward:
             raise RewardError(f"reward job {job.id} ({self.path}) returned {values!r:.200}; expected {len(samples)} values")
         reward_key = getattr(args, "reward_key", None)
         return [validate_reward(v, reward_key, name=self.path) for v in values]
+
+    async def _enqueue_cancellable(self, enqueue: Callable[[], Job]) -> Job:
+        """Run `enqueue` in a thread. A thread cannot be interrupted, so if the caller
+        is cancelled meanwhile, whichever side learns of the job last withdraws it
+        (otherwise an orphan job would be scored for nobody)."""
+        lock = threading.Lock()
+        cancelled = False
+        enqueued: Job | None = None
+
+        def run() -> Job:
+            nonlocal enqueued
+            job = enqueue()
+            with lock:
+                if not cancelled:
+                    enqueued = job
+                    return job
+            self._abandon(job)  # the caller is gone already
+            return job
+
+        try:
+            return await asyncio.to_thread(run)
+        except asyncio.CancelledError:
+            with lock:
+                cancelled = True
+                job = enqueued
+            if job is not None:  # enqueued, but we were cancelled before resuming
+                await asyncio.to_thread(self._abandon, job)
+            raise
 
     async def _wait(self, job: Job) -> Any:
         deadline = time.monotonic() + self.timeout
@@ -211,7 +253,7 @@ class RQReward:
             if status in (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
                 job.cancel()
             elif status == JobStatus.STARTED:
-                send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
+                send_stop_job_command(self.redis, job.id, serializer=JSONSerializer)
             if self.delete_jobs and status not in (JobStatus.STARTED, None):
                 job.delete()
         except Exception:  # noqa: BLE001 - cleanup must not mask the real error

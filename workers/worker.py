@@ -132,7 +132,9 @@ class Worker:
         self._tasks: dict[str, asyncio.Task] = {}  # group id -> its task
         self._consecutive_engine_failures = 0
         self._engine_down_since: float | None = None
-        self._group_size = 1  # last seen samples per group, to size claims
+        # Samples per group, to size claims; unknown until the first claim, so that one
+        # takes a single group (slime over-prefetched n-fold by guessing 1).
+        self._group_size = self.capacity
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._engine_back = asyncio.Event()  # set while engines are considered healthy

@@ -1,0 +1,217 @@
+"""Dead letters: inspect them with their errors, send them back, or discard them.
+
+A dead letter is an entry of the `dead` stream: the group id, the encoded group as
+it was when it failed, and the error. Retrying moves it to the head of the prompt
+list (settle action `prompt`) with its attempt and restart counts reset and its
+error cleared; dropping discards it (settle action `discard`, counted for the
+audit). Both go through `Queue.settle`, so an entry settled by someone else
+meanwhile is skipped, never duplicated.
+
+Some dead letters cannot be retried: a payload that does not decode (there is no
+group to rebuild) and a bad dataset row (no samples or no prompt: it never was a
+generation, and would fail again). Fix the row and push it again instead.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codec import DecodeError, encode_group
+from .queue import Queue, Settle, StreamEntry, reset_group
+from .status import server_time
+from .types import Group
+
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
+
+
+class DeadLetterError(ValueError):
+    """An id that is not a dead letter, or a dead letter that cannot be retried."""
+
+
+@dataclass
+class DeadLetter:
+    entry_id: str
+    group_id: str
+    error: str
+    age_s: float
+    group: Group | None = None
+    decode_error: str | None = None
+    data: bytes = b""
+
+    @property
+    def not_retriable(self) -> str | None:
+        """Why this dead letter cannot be retried, or None when it can."""
+        if self.group is None:
+            return f"its payload does not decode ({self.decode_error})"
+        if self.group.group_id != self.group_id:
+            return f"its payload is for another group ({self.group.group_id!r})"
+        if not self.group.samples or not any(s.prompt for s in self.group.samples):
+            return "it is a bad dataset row, not a failed generation: fix the row and push it again"
+        return None
+
+    def describe(self) -> str:
+        return f"dead letter {self.entry_id} (group {self.group_id})"
+
+    def summary(self) -> dict[str, Any]:
+        g = self.group
+        d: dict[str, Any] = {
+            "id": self.entry_id,
+            "group_id": self.group_id,
+            "error": self.error,
+            "age_s": round(self.age_s, 3),
+            "retriable": self.not_retriable is None,
+            "not_retriable_because": self.not_retriable,
+        }
+        if g is None:
+            d.update(decode_error=self.decode_error, payload_bytes=len(self.data))
+            return d
+        d.update(
+            dataset=g.dataset, epoch=g.epoch, row=g.row, attempts=g.attempts, restarts=g.restarts,
+            worker=g.worker, n_samples=g.n_samples,
+            statuses=[s.status.value for s in g.samples],
+        )
+        return d
+
+    def details(self) -> dict[str, Any]:
+        d = self.summary()
+        g = self.group
+        if g is None:
+            d["payload_head"] = self.data[:64].hex()
+            return d
+        first = g.samples[0] if g.samples else None
+        d.update(
+            prompt=first.prompt if first else None,
+            label=first.label if first else None,
+            admitted_version=g.admitted_version,
+            created_at=g.created_at, claimed_at=g.claimed_at, finished_at=g.finished_at,
+            samples=[{
+                "index": s.index, "status": s.status.value, "response_length": s.response_length,
+                "reward": s.reward, "weight_versions": s.weight_versions,
+                "response": s.response[:200],
+            } for s in g.samples],
+        )
+        raw = first.metadata.get("raw") if first else None
+        if raw:
+            d["raw_row"] = raw
+        return d
+
+
+def _letter(entry: StreamEntry, now_s: float) -> DeadLetter:
+    ms = int(entry.entry_id.split("-", 1)[0])
+    letter = DeadLetter(entry_id=entry.entry_id, group_id=entry.group_id, error=entry.error or "",
+                        age_s=max(0.0, now_s - ms / 1000), data=entry.data)
+    try:
+        letter.group = entry.decode()
+        if not letter.error and letter.group.error:
+            letter.error = letter.group.error
+    except DecodeError as exc:
+        letter.decode_error = str(exc)
+    return letter
+
+
+def count(queue: Queue) -> int:
+    return int(queue.redis.xlen(queue.keys.dead))
+
+
+def list_dead(queue: Queue, limit: int | None = None) -> list[DeadLetter]:
+    """Dead letters, oldest first (all of them when `limit` is None)."""
+    now = server_time(queue.redis)
+    out: list[DeadLetter] = []
+    for entry in queue.iter_stream(queue.keys.dead):
+        out.append(_letter(entry, now))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def find(queue: Queue, ids: list[str]) -> tuple[list[DeadLetter], list[str]]:
+    """Dead letters by stream entry id (`1712345678901-0`) or group id. Returns the
+    found ones (in the order asked, each once) and the ids not found."""
+    now = server_time(queue.redis)
+    found: dict[str, DeadLetter] = {}
+    missing: list[str] = []
+    by_group: list[str] = []
+    for ident in ids:
+        if _ENTRY_ID.match(ident):
+            rows = queue.read_stream(queue.keys.dead, 1, ident)
+            if rows and rows[0].entry_id == ident:
+                found.setdefault(ident, _letter(rows[0], now))
+                continue
+        by_group.append(ident)
+    if by_group:
+        wanted = set(by_group)
+        hits: dict[str, list[DeadLetter]] = {}
+        for entry in queue.iter_stream(queue.keys.dead):
+            if entry.group_id in wanted:
+                hits.setdefault(entry.group_id, []).append(_letter(entry, now))
+        for gid in by_group:
+            if gid in hits:
+                for letter in hits[gid]:
+                    found.setdefault(letter.entry_id, letter)
+            else:
+                missing.append(gid)
+    return list(found.values()), missing
+
+
+@dataclass
+class RetryResult:
+    done: list[DeadLetter] = field(default_factory=list)
+    skipped: list[tuple[DeadLetter, str]] = field(default_factory=list)  # (letter, why not)
+    settled: int = 0  # entries actually moved (others were settled by someone else meanwhile)
+
+
+def _select(queue: Queue, ids: list[str] | None, all_: bool) -> list[DeadLetter]:
+    if all_:
+        if ids:
+            raise DeadLetterError("give dead-letter ids or --all, not both")
+        return list_dead(queue)
+    if not ids:
+        raise DeadLetterError("give one or more dead-letter ids (entry ids or group ids), or --all")
+    letters, missing = find(queue, ids)
+    if missing:
+        raise DeadLetterError(f"not in the dead-letter stream of {queue.keys.namespace!r}: {', '.join(missing)}")
+    return letters
+
+
+def retry(queue: Queue, ids: list[str] | None = None, all_: bool = False, restart: bool = False) -> RetryResult:
+    """Send dead letters back to the head of the prompt list, attempts and restarts
+    reset, error cleared (`restart`: also forget any generated output).
+
+    With ids, every one must exist and be retriable, or nothing is done and
+    DeadLetterError names the culprits. With `all_`, the ones that cannot be
+    retried are skipped and reported in the result."""
+    letters = _select(queue, ids, all_)
+    result = RetryResult()
+    bad = []
+    for letter in letters:
+        why = letter.not_retriable
+        if why is not None:
+            bad.append((letter, why))
+        else:
+            result.done.append(letter)
+    if bad and not all_:
+        raise DeadLetterError("; ".join(f"{l.describe()} cannot be retried: {why}" for l, why in bad))
+    result.skipped = bad
+    items = []
+    for letter in result.done:
+        group = letter.group
+        assert group is not None
+        if restart:
+            reset_group(group)
+        group.attempts = 0
+        group.restarts = 0
+        group.error = None
+        group.worker = None
+        items.append(Settle("prompt", letter.entry_id, letter.group_id, payload=encode_group(group)))
+    # Each goes to the head of the prompt list: reversed, so the oldest ends up first.
+    result.settled = queue.settle(queue.keys.dead, items[::-1])
+    return result
+
+
+def drop(queue: Queue, ids: list[str] | None = None, all_: bool = False) -> tuple[list[DeadLetter], int]:
+    """Discard dead letters (counted as `discarded` by the audit). Returns the letters
+    and how many entries were actually removed."""
+    letters = _select(queue, ids, all_)
+    items = [Settle("discard", l.entry_id, l.group_id) for l in letters]
+    return letters, queue.settle(queue.keys.dead, items)

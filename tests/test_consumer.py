@@ -1,0 +1,476 @@
+"""The trainer's consumer: exact batches, surplus left undelivered, recovery of an
+uncommitted batch, deduplication, filters, staleness and timeout diagnostics."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from pipeline.audit import audit
+from pipeline.codec import encode_group
+from pipeline.connection import connect
+from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.control import configure, set_paused, set_weight_version
+from pipeline.filters import DynamicFilterOutput
+from pipeline.keys import CONSUMER_GROUP
+from pipeline.queue import Place, Queue
+from pipeline.types import Group, Status
+
+
+def fresh(n: int, prefix: str = "g", samples: int = 2) -> list[Group]:
+    return [Group.fresh(f"{prefix}{i}", f"prompt {i}", samples, row=i) for i in range(n)]
+
+
+def finish(group: Group, version: int | None = 0, rewards: list | None = None) -> Group:
+    group.prompt_ids = [1, 2]
+    for i, s in enumerate(group.samples):
+        s.tokens = [1, 2, 50 + i, 60 + i]
+        s.response_length = 2
+        s.rollout_log_probs = [-0.5, -0.25]
+        s.weight_versions = [] if version is None else [str(version)] * 2
+        s.reward = float(i) if rewards is None else rewards[i]
+        s.status = Status.COMPLETED
+    return group
+
+
+def produce(q: Queue, n: int, prefix: str = "g", worker: str = "w", version: int | None = 0,
+            rewards=None) -> list[str]:
+    """Push n groups, claim and complete them: n entries in the results stream."""
+    q.push_groups(fresh(n, prefix))
+    out = []
+    for c in q.claim(worker, n).groups:
+        assert q.publish_group(worker, finish(c.group, version, rewards), Place.RESULTS)
+        out.append(c.group_id)
+    return out
+
+
+def assert_audit_ok(q: Queue):
+    report = audit(q)
+    assert report.ok, report.summary()
+    return report
+
+
+@pytest.fixture
+def consumer(client, namespace):
+    return Consumer(client, namespace, block_s=0.2)
+
+
+# -- exactness ------------------------------------------------------------------------
+
+
+def test_exact_batch_leaves_surplus_undelivered(queue, consumer):
+    gids = produce(queue, 10)
+    batch = consumer.next_batch(4, timeout=5)
+    assert len(batch) == 4 and len(batch.entry_ids) == 4
+    assert [g.group_id for g in batch.groups] == gids[:4]
+    k = queue.keys
+    pending = queue.redis.xpending(k.results, CONSUMER_GROUP)
+    assert pending["pending"] == 4
+    [info] = queue.redis.xinfo_groups(k.results)
+    assert info["pending"] == 4
+    assert info["last-delivered-id"].decode() == batch.entry_ids[-1]  # nothing past the batch was read
+    assert queue.redis.xlen(k.results) == 10
+    report = assert_audit_ok(queue)
+    assert (report.results_undelivered, report.results_pending) == (6, 4)
+
+    assert consumer.commit(batch) == 4
+    assert queue.redis.xlen(k.results) == 6
+    assert queue.redis.xpending(k.results, CONSUMER_GROUP)["pending"] == 0
+    batch2 = consumer.next_batch(6, timeout=5)
+    assert [g.group_id for g in batch2.groups] == gids[4:]
+    consumer.commit(batch2)
+    report = assert_audit_ok(queue)
+    assert report.committed == 10 and queue.redis.xlen(k.results) == 0
+
+
+def test_batch_groups_are_decoded_and_versioned(queue, consumer):
+    set_weight_version(queue.redis, queue.keys, 3)
+    produce(queue, 2, version=2)
+    batch = consumer.next_batch(2, timeout=5)
+    assert batch.weight_version == 3
+    assert batch.groups[0].samples[1].tokens == [1, 2, 51, 61]
+    assert batch.metrics.kept == 2 and batch.metrics.staleness == {1: 2}
+
+
+def test_batch_waits_for_groups_that_arrive_later(queue, consumer):
+    produce(queue, 1)
+    queue.push_groups(fresh(2, "late"))
+
+    def later():
+        time.sleep(0.4)
+        for c in queue.claim("w2", 2).groups:
+            queue.publish_group("w2", finish(c.group), Place.RESULTS)
+
+    t = threading.Thread(target=later)
+    t.start()
+    started = time.monotonic()
+    batch = consumer.next_batch(3, timeout=10)
+    t.join()
+    assert [g.group_id for g in batch.groups] == ["g0", "late0", "late1"]
+    assert 0.3 < time.monotonic() - started < 5
+
+
+def test_invalid_arguments(client, namespace):
+    c = Consumer(client, namespace)
+    with pytest.raises(ValueError):
+        c.next_batch(0)
+    with pytest.raises(ValueError, match="stale_policy"):
+        Consumer(client, namespace, stale_policy="ignore")
+
+
+# -- recovery -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["trainer", "trainer-2"])
+def test_uncommitted_batch_is_redelivered_first(queue, client, namespace, name):
+    produce(queue, 8)
+    first = Consumer(client, namespace, consumer="trainer", block_s=0.2)
+    batch = first.next_batch(3, timeout=5)
+    delivered = [g.group_id for g in batch.groups]
+    del first  # the trainer died mid-step: nothing committed
+
+    again = Consumer(client, namespace, consumer=name, block_s=0.2)
+    b2 = again.next_batch(3, timeout=5)
+    assert [g.group_id for g in b2.groups] == delivered
+    pending = queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)
+    assert {c["name"].decode() for c in pending["consumers"]} == {name}
+    again.commit(b2)
+    b3 = again.next_batch(5, timeout=5)
+    assert [g.group_id for g in b3.groups] == [f"g{i}" for i in range(3, 8)]
+    again.commit(b3)
+    report = assert_audit_ok(queue)
+    assert report.committed == 8
+    assert queue.stats().get("duplicates", 0) == 0
+
+
+def test_recovered_surplus_is_kept_for_the_next_batch(queue, client, namespace):
+    produce(queue, 6)
+    first = Consumer(client, namespace, block_s=0.2)
+    b = first.next_batch(4, timeout=5)
+    del first
+    again = Consumer(client, namespace, block_s=0.2)
+    b1 = again.next_batch(2, timeout=5)
+    b2 = again.next_batch(3, timeout=5)
+    assert [g.group_id for g in b1.groups + b2.groups] == [g.group_id for g in b.groups] + ["g4"]
+    again.commit(b1)
+    again.commit(b2)
+    assert queue.redis.xlen(queue.keys.results) == 1
+    assert_audit_ok(queue)
+
+
+def test_groups_read_before_a_timeout_stay_with_the_consumer(queue, consumer):
+    produce(queue, 2)
+    with pytest.raises(BatchTimeout, match="with 2 of 3 groups"):
+        consumer.next_batch(3, timeout=0.3)
+    assert queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)["pending"] == 2
+    assert_audit_ok(queue)
+    produce(queue, 1, prefix="x")
+    batch = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "x0"]
+
+
+# -- duplicates and malformed entries -------------------------------------------------
+
+
+def test_duplicate_of_committed_group_is_dropped(queue, consumer):
+    produce(queue, 1)
+    b = consumer.next_batch(1, timeout=5)
+    payload = encode_group(b.groups[0])
+    consumer.commit(b)
+    # A second copy of g0 shows up (a redelivery, a bug elsewhere): never trained twice.
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})
+    produce(queue, 1, prefix="n")
+    b2 = consumer.next_batch(1, timeout=5)
+    assert [g.group_id for g in b2.groups] == ["n0"]
+    assert b2.metrics.duplicates == 1
+    assert queue.stats()["duplicates"] == 1
+    consumer.commit(b2)
+    assert queue.redis.xlen(queue.keys.results) == 0
+    assert_audit_ok(queue)
+
+
+def test_duplicate_of_held_group_is_dropped(queue, consumer):
+    produce(queue, 2)
+    payload = queue.read_stream(queue.keys.results)[0].data
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})  # g0 again, read with it
+    produce(queue, 1, prefix="n")
+    b = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in b.groups] == ["g0", "g1", "n0"]
+    assert b.metrics.duplicates == 1
+    # g0 is handed out but not committed yet: a copy arriving now is a duplicate too.
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})
+    produce(queue, 1, prefix="m")
+    b2 = consumer.next_batch(1, timeout=5)
+    assert [g.group_id for g in b2.groups] == ["m0"]
+    assert b2.metrics.duplicates == 1
+    assert queue.stats()["duplicates"] == 2
+    consumer.commit(b)
+    consumer.commit(b2)
+    assert queue.redis.xlen(queue.keys.results) == 0
+    assert_audit_ok(queue)
+
+
+def test_malformed_results_entry_goes_dead(queue, consumer):
+    produce(queue, 2)
+    queue.push_groups(fresh(1, "bad"))
+    queue.claim("w", 1)
+    queue.publish("w", "bad0", b"\x81\xa1v\x09", Place.RESULTS)  # msgpack, wrong schema version
+    produce(queue, 1, prefix="z")
+    b = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in b.groups] == ["g0", "g1", "z0"]
+    assert b.metrics.dead == 1
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.group_id == "bad0" and dead.error.startswith("malformed results entry: schema version 9")
+    consumer.commit(b)
+    report = assert_audit_ok(queue)
+    assert (report.dead, report.committed) == (1, 3)
+
+
+# -- timeouts -------------------------------------------------------------------------
+
+
+def _timeout(consumer: Consumer, n: int = 1, timeout: float = 0.3) -> str:
+    started = time.monotonic()
+    with pytest.raises(BatchTimeout) as info:
+        consumer.next_batch(n, timeout=timeout)
+    elapsed = time.monotonic() - started
+    assert timeout <= elapsed < timeout + 1.0
+    return str(info.value)
+
+
+def test_timeout_no_worker_ever(consumer):
+    msg = _timeout(consumer, 2)
+    assert msg.startswith("next_batch(2) timed out after 0.3s with 0 of 2 groups")
+    assert "no live workers (none has ever registered)" in msg
+    assert "the prompt list is empty" in msg
+    assert isinstance(BatchTimeout("x"), TimeoutError)
+
+
+def test_timeout_workers_dead(queue, client, namespace):
+    queue.push_groups(fresh(3))
+    queue.heartbeat("w", json.dumps({"state": "generating"}))
+    time.sleep(0.6)
+    c = Consumer(client, namespace, lease_s=0.5, block_s=0.2)
+    msg = _timeout(c)
+    assert "no live workers (last heartbeat" in msg and "s ago)" in msg
+    assert "3 prompts queued" in msg
+
+
+def test_timeout_live_workers_but_prompts_empty(queue, consumer):
+    queue.heartbeat("w1", json.dumps({"state": "generating"}))
+    queue.heartbeat("w2", json.dumps({"state": "engine-unreachable"}))
+    msg = _timeout(consumer)
+    assert "2 live workers (" in msg and "1 generating" in msg and "1 engine-unreachable" in msg
+    assert "the prompt list is empty (push more" in msg
+    assert "no live workers" not in msg
+
+
+def test_timeout_paused(queue, consumer):
+    queue.push_groups(fresh(1))
+    queue.heartbeat("w", "{}")
+    set_paused(queue.redis, queue.keys, True)
+    msg = _timeout(consumer)
+    assert "admission is paused" in msg
+    assert "1 prompts queued" in msg
+
+
+def test_timeout_staleness_budget_spent(queue, consumer):
+    queue.push_groups(fresh(3))
+    configure(queue.redis, queue.keys, max_staleness=0, batch_size=1)
+    assert len(queue.claim("w", 3).groups) == 1
+    assert queue.claim("w", 3).status == "budget"
+    msg = _timeout(consumer)
+    assert "the staleness budget is spent (1/1 admitted at version 0; bump the weight version)" in msg
+
+
+def test_timeout_mentions_requeue_and_dead(queue, consumer):
+    queue.push_groups(fresh(2))
+    cs = queue.claim("w", 2).groups
+    queue.publish_group("w", cs[0].group, Place.REQUEUE)
+    queue.publish_group("w", cs[1].group, Place.DEAD, error="boom")
+    msg = _timeout(consumer)
+    assert "1 aborted groups wait in the requeue stream" in msg and "1 dead letters" in msg
+
+
+def test_blocking_stays_below_socket_timeout(redis_url, queue, namespace):
+    short = connect(redis_url, socket_timeout=0.5)
+    try:
+        c = Consumer(short, namespace, block_s=5.0)
+        assert 0 < c.block_s <= 0.25
+        # Waiting 1.5 s through a client that gives up on a silent socket after 0.5 s:
+        # a clean BatchTimeout, not a redis TimeoutError.
+        with pytest.raises(BatchTimeout):
+            c.next_batch(1, timeout=1.5)
+        produce(queue, 1)
+        assert len(c.next_batch(1, timeout=2)) == 1
+    finally:
+        short.close()
+
+
+def test_wait_forever_returns_when_groups_arrive(queue, client, namespace):
+    c = Consumer(client, namespace, block_s=0.1)
+    queue.push_groups(fresh(1))
+    t = threading.Timer(0.5, lambda: [queue.publish_group("w", finish(x.group), Place.RESULTS)
+                                      for x in queue.claim("w", 1).groups])
+    t.start()
+    batch = c.next_batch(1, timeout=None)
+    t.join()
+    assert [g.group_id for g in batch.groups] == ["g0"]
+
+
+# -- filters --------------------------------------------------------------------------
+
+
+def test_bare_bool_filter_keeps_batches_exact(queue, client, namespace):
+    def positive_first(args, samples):
+        return samples[0].reward > 0
+
+    c = Consumer(client, namespace, filter=positive_first, block_s=0.2)
+    q = queue
+    q.push_groups(fresh(6))
+    for i, cl in enumerate(q.claim("w", 6).groups):
+        r = 1.0 if i % 2 else 0.0  # g1, g3, g5 kept
+        q.publish_group("w", finish(cl.group, rewards=[r, r]), Place.RESULTS)
+    b = c.next_batch(3, timeout=5)
+    assert [g.group_id for g in b.groups] == ["g1", "g3", "g5"]
+    assert b.metrics.dropped == {"filtered": 3}
+    assert b.metrics.drop_ratio == 0.5
+    log = q.redis.xrange(q.keys.dropped)
+    assert [(f[b"gid"], f[b"reason"]) for _, f in log] == [(b"g0", b"filtered"), (b"g2", b"filtered"), (b"g4", b"filtered")]
+    c.commit(b)
+    report = assert_audit_ok(q)
+    assert (report.dropped, report.committed) == (3, 3)
+
+
+@pytest.mark.parametrize("spec", ["dapo", "pipeline.filters:keep_varied_rewards", "pipeline.filters.keep_varied_rewards"])
+def test_dapo_filter_drops_groups_with_equal_rewards(queue, client, namespace, spec):
+    c = Consumer(client, namespace, filter=spec, block_s=0.2)
+    queue.push_groups(fresh(7))
+    rewards = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5],
+               [{"score": 1.0}, {"score": 0.0}], [{"score": 1.0}, {"score": 1.0}]]
+    for cl, r in zip(queue.claim("w", 7).groups, rewards):
+        queue.publish_group("w", finish(cl.group, rewards=r), Place.RESULTS)
+    b = c.next_batch(3, timeout=5)
+    assert [g.group_id for g in b.groups] == ["g1", "g3", "g5"]
+    assert b.metrics.dropped == {"all rewards equal": 3}
+    assert queue.stats()["dropped"] == 3
+    with pytest.raises(BatchTimeout):
+        c.next_batch(1, timeout=0.3)  # g6 dropped as well, nothing left
+    assert queue.stats()["dropped"] == 4
+    c.commit(b)
+    assert_audit_ok(queue)
+
+
+def test_filter_output_reason_is_recorded(queue, client, namespace):
+    c = Consumer(client, namespace, block_s=0.2, filter_args={"min": 1},
+                 filter=lambda args, samples: DynamicFilterOutput(samples[1].reward >= args["min"], "too easy"))
+    produce(queue, 2, rewards=[0.0, 0.0])
+    produce(queue, 1, prefix="k", rewards=[0.0, 2.0])
+    b = c.next_batch(1, timeout=5)
+    assert [g.group_id for g in b.groups] == ["k0"] and b.metrics.dropped == {"too easy": 2}
+    assert {f[b"reason"] for _, f in queue.redis.xrange(queue.keys.dropped)} == {b"too easy"}
+
+
+def test_bad_filter_path(client, namespace):
+    with pytest.raises(ValueError, match="no attribute"):
+        Consumer(client, namespace, filter="pipeline.filters:nope")
+
+
+# -- staleness ------------------------------------------------------------------------
+
+
+def _stale_setup(queue: Queue, eta: int = 1):
+    configure(queue.redis, queue.keys, max_staleness=eta)
+    produce(queue, 1, prefix="old", version=0)
+    produce(queue, 2, prefix="ok", version=1)
+    set_weight_version(queue.redis, queue.keys, 2)  # old0 is 2 behind, ok* 1 behind
+
+
+def test_too_stale_group_is_restarted(queue, client, namespace):
+    _stale_setup(queue)
+    c = Consumer(client, namespace, block_s=0.2)
+    b = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in b.groups] == ["ok0", "ok1"]  # lag == max_staleness is fine
+    assert b.metrics.restarted == 1 and b.metrics.staleness == {1: 2}
+    assert queue.redis.lrange(queue.keys.prompts, 0, -1) == [b"old0"]
+    c.commit(b)
+    assert_audit_ok(queue)
+    # It comes back reset, counted, and is generated again at the current version.
+    claimed = queue.claim("w", 1).groups[0].group
+    assert claimed.group_id == "old0" and claimed.restarts == 1
+    assert claimed.prompt_ids == [] and all(s.tokens == [] and s.weight_versions == [] for s in claimed.samples)
+    assert claimed.admitted_version == 2
+    queue.publish_group("w", finish(claimed, version=2), Place.RESULTS)
+    b2 = c.next_batch(1, timeout=5)
+    assert [g.group_id for g in b2.groups] == ["old0"] and b2.metrics.restarted == 0
+    c.commit(b2)
+    assert_audit_ok(queue)
+
+
+def test_restarted_group_without_token_versions_is_not_stale_again(queue, client, namespace):
+    """A restarted group is judged by the version it was restarted under, not its
+    first admission (an engine that reports no weight versions falls back to it)."""
+    _stale_setup(queue)
+    c = Consumer(client, namespace, block_s=0.2)
+    c.commit(c.next_batch(2, timeout=5))
+    claimed = queue.claim("w", 1).groups[0].group
+    queue.publish_group("w", finish(claimed, version=None), Place.RESULTS)
+    b = c.next_batch(1, timeout=5)
+    assert [g.group_id for g in b.groups] == ["old0"] and b.metrics.restarted == 0
+
+
+def test_too_stale_too_often_is_dead_lettered(queue, client, namespace):
+    configure(queue.redis, queue.keys, max_staleness=0)
+    queue.push_groups(fresh(1, "s"))
+    c = Consumer(client, namespace, block_s=0.2, max_restarts=2)
+    for round_ in range(3):
+        claimed = queue.claim("w", 1).groups[0].group
+        assert claimed.restarts == round_
+        queue.publish_group("w", finish(claimed, version=round_), Place.RESULTS)
+        set_weight_version(queue.redis, queue.keys, round_ + 1)
+        with pytest.raises(BatchTimeout):
+            c.next_batch(1, timeout=0.3)
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.group_id == "s0"
+    assert dead.error == "stale: 1 versions behind (max 0); restarted 2 times"
+    assert dead.decode().restarts == 2
+    assert queue.redis.llen(queue.keys.prompts) == 0
+    assert queue.stats()["released"] == 2 and queue.stats()["dead"] == 1
+    assert_audit_ok(queue)
+
+
+def test_stale_policy_drop(queue, client, namespace):
+    _stale_setup(queue)
+    c = Consumer(client, namespace, block_s=0.2, stale_policy="drop")
+    b = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in b.groups] == ["ok0", "ok1"]
+    assert b.metrics.dropped == {"stale": 1}
+    [(_, fields)] = queue.redis.xrange(queue.keys.dropped)
+    assert fields[b"gid"] == b"old0" and fields[b"reason"] == b"stale: 2 versions behind (max 1)"
+    assert queue.redis.llen(queue.keys.prompts) == 0
+    c.commit(b)
+    report = assert_audit_ok(queue)
+    assert (report.dropped, report.committed) == (1, 2)
+
+
+def test_no_staleness_bound_delivers_everything(queue, consumer):
+    produce(queue, 1, version=0)
+    set_weight_version(queue.redis, queue.keys, 100)
+    b = consumer.next_batch(1, timeout=5)
+    assert b.metrics.staleness == {100: 1}
+
+
+def test_stale_check_also_applies_to_recovered_entries(queue, client, namespace):
+    produce(queue, 2, version=0)
+    first = Consumer(client, namespace, block_s=0.2)
+    first.next_batch(2, timeout=5)
+    del first
+    configure(queue.redis, queue.keys, max_staleness=0)
+    set_weight_version(queue.redis, queue.keys, 1)
+    again = Consumer(client, namespace, block_s=0.2, stale_policy="drop")
+    with pytest.raises(BatchTimeout):
+        again.next_batch(1, timeout=0.3)
+    assert queue.stats()["dropped"] == 2
+    assert_audit_ok(queue)
