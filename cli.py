@@ -61,6 +61,14 @@ class Context:
                 text = text.replace(secret, "***")
         return text
 
+    def warn_if_empty(self, queue: Queue) -> None:
+        """Control commands act on an empty namespace too (e.g. pause before the first
+        push), but a typo there would leave the real pipeline running: say so."""
+        from pipeline.status import empty_message, namespace_is_empty
+
+        if namespace_is_empty(queue.redis, queue.keys):
+            click.echo(f"warning: {empty_message(queue.redis, self.namespace)}", err=True)
+
     def nonempty_queue(self) -> Queue:
         """The queue, or a one-line error when the namespace holds nothing at all."""
         from pipeline.status import empty_message, namespace_is_empty
@@ -213,10 +221,12 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--keep-response-text", is_flag=True,
+              help="Publish response texts with the results (tokens always are; text adds ~20%% per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port) -> None:
+           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It claims prompt groups, generates every sample through SGLang's /generate,
@@ -235,6 +245,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
         lease_s=lease_s, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
+        keep_response_text=keep_response_text,
         sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids)),
     )
@@ -369,7 +380,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
                                "(they are for the other commands)")
     if sim_median_tokens > sim_p99_tokens:
         raise click.BadParameter("must be at least --sim-median-tokens", param_hint="--sim-p99-tokens")
-    urls = [u for url in engine_urls for u in url.split()]
+    urls = _given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
         redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
@@ -522,9 +533,20 @@ def _print_audit(report) -> None:
 # -- pause / resume --------------------------------------------------------------------
 
 
-def _engines_for_control(queue: Queue, engine_urls: tuple[str, ...]) -> tuple[list[str], str]:
-    """Engine URLs for a control call: given ones, else those the live workers report."""
+def _given_engine_urls(engine_urls: tuple[str, ...]) -> list[str]:
+    from urllib.parse import urlsplit
+
     urls = [u for url in engine_urls for u in url.split()]
+    for u in urls:
+        parts = urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise click.BadParameter(f"{u!r} is not an engine URL: use http://host:port or https://...",
+                                     param_hint="--engine-url")
+    return urls
+
+
+def _engines_for_control(queue: Queue, urls: list[str]) -> tuple[list[str], str]:
+    """Engine URLs for a control call: given ones, else those the live workers report."""
     if urls:
         return urls, "given"
     found: list[str] = []
@@ -575,8 +597,10 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
     from pipeline.control import Controller, set_paused
     from workers.engine import EngineSet
 
+    given = _given_engine_urls(engine_urls)
     queue = obj.queue()
-    urls, source = _engines_for_control(queue, engine_urls)
+    obj.warn_if_empty(queue)
+    urls, source = _engines_for_control(queue, given)
     if not urls:
         set_paused(queue.redis, queue.keys, True)
         inflight = sum(queue.redis.scard(queue.keys.inflight(w)) for w in queue.live_workers())
@@ -599,8 +623,11 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
+    waiting = getattr(report, "still_inflight", 0)
+    held = (f"; {waiting} groups in flight wait at the paused engines and continue on resume"
+            if waiting else "")
     click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {len(reached)} engines {source} "
-               f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream")
+               f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream{held}")
 
 
 @main.command()
@@ -624,8 +651,10 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
     from pipeline.control import Controller
     from workers.engine import EngineSet
 
+    given = _given_engine_urls(engine_urls)
     queue = obj.queue()
-    urls, source = _engines_for_control(queue, engine_urls)
+    obj.warn_if_empty(queue)
+    urls, source = _engines_for_control(queue, given)
     wait_claim = 5.0 if queue.live_workers() else 0.0
 
     async def go():
@@ -698,16 +727,24 @@ def dead_list(obj: Context, limit, as_json) -> None:
     if not letters:
         console.print(f"no dead letters in namespace {obj.namespace!r}", markup=False)
         return
-    table = Table(box=None, padding=(0, 1), header_style="bold", expand=False)
-    table.add_column("id", no_wrap=True)
-    table.add_column("group", overflow="ellipsis", no_wrap=True, max_width=24)
-    table.add_column("age", justify="right", no_wrap=True)
-    table.add_column("try", justify="right", no_wrap=True)
-    table.add_column("error", overflow="ellipsis", no_wrap=True, min_width=12)
+    from rich.text import Text
+
+    rows = []
     for l in letters:
         g = l.group
-        table.add_row(l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                      ("[cannot retry] " if l.not_retriable else "") + (l.error or "-"))
+        rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
+                     ("[cannot retry] " if l.not_retriable else "") + (l.error or "-")))
+    # Fixed columns as wide as their contents (group ids capped); the error takes the rest.
+    widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
+    widths[1] = min(widths[1], 24)
+    table = Table(box=None, padding=(0, 1), header_style="bold", expand=True)
+    table.add_column("id", no_wrap=True, min_width=widths[0])
+    table.add_column("group", overflow="ellipsis", no_wrap=True, min_width=widths[1], max_width=24)
+    table.add_column("age", justify="right", no_wrap=True, min_width=widths[2])
+    table.add_column("try", justify="right", no_wrap=True, min_width=widths[3])
+    table.add_column("error", overflow="ellipsis", no_wrap=True, ratio=1)
+    for r in rows:
+        table.add_row(*(Text(c) for c in r))
     console.print(table)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
     console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
@@ -754,11 +791,11 @@ def dead_show(obj: Context, ident, as_json) -> None:
             lines.append(f"  payload    {len(l.data)} bytes, does not decode: {l.decode_error}")
         else:
             g = l.group
-            lines += [f"  dataset    {g.dataset} epoch {g.epoch} row {g.row}",
+            lines += [f"  dataset    {g.dataset or '-'} epoch {g.epoch} row {g.row}",
                       f"  attempts   {g.attempts}   restarts {g.restarts}   last worker {g.worker or '-'}",
                       f"  prompt     {str(d.get('prompt'))[:200]!s}"]
             if d.get("raw_row"):
-                lines.append(f"  raw row    {d['raw_row'][:300]}")
+                lines.append(f"  raw row    {d['raw_row'].strip()[:300]}")
             for s in d["samples"]:
                 lines.append(f"  sample {s['index']}: {s['status']}, {s['response_length']} tokens, reward "
                              f"{s['reward']}, versions {','.join(s['weight_versions']) or '-'}")
@@ -842,17 +879,15 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
       rollout consume --batch-size 16 --steps 10
       rollout consume --batch-size 4 --steps 1 --json | jq '.groups[].rewards'
     """
-    from collections import Counter
-
     from rich.progress import Progress
 
     from pipeline.consumer import BatchTimeout, Consumer
 
-    if metrics_port:
-        from pipeline.metrics import serve_metrics
+    from pipeline import metrics as prom
 
-        serve_metrics(metrics_port)
     queue = obj.queue()
+    if metrics_port:
+        prom.serve_metrics(metrics_port)
     reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()
@@ -866,6 +901,9 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
                 raise click.ClickException(f"after {done} of {steps} batches: {exc}") from None
             reader.commit(batch)
             done += 1
+            if metrics_port:
+                for place, depth in queue.depths().items():
+                    prom.QUEUE_DEPTH.labels(place).set(depth)
             progress.advance(task)
             row = _batch_record(step, batch)
             if as_json:

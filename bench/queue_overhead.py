@@ -13,14 +13,17 @@ generated tokens, a 256-token prompt, response text, rewards, log-probs) through
               bare:     LPOP COUNT, then pipelined SADD + HMGET of the payloads
   fill        the instant in-process "engine" writes the samples (pipeline only;
               timed, but NOT counted in either rate)
-  publish     pipeline: encode_group + Queue.publish (publish.lua), one call per group
-              bare:     pipelined SREM + HDEL + XADD of a PRE-ENCODED result payload
-              of the same size (no encoding), one round trip per group
+  encode      pipeline: encode_group of the finished group (the worker's job; counted)
+              bare:     nothing: it sends a PRE-ENCODED payload of the same bytes
+  publish     pipeline: Queue.publish (publish.lua), one call per group
+              bare:     pipelined SREM + HDEL + XADD, one round trip per group
   next_batch  pipeline: Consumer.next_batch(B) (XREADGROUP, control reads, dedupe,
               decode)   bare: XREADGROUP COUNT B-have until B entries (no decode)
   commit      pipeline: Consumer.commit (settle.lua)   bare: pipelined XACK + XDEL
 
-ratio = pipeline groups/s / bare groups/s (targets: ratio >= 0.5).
+ratio = pipeline groups/s / bare groups/s, from wall time of the counted phases
+(target >= 0.5). cpu_ratio is the same from CPU time (this process + redis-server's
+INFO cpu): less sensitive to other load on the machine.
 
 Bytes per token: K groups published into a fresh results stream, left undelivered;
 `MEMORY USAGE <results> SAMPLES 0` / (K x 8 x 2048), once with the response text and
@@ -47,9 +50,10 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import redis
 
-from pipeline.codec import encode_group
+from pipeline.codec import decode_group, encode_group
 from pipeline.connection import PROTOCOL, connect
 from pipeline.consumer import Consumer
 from pipeline.keys import CONSUMER_GROUP, Keys
@@ -65,23 +69,25 @@ POOL = 16  # distinct generated samples the "engine" cycles through
 TARGET_RATIO = 0.5
 TARGET_BYTES_PER_TOKEN = 9.0
 
-PHASES = ("push", "claim", "fill", "publish", "next_batch", "commit")
-COUNTED = ("push", "claim", "publish", "next_batch", "commit")  # fill is the engine's
+PHASES = ("push", "claim", "fill", "encode", "publish", "next_batch", "commit")
+COUNTED = ("push", "claim", "encode", "publish", "next_batch", "commit")  # fill is the engine's
 
 
 # -- synthetic but realistic content ---------------------------------------------------
 
-def _vocabulary(rng: random.Random, size: int = 3000) -> tuple[list[str], list[float]]:
-    """Word-like pieces with Zipf weights, short ones the most frequent, about 4
-    characters per token with the leading space, as BPE gives on English text."""
+def _vocabulary(rng: random.Random, size: int = 1000) -> tuple[list[str], list[float]]:
+    """Word-like pieces with Zipf weights: with the leading space about 3.9 characters
+    per token, as BPE gives on English text, and about 1.8 bytes per token after zlib
+    level 1 (English prose measures 1.6-1.8 at 4 characters per token)."""
     onsets = ["", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "th", "st", "w", "pr"]
     vowels = ["a", "e", "i", "o", "u", "ea", "ou"]
     codas = ["", "", "n", "s", "t", "r", "l", "nd", "ng", "st"]
     words: set[str] = set()
     while len(words) < size:
-        syllables = 1 if rng.random() < 0.7 else 2
+        syllables = 1 if rng.random() < 0.9 else 2
         words.add("".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(syllables)))
-    ordered = sorted(words, key=lambda w: (len(w), w))  # short pieces are the common ones
+    ordered = sorted(words)
+    rng.shuffle(ordered)
     ordered[:12] = [",", ".", "=", "+", "the", "of", "to", "is", "we", "x", "\n", "so"]
     ordered += [str(d) for d in range(10)]
     weights = [1.0 / (rank + 1) for rank in range(len(ordered))]
@@ -159,6 +165,13 @@ def fill(group: Group, content: Content, worker: str, with_text: bool = True) ->
 class Timer:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     groups: int = 0
+    client_cpu: float = 0.0  # this process, engine fill excluded
+    server_cpu: float = 0.0  # redis-server (INFO cpu), all its threads
+    fill_cpu: float = 0.0
+    round_rates: list[float] = field(default_factory=list)
+
+    def cpu_ms_per_group(self) -> float:
+        return 1000 * (self.client_cpu + self.server_cpu) / self.groups if self.groups else 0.0
 
     def counted(self) -> float:
         return sum(self.seconds[p] for p in COUNTED)
@@ -200,15 +213,25 @@ class PipelineLoop:
                 raise RuntimeError(f"prompts ran out after {len(claimed)} of {n} groups")
         t2 = pc()
         s["claim"] += t2 - t1
+        c0 = time.process_time()
         for g in claimed:
             fill(g, self.content, self.worker)
+        t.fill_cpu += time.process_time() - c0
         t3 = pc()
         s["fill"] += t3 - t2
+        # Queue.publish_group is exactly encode_group (results: without the response
+        # text) + Queue.publish; called apart here so the encoding (the worker's cost)
+        # shows as its own column.
+        encoded = 0.0
         for g in claimed:
-            if self.queue.publish(self.worker, g.group_id, encode_group(g), Place.RESULTS) is None:
+            e0 = pc()
+            data = encode_group(g, with_response_text=False)
+            encoded += pc() - e0
+            if self.queue.publish(self.worker, g.group_id, data, Place.RESULTS) is None:
                 raise RuntimeError(f"publish of {g.group_id} refused")
         t4 = pc()
-        s["publish"] += t4 - t3
+        s["encode"] += encoded
+        s["publish"] += t4 - t3 - encoded
         batch = self.consumer.next_batch(n, timeout=30)
         t5 = pc()
         s["next_batch"] += t5 - t4
@@ -232,7 +255,7 @@ class BareLoop:
         self.prompt_payload = encode_group(fresh_group(content, ns, 0))
         done = fresh_group(content, ns, 0)
         fill(done, content, "bare-worker")
-        self.result_payload = encode_group(done)
+        self.result_payload = encode_group(done, with_response_text=False)
         self.row = 0
         try:
             self.r.xgroup_create(self.k.results, CONSUMER_GROUP, id="0", mkstream=True)
@@ -303,6 +326,38 @@ def run(loop, groups: int, batch: int, timer: Timer) -> None:
         done += n
 
 
+def codec_cost(content: Content, reps: int) -> dict[str, float]:
+    """encode_group / decode_group of one finished group, alone (CPU ms, best of 3)."""
+    group = fresh_group(content, "codec", 0)
+    fill(group, content, "codec-worker")
+    data = encode_group(group)
+    out = {}
+    for name, fn in (("encode", lambda: encode_group(group)), ("decode", lambda: decode_group(data))):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.process_time() - t0) / reps)
+        out[name] = 1000 * best
+    return out
+
+
+def payload_breakdown(data: bytes) -> dict[str, float]:
+    """Bytes per generated token of one encoded finished group, by field."""
+    m = msgpack.unpackb(data, raw=False)
+    tokens = N_SAMPLES * RESPONSE_TOKENS
+    parts = {
+        "token_ids": sum(len(s["t"]) for s in m["s"]),
+        "log_probs": sum(len(s["lp"] or b"") for s in m["s"]),
+        "response_text": sum(len(s["r"]) for s in m["s"]),
+        "prompt_text": sum(len(msgpack.packb(s["p"])) for s in m["s"]),
+        "prompt_ids": len(m["pid"]),
+    }
+    parts["rest"] = len(data) - sum(parts.values())
+    return {k: v / tokens for k, v in parts.items()}
+
+
 # -- bytes per token -------------------------------------------------------------------
 
 def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: bool) -> dict:
@@ -320,8 +375,8 @@ def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: 
                 break
         payload = 0
         for g in claimed:
-            fill(g, content, "mem-worker", with_text=with_text)
-            data = encode_group(g)
+            fill(g, content, "mem-worker")
+            data = encode_group(g, with_response_text=with_text)
             payload += len(data)
             queue.publish("mem-worker", g.group_id, data, Place.RESULTS)
         if client.xlen(queue.keys.results) != k_groups:
@@ -342,6 +397,11 @@ def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: 
 
 # -- driver ----------------------------------------------------------------------------
 
+def server_cpu(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def redis_version(url: str) -> str:
     c = redis.Redis.from_url(url)
     try:
@@ -352,12 +412,14 @@ def redis_version(url: str) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     content = make_content(args.seed)
+    codec = codec_cost(content, 10 if args.quick else 30)
     with tempfile.TemporaryDirectory(prefix="queue-overhead-") as tmp:
         server = RedisServer(Path(tmp), port=free_port(), aof=not args.no_aof)
         server.start()
         try:
             url = server.url
             version = redis_version(url)
+            monitor = redis.Redis.from_url(url)
             pipe_loop = PipelineLoop(url, "bench-pipe", content, args.batch_size)
             bare_loop = BareLoop(url, "bench-bare", content, args.batch_size)
             try:
@@ -372,7 +434,12 @@ def measure(args: argparse.Namespace) -> dict:
                     order = ((bare_loop, bare_t), (pipe_loop, pipe_t))
                     for loop, timer in (order if i % 2 == 0 else order[::-1]):
                         gc.collect()
+                        counted, fill_cpu = timer.counted(), timer.fill_cpu
+                        cpu0, srv0 = time.process_time(), server_cpu(monitor)
                         run(loop, n, args.batch_size, timer)
+                        timer.server_cpu += server_cpu(monitor) - srv0
+                        timer.client_cpu += time.process_time() - cpu0 - (timer.fill_cpu - fill_cpu)
+                        timer.round_rates.append(n / (timer.counted() - counted))
                 wall = time.perf_counter() - started
                 profile_text = None
                 if args.profile:
@@ -383,13 +450,16 @@ def measure(args: argparse.Namespace) -> dict:
                     out = io.StringIO()
                     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile_top)
                     profile_text = out.getvalue()
-                result_payload = len(bare_loop.result_payload)
+                result_bytes = bare_loop.result_payload
+                result_payload = len(result_bytes)
                 prompt_payload = len(bare_loop.prompt_payload)
             finally:
                 pipe_loop.close()
                 bare_loop.close()
-            mem = stream_bytes(url, "bench-mem", content, args.k_groups, with_text=True)
-            mem_nt = stream_bytes(url, "bench-mem-nt", content, args.k_groups, with_text=False)
+                monitor.close()
+            # As published by default (no response text), and with --keep-response-text.
+            mem = stream_bytes(url, "bench-mem", content, args.k_groups, with_text=False)
+            mem_text = stream_bytes(url, "bench-mem-text", content, args.k_groups, with_text=True)
         finally:
             server.stop()
 
@@ -398,7 +468,7 @@ def measure(args: argparse.Namespace) -> dict:
     result = {
         "ratio": ratio,
         "bytes_per_token": mem["bytes_per_token"],
-        "bytes_per_token_no_text": mem_nt["bytes_per_token"],
+        "bytes_per_token_with_text": mem_text["bytes_per_token"],
         "pipeline_groups_per_s": pipe_t.rate(),
         "bare_groups_per_s": bare_t.rate(),
         "pipeline_groups": pipe_t.groups,
@@ -406,6 +476,14 @@ def measure(args: argparse.Namespace) -> dict:
         "pipeline_seconds": pipe_t.counted(),
         "bare_seconds": bare_t.counted(),
         "engine_fill_seconds": pipe_t.seconds["fill"],
+        "round_ratios": [p / b for p, b in zip(pipe_t.round_rates, bare_t.round_rates)],
+        "cpu_ms_per_group": {
+            "pipeline": {"client": 1000 * pipe_t.client_cpu / pipe_t.groups,
+                         "redis": 1000 * pipe_t.server_cpu / pipe_t.groups},
+            "bare": {"client": 1000 * bare_t.client_cpu / bare_t.groups,
+                     "redis": 1000 * bare_t.server_cpu / bare_t.groups},
+        },
+        "cpu_ratio": bare_t.cpu_ms_per_group() / pipe_t.cpu_ms_per_group() if pipe_t.cpu_ms_per_group() else 0.0,
         "wall_seconds": wall,
         "rounds": len(per_round),
         "batch_size": args.batch_size,
@@ -415,13 +493,15 @@ def measure(args: argparse.Namespace) -> dict:
         "generated_tokens_per_group": tokens_per_group,
         "pipeline_generated_tokens_per_s": pipe_t.rate() * tokens_per_group,
         "result_payload_bytes": result_payload,
+        "result_payload_bytes_per_token": payload_breakdown(result_bytes),
         "prompt_payload_bytes": prompt_payload,
         "response_chars_per_token": content.chars_per_token,
         "response_text_zlib_bytes_per_token": content.text_zlib_bytes_per_token,
         "bare_payload": "pre-encoded (same bytes and size as the pipeline's encoded group); "
                         "the bare loop neither encodes nor decodes",
         "per_group_ms": {"pipeline": pipe_t.per_group_ms(), "bare": bare_t.per_group_ms()},
-        "memory": {"with_text": mem, "no_text": mem_nt},
+        "codec_ms_per_group": codec,
+        "memory": {"default": mem, "with_text": mem_text},
         "k_groups": args.k_groups,
         "redis_version": version,
         "aof": not args.no_aof,
@@ -433,7 +513,7 @@ def measure(args: argparse.Namespace) -> dict:
             "bytes_per_token_max": TARGET_BYTES_PER_TOKEN,
             "ratio_ok": ratio >= TARGET_RATIO,
             "bytes_per_token_ok": mem["bytes_per_token"] <= TARGET_BYTES_PER_TOKEN,
-            "bytes_per_token_no_text_ok": mem_nt["bytes_per_token"] <= TARGET_BYTES_PER_TOKEN,
+
         },
     }
     if profile_text is not None:
@@ -445,6 +525,7 @@ def human(r: dict) -> str:
     ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
     t = r["targets"]
     pg, bg = r["per_group_ms"]["pipeline"], r["per_group_ms"]["bare"]
+    cpu = r["cpu_ms_per_group"]
     lines = [
         f"queue overhead: groups of {r['samples_per_group']} x {r['response_tokens_per_sample']} tokens "
         f"(+{r['prompt_tokens']} prompt), batch {r['batch_size']}, redis {r['redis_version']}, "
@@ -463,10 +544,17 @@ def human(r: dict) -> str:
     lines += [
         "",
         f"ratio pipeline/bare          {r['ratio']:.3f}   (target >= {t['ratio_min']}: {ok(t['ratio_ok'])})",
-        f"bytes/token, with text       {r['bytes_per_token']:.3f}   (target <= {t['bytes_per_token_max']:g}: "
-        f"{ok(t['bytes_per_token_ok'])}; {r['k_groups']} groups in the results stream)",
-        f"bytes/token, no text         {r['bytes_per_token_no_text']:.3f}   "
-        f"({ok(t['bytes_per_token_no_text_ok'])}; token id + log-prob alone are 8)",
+        "  per round: " + ", ".join(f"{x:.3f}" for x in r["round_ratios"])
+        + f"; CPU (client + redis) per group: bare {cpu['bare']['client']:.2f} + {cpu['bare']['redis']:.2f} ms, "
+        f"pipeline {cpu['pipeline']['client']:.2f} + {cpu['pipeline']['redis']:.2f} ms -> CPU ratio "
+        f"{r['cpu_ratio']:.3f}",
+        f"bytes/token as published     {r['bytes_per_token']:.3f}   (target <= {t['bytes_per_token_max']:g}: "
+        f"{ok(t['bytes_per_token_ok'])}; {r['k_groups']} groups in the results stream; id + log-prob are 8)",
+        f"bytes/token with text        {r['bytes_per_token_with_text']:.3f}   "
+        "(worker --keep-response-text)",
+        f"codec alone (CPU): encode_group {r['codec_ms_per_group']['encode']:.2f} ms, decode_group "
+        f"{r['codec_ms_per_group']['decode']:.2f} ms per finished group",
+        "stored entry, bytes/token: " + ", ".join(f"{k} {v:.2f}" for k, v in r["result_payload_bytes_per_token"].items()),
         f"response text: {r['response_chars_per_token']:.2f} chars/token, "
         f"{r['response_text_zlib_bytes_per_token']:.2f} bytes/token after zlib level 1",
     ]

@@ -85,6 +85,7 @@ class Consumer:
         self._held: list[tuple[StreamEntry, Group]] = []  # delivered to us, not yet in a batch
         self._uncommitted: dict[str, str] = {}  # entry id -> group id, handed out in a batch
         self._recovered = False
+        self._held_version: int | None = None  # weight version _held was last screened at
         self.queue.ensure_consumer_group()
 
     # -- reading ---------------------------------------------------------------------
@@ -173,6 +174,26 @@ class Consumer:
         group.admitted_version = control.weight_version
         return Settle("prompt", entry.entry_id, group.group_id, payload=encode_group(group))
 
+    def _recheck_held(self, control: ControlState, metrics: BatchMetrics) -> None:
+        """Held groups were screened at an earlier weight version (a recovered surplus, or
+        groups read before a timeout): if the version moved on, check staleness again
+        before delivering them."""
+        if control.weight_version == self._held_version:
+            return
+        self._held_version = control.weight_version
+        if control.max_staleness is None or not self._held:
+            return
+        keep, settle = [], []
+        for entry, group in self._held:
+            lag = control.weight_version - (group.oldest_version() or 0)
+            if lag > control.max_staleness:
+                settle.append(self._stale(entry, group, lag, control, metrics))
+            else:
+                keep.append((entry, group))
+        if settle:
+            self._held = keep
+            self.queue.settle(self.keys.results, settle, CONSUMER_GROUP)
+
     def next_batch(self, n: int, timeout: float | None = None) -> Batch:
         """Exactly `n` groups, or BatchTimeout after `timeout` seconds (None: wait forever).
         Groups read before a timeout stay with this consumer for the next call."""
@@ -185,6 +206,8 @@ class Consumer:
         if not self._recovered:
             self._screen(self._recover(), control, metrics)
             self._recovered = True
+            self._held_version = control.weight_version
+        self._recheck_held(control, metrics)
         while len(self._held) < n:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -193,6 +216,7 @@ class Consumer:
             entries = self._read(">", n - len(self._held), int(block * 1000))
             if entries:
                 control = read_control(self.redis, self.keys)
+                self._recheck_held(control, metrics)
                 self._screen(entries, control, metrics)
         taken, self._held = self._held[:n], self._held[n:]
         metrics.kept = n

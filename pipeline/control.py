@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -14,6 +15,8 @@ from .keys import Keys
 if TYPE_CHECKING:
     from .queue import Queue
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ControlState:
@@ -22,7 +25,9 @@ class ControlState:
     max_staleness: int | None = None  # η; None: no staleness bound
     batch_size: int | None = None  # B, for admission pacing
     max_ready: int | None = None  # results backlog at which workers stop claiming
-    admitted: int = 0  # groups admitted so far (first claims)
+    # Groups counting against the staleness budget: committed, plus admitted (first
+    # claimed) and not settled yet. Dropped and discarded groups give their slot back.
+    admitted: int = 0
 
 
 def _int(value: bytes | None) -> int | None:
@@ -30,15 +35,20 @@ def _int(value: bytes | None) -> int | None:
 
 
 def read_control(client: redis.Redis, keys: Keys) -> ControlState:
-    fields = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "admitted")
-    paused, version, eta, batch, ready, admitted = client.hmget(keys.control, fields)
+    fields = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready")
+    pipe = client.pipeline(transaction=True)
+    pipe.hmget(keys.control, fields)
+    pipe.hget(keys.stats, "committed")
+    pipe.hlen(keys.admitted)
+    (paused, version, eta, batch, ready), committed, live = pipe.execute()
     return ControlState(
         paused=paused == b"1",
         weight_version=_int(version) or 0,
         max_staleness=_int(eta),
         batch_size=_int(batch),
         max_ready=_int(ready),
-        admitted=_int(admitted) or 0,
+        # computed as the claim script does (lua/claim.lua), not its cached copy
+        admitted=(_int(committed) or 0) + live,
     )
 
 
@@ -97,6 +107,11 @@ class PauseReport:
     mode: str
     quiesce_s: float  # pause() to every in-flight group settled (abort) or frozen
     requeued: int  # groups in the requeue stream after the pause
+    # abort mode: groups still held by workers when pause() returned. Their requests
+    # reached the engines after the engines paused (claimed just before admission
+    # stopped), so the abort never saw them: they wait at the engine, generate nothing,
+    # and start under the new weights on resume.
+    still_inflight: int = 0
 
 
 @dataclass
@@ -109,12 +124,16 @@ class ResumeReport:
 class Controller:
     """pause → (update weights) → resume, for one pipeline and its engines."""
 
-    def __init__(self, queue: "Queue", engines: EngineControl | None = None, release_policy: str = "continue"):
+    def __init__(self, queue: "Queue", engines: EngineControl | None = None, release_policy: str = "continue",
+                 settle_s: float = 0.25):
         self.queue = queue
         self.redis = queue.redis
         self.keys = queue.keys
         self.engines = engines
         self.release_policy = release_policy
+        # abort mode: stop waiting for in-flight groups once their number has not moved
+        # for this long after the engines paused (see PauseReport.still_inflight).
+        self.settle_s = settle_s
 
     def _inflight(self) -> int:
         workers = [w.decode() for w in self.redis.zrange(self.keys.workers, 0, -1)]
@@ -129,13 +148,28 @@ class Controller:
         set_paused(self.redis, self.keys, True)
         if self.engines is not None:
             await self.engines.pause_generation(mode)
+        remaining = 0
         if mode == "abort":
+            # Aborted requests return at once and their groups are requeued within
+            # milliseconds. A group claimed just before admission stopped may send its
+            # requests after the engines paused: they block at the engine (SGLang holds
+            # new /generate calls while paused, where abort cannot reach them) and would
+            # never settle. So: wait until nothing is in flight, or until the count has
+            # stopped moving for settle_s.
             deadline = started + timeout_s
-            while self._inflight() > 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"pause: {self._inflight()} groups still in flight after {timeout_s:g}s")
+            remaining, last_change = self._inflight(), time.monotonic()
+            while remaining > 0:
                 await asyncio.sleep(0.005)
-        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue))
+                now, count = time.monotonic(), self._inflight()
+                if count != remaining:
+                    remaining, last_change = count, now
+                elif now - last_change >= self.settle_s:
+                    log.info("pause: %d groups still in flight %.2fs after the engines paused; their "
+                             "requests arrived after the pause and wait for resume", remaining, self.settle_s)
+                    break
+                if now > deadline:
+                    raise TimeoutError(f"pause: {remaining} groups still in flight after {timeout_s:g}s")
+        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue), remaining)
 
     async def resume(self, weight_version: int | None = None, first_claim_timeout_s: float = 5.0) -> ResumeReport:
         """Record the new version, continue the engines, release aborted groups to the

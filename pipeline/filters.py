@@ -59,7 +59,10 @@ def load_filter(path: str) -> FilterFn:
 def apply_filter(fn: FilterFn, args: Any, group: Group) -> tuple[bool, str]:
     """(keep, reason) from either filter form."""
     out = fn(args, group.samples)
-    if isinstance(out, bool):
-        return out, "" if out else "filtered"
-    keep = bool(getattr(out, "keep"))
+    if not hasattr(out, "keep"):
+        # The legacy bare-bool form; slime's own returned `torch.tensor(...).std() > 0`,
+        # a tensor, and numpy comparisons give numpy.bool_: not `bool` instances.
+        keep = bool(out)
+        return keep, "" if keep else "filtered"
+    keep = bool(out.keep)
     return keep, "" if keep else (getattr(out, "reason", None) or "filtered")

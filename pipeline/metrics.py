@@ -1,7 +1,8 @@
 """Prometheus metrics, all in one place so their names are easy to find.
 
-Workers serve them with `rollout worker --metrics-port`; a trainer calls
-`serve_metrics(port)` and passes `export=True` to its Consumer... see README.
+Workers serve them with `rollout worker --metrics-port`; a trainer process calls
+`serve_metrics(port)` (the Consumer records its metrics in any case), as
+`rollout consume --metrics-port` does.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 _LUA = Path(__file__).with_name("lua")
 DEFAULT_LEASE_S = 30.0
-COMMITTED_IDS_KEPT = 1_000_000  # recent committed ids remembered for deduplication
+COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
+DEFAULT_MAX_READY = 4096  # results backlog at which workers stop claiming, unless configured
 
 
 class Place:
@@ -107,7 +108,7 @@ class Queue:
         k = self.keys
         reply = self._scripts["claim"](
             keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted, k.stats],
-            args=[worker, max_groups],
+            args=[worker, max_groups, DEFAULT_MAX_READY],
         )
         claim = Claim(status=_text(reply[0]), weight_version=int(reply[1]))
         for i in range(2, len(reply), 3):
@@ -142,8 +143,13 @@ class Queue:
             return None
         return _text(entry_id)
 
-    def publish_group(self, worker: str, group: Group, place: str, error: str | None = None) -> str | None:
-        return self.publish(worker, group.group_id, encode_group(group), place, error)
+    def publish_group(self, worker: str, group: Group, place: str, error: str | None = None,
+                      keep_response_text: bool = False) -> str | None:
+        """Encode and publish. Results leave out the response texts unless asked: the
+        trainer trains on tokens, and text is ~20% of a finished group's bytes. Requeued
+        and dead-lettered groups keep them (a continuation appends to the text)."""
+        with_text = keep_response_text or place != Place.RESULTS
+        return self.publish(worker, group.group_id, encode_group(group, with_text), place, error)
 
     def heartbeat(self, worker: str, info: str) -> Heartbeat:
         k = self.keys
@@ -243,8 +249,10 @@ class Queue:
                 items.append(Settle("drop", entry.entry_id, group.group_id, "requeue-drop"))
                 continue
             if policy == "restart":
-                reset_group(group)
-            items.append(Settle("prompt", entry.entry_id, group.group_id, payload=encode_group(group)))
+                payload = encode_group(reset_group(group))
+            else:
+                payload = entry.data  # continue: as the worker left it, already validated
+            items.append(Settle("prompt", entry.entry_id, group.group_id, payload=payload))
         # Reversed: each item goes to the head, so the oldest ends up first.
         return self.settle(self.keys.requeue, items[::-1])
 

@@ -167,24 +167,33 @@ def namespace_is_empty(client: redis.Redis, keys: Keys) -> bool:
     return True
 
 
-def known_namespaces(client: redis.Redis, limit: int = 10, max_keys: int = 100_000) -> list[str]:
-    """Namespaces found on this server (by their stats or prompts keys); for hints."""
+def known_namespaces(client: redis.Redis, max_names: int = 1000, max_keys: int = 200_000) -> list[str]:
+    """Namespaces found on this server (from their `{ns}:...` keys), for hints. Scans at
+    most `max_keys` keys: an error path on a big shared server must stay quick."""
     found: set[str] = set()
-    seen = 0
-    for key in client.scan_iter(match="{*}:*", count=1000):
-        seen += 1
+    for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
         name = _text(key)
         if name.startswith("{") and "}:" in name:
             found.add(name[1:name.index("}:")])
-        if len(found) >= limit or seen >= max_keys:
+        if len(found) >= max_names or seen >= max_keys:
             break
     return sorted(found)
 
 
-def empty_message(client: redis.Redis, namespace: str) -> str:
+def empty_message(client: redis.Redis, namespace: str, shown: int = 8) -> str:
+    """`namespace 'x' is empty: nothing has been pushed`, with the likeliest intended names."""
+    import difflib
+
     others = [n for n in known_namespaces(client) if n != namespace]
-    hint = f" (namespaces on this server: {', '.join(others)})" if others else " (this server holds no pipeline)"
-    return f"namespace {namespace!r} is empty: nothing has been pushed{hint}"
+    if not others:
+        return f"namespace {namespace!r} is empty: nothing has been pushed (this server holds no pipeline)"
+    close = difflib.get_close_matches(namespace, others, n=3, cutoff=0.6)
+    rest = [n for n in others if n not in close]
+    listed = close + rest[:max(0, shown - len(close))]
+    more = f" and {len(others) - len(listed)} more" if len(others) > len(listed) else ""
+    guess = f"did you mean {' or '.join(repr(n) for n in close)}? " if close else ""
+    return (f"namespace {namespace!r} is empty: nothing has been pushed ({guess}namespaces on this server: "
+            f"{', '.join(listed)}{more})")
 
 
 def snapshot(queue: Queue, tracker: RateTracker | None = None,

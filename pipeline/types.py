@@ -6,7 +6,7 @@ Sample can be built from ours without loss.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -21,7 +21,7 @@ class Status(str, Enum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sample:
     group_index: int | None = None
     index: int | None = None
@@ -36,6 +36,12 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
     status: Status = Status.PENDING
+
+    def __eq__(self, other: object) -> bool:
+        # Field by field, so a codec.PackedSample equals the Sample it was encoded from.
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(Sample))
 
     @property
     def response_tokens(self) -> list[int]:

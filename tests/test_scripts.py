@@ -162,6 +162,16 @@ def test_budget_does_not_count_reaped_or_requeued_groups_twice(queue):
     assert read_control(queue.redis, queue.keys).admitted == 2
     assert queue.claim("c", 5).status == "budget"
     assert prompts(queue) == ["g2", "g3"]
+    # Trained-on groups keep counting: committing them frees no budget.
+    c_group = decode_group(queue.redis.hget(queue.keys.payloads, "g0"))
+    queue.publish_group("c", finish(c_group), Place.RESULTS)
+    queue.ensure_consumer_group()
+    [(eid, _)] = queue.redis.xreadgroup(CONSUMER_GROUP, "t", {queue.keys.results: ">"})[0][1]
+    assert queue.settle(queue.keys.results, [Settle("commit", eid.decode(), "g0")], CONSUMER_GROUP) == 1
+    assert read_control(queue.redis, queue.keys).admitted == 2
+    assert queue.claim("c", 5).status == "budget"
+    set_weight_version(queue.redis, queue.keys, 1)  # the trainer moved on: room for two more
+    assert ids(queue.claim("c", 5)) == ["g2", "g3"]
 
 
 def test_claim_malformed_payload_is_dead_lettered(queue):
@@ -198,7 +208,7 @@ def test_publish_while_held(queue, place, stream, counter):
     queue.push_groups(fresh(2))
     g = queue.claim("w", 1).groups[0].group
     error = "engine failed" if place == Place.DEAD else None
-    entry_id = queue.publish_group("w", finish(g), place, error=error)
+    entry_id = queue.publish_group("w", finish(g), place, error=error, keep_response_text=True)
     assert entry_id
     [entry] = queue.read_stream(getattr(queue.keys, stream))
     assert (entry.entry_id, entry.group_id, entry.error) == (entry_id, "g0", error)
@@ -210,6 +220,19 @@ def test_publish_while_held(queue, place, stream, counter):
     assert queue.publish_group("w", g, place, error=error) is None
     assert queue.redis.xlen(getattr(queue.keys, stream)) == 1
     assert_audit_ok(queue)
+
+
+def test_results_leave_response_text_out_unless_asked(queue):
+    queue.push_groups(fresh(3))
+    gs = [finish(c.group) for c in queue.claim("w", 3).groups]
+    queue.publish_group("w", gs[0], Place.RESULTS)
+    queue.publish_group("w", gs[1], Place.RESULTS, keep_response_text=True)
+    queue.publish_group("w", gs[2], Place.REQUEUE)  # a continuation appends to the text: kept
+    plain, kept = (e.decode() for e in queue.read_stream(queue.keys.results))
+    assert [s.response for s in plain.samples] == ["", ""]
+    assert plain.samples[0].tokens == gs[0].samples[0].tokens
+    assert [s.response for s in kept.samples] == ["rrr", "rrr"]
+    assert [s.response for s in queue.read_stream(queue.keys.requeue)[0].decode().samples] == ["rrr", "rrr"]
 
 
 def test_publish_not_held_is_refused(queue):

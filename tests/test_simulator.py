@@ -9,7 +9,6 @@ import json
 import random
 import re
 import statistics
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -467,10 +466,11 @@ def test_update_weights_waits_for_in_flight_requests(slow):
     url = slow.url
     job = in_background(url, {"text": "a", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})
     wait_until(lambda: running(url) == 1)
+    started = time.monotonic()
     status, _ = call(url, "/update_weights_from_disk", {"model_path": "m", "weight_version": "1"})
     assert status == 200
-    assert job.done()  # SGLang's writer lock waited for the request to finish
-    assert job.result()[1]["meta_info"]["weight_version"] == "default"
+    assert time.monotonic() - started >= 0.15  # SGLang's writer lock waited for the request (0.3 s)
+    assert job.result(timeout=5)[1]["meta_info"]["weight_version"] == "default"  # finished before the update
 
 
 def test_server_info_models_loads(fast):

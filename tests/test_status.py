@@ -52,7 +52,7 @@ def test_empty_namespace_is_reported(queue, client, namespace):
     other.push_groups(make_groups(1))
     msg = empty_message(client, namespace)
     assert msg.startswith(f"namespace {namespace!r} is empty: nothing has been pushed")
-    assert namespace + "-other" in msg  # a typo'd namespace shows the real ones
+    assert f"did you mean '{namespace}-other'" in msg  # a typo'd namespace shows the likely one
     assert not snapshot(other).empty
 
 

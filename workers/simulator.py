@@ -81,8 +81,11 @@ _FILLER_WORDS = (
 )
 _CACHE_ENTRIES = 100_000  # bound on the simulated prefix cache and per-prompt counters
 # Token log-probs are drawn by indexing random bytes into this table: 256 quantiles of
-# -|N(0, 0.8)|. One randbytes() call per request instead of one gauss() per token.
-_LOGPROB_TABLE = tuple(-0.8 * statistics.NormalDist().inv_cdf(0.5 + 0.5 * (i + 0.5) / 256) for i in range(256))
+# -|N(0, 0.8)|, rounded (short floats encode to JSON faster). One randbytes() call per
+# request instead of one gauss() per token.
+_LOGPROB_TABLE = tuple(round(-0.8 * statistics.NormalDist().inv_cdf(0.5 + 0.5 * (i + 0.5) / 256), 4)
+                       for i in range(256))
+_SUFFIXES, _SUFFIX_CUM_WEIGHTS = ("", ",", ".\n"), (80, 92, 100)
 
 
 @dataclass
@@ -471,14 +474,11 @@ def _filler(rng: random.Random, length: int) -> str:
     words: list[str] = []
     size = 0
     while size <= length:  # the joined text is size - 1 long
-        word = rng.choice(_FILLER_WORDS)
-        roll = rng.random()
-        if roll < 0.08:
-            word += ".\n"
-        elif roll < 0.2:
-            word += ","
-        words.append(word)
-        size += len(word) + 1
+        k = length // 5 + 4  # words average ~5.7 characters with their space: usually one round
+        batch = [w + e for w, e in zip(rng.choices(_FILLER_WORDS, k=k),
+                                       rng.choices(_SUFFIXES, cum_weights=_SUFFIX_CUM_WEIGHTS, k=k))]
+        words.extend(batch)
+        size += sum(map(len, batch)) + len(batch)
     return " ".join(words)[:length]
 
 
@@ -514,36 +514,37 @@ def plan_generation(spec: GenSpec, rng: random.Random, tokenizer: ByteTokenizer,
     else:
         room = total - 1 - len(answer)
         body = (_filler(rng, room - 1) + "\n" if room > 0 else "") + answer
+    eos = tokenizer.eos_token_id
     if spec.ignore_eos:
         # The model keeps talking past where it would have stopped.
         extra = spec.max_new_tokens - len(body)
-        tokens = tokenizer.encode(body + (" " + _filler(rng, extra - 1) if extra > 0 else ""))
+        data = (body + (" " + _filler(rng, extra - 1) if extra > 0 else "")).encode("utf-8")
+        tokens = list(data)
     else:
-        tokens = tokenizer.encode(body) + [tokenizer.eos_token_id]
+        data = body.encode("utf-8")
+        tokens = list(data) + [eos]
 
+    # The earliest token that stops generation. SGLang checks, after each token: the
+    # length limit, then stop token ids (EOS included, unless ignore_eos), then stop
+    # strings; so a tie goes to the token id and reaching the limit beats both.
+    stop_at: int | None = None
+    matched: int | str | None = None
+    if not spec.ignore_eos:
+        stop_at, matched = len(data), eos
+        for token in spec.stop_token_ids:
+            pos = data.find(bytes((token,))) if 0 <= token < 256 else -1
+            if pos != -1 and pos < stop_at:
+                stop_at, matched = pos, token
+    for stop in spec.stop_strs:
+        encoded = stop.encode("utf-8")
+        pos = data.find(encoded) if encoded else -1
+        if pos != -1 and (stop_at is None or pos + len(encoded) - 1 < stop_at):
+            stop_at, matched = pos + len(encoded) - 1, stop
     limit = spec.max_new_tokens
-    stop_ids = set() if spec.ignore_eos else set(spec.stop_token_ids) | {tokenizer.eos_token_id}
-    stop_bytes = [(s, s.encode("utf-8")) for s in spec.stop_strs if s]
-    tail = bytearray()
-    count, finish = len(tokens), None
-    if limit == 0:
-        count, finish = 0, {"type": "length", "length": 0}
-    for i, token in enumerate(tokens if finish is None else ()):
-        produced = i + 1
-        if produced >= limit:
-            count, finish = produced, {"type": "length", "length": limit}
-            break
-        if token in stop_ids:
-            count, finish = produced, {"type": "stop", "matched": token}
-            break
-        if stop_bytes and token < 256:
-            tail.append(token)
-            hit = next((s for s, b in stop_bytes if tail.endswith(b)), None)
-            if hit is not None:
-                count, finish = produced, {"type": "stop", "matched": hit}
-                break
-    if finish is None:  # ran out of planned tokens (only possible with ignore_eos)
-        finish = {"type": "length", "length": limit}
+    if stop_at is not None and stop_at + 1 < limit:
+        count, finish = stop_at + 1, {"type": "stop", "matched": matched}
+    else:
+        count, finish = min(limit, len(tokens)), {"type": "length", "length": limit}
     tokens = tokens[:count]
     logprobs = [_LOGPROB_TABLE[b] for b in rng.randbytes(len(tokens))]
     return Plan(tokens=tokens, logprobs=logprobs, finish=finish)
@@ -562,11 +563,11 @@ class SimRequest:
     """One sub-request inside the engine. States: waiting → running ⇄ frozen → done."""
 
     __slots__ = ("spec", "plan", "created", "future", "state", "done_tokens", "run_start",
-                 "rate", "timer", "retractions", "cached_tokens", "extra_delay", "outcome",
-                 "finish", "final_tokens", "finished_at", "in_queue_abort", "seed_material")
+                 "rate", "timer", "retractions", "cached_tokens", "outcome", "finish",
+                 "final_tokens", "finished_at", "weight_version", "in_queue_abort", "seed_material")
 
     def __init__(self, spec: GenSpec, plan: Plan, created: float, future: asyncio.Future,
-                 rate: float, cached_tokens: int, extra_delay: float, seed_material: str) -> None:
+                 rate: float, cached_tokens: int, seed_material: str) -> None:
         self.spec = spec
         self.plan = plan
         self.created = created
@@ -578,11 +579,11 @@ class SimRequest:
         self.timer: asyncio.TimerHandle | None = None
         self.retractions = 0
         self.cached_tokens = cached_tokens
-        self.extra_delay = extra_delay  # latency spike added to the first prefill
         self.outcome: str | None = None
         self.finish: dict | None = None
         self.final_tokens = 0
         self.finished_at = 0.0
+        self.weight_version = ""  # the server's version when the request ended
         self.in_queue_abort = False
         self.seed_material = seed_material
 
@@ -646,7 +647,7 @@ class SimEngine:
         steps = int(version) if version.isdigit() else 0
         return min(1.0, max(0.0, self.config.skill + self.config.skill_gain_per_version * steps))
 
-    async def _wait(self, fut: asyncio.Future, epoch: asyncio.Future) -> None:
+    async def wait(self, fut: asyncio.Future, epoch: asyncio.Future) -> None:
         """Wait for `fut`; raise Restarted if the engine restarts first."""
         await asyncio.wait((fut, epoch), return_when=asyncio.FIRST_COMPLETED)
         if epoch.done():
@@ -656,7 +657,7 @@ class SimEngine:
         """asyncio.sleep that raises Restarted if the engine restarts meanwhile."""
         task = asyncio.ensure_future(asyncio.sleep(seconds))
         try:
-            await self._wait(task, epoch)
+            await self.wait(task, epoch)
         finally:
             task.cancel()
 
@@ -666,7 +667,7 @@ class SimEngine:
         while self.paused or self._writers:
             if self._gate is None or self._gate.done():
                 self._gate = self._loop().create_future()
-            await self._wait(self._gate, epoch)
+            await self.wait(self._gate, epoch)
 
     def _open_gate(self) -> None:
         if not self.paused and not self._writers and self._gate is not None and not self._gate.done():
@@ -716,7 +717,7 @@ class SimEngine:
             seed_material = f"{self.config.seed}|{digest.hex()}|{self._sample_key(spec, digest)}"
             plan = plan_generation(spec, random.Random(seed_material), self.tokenizer, self.config, self.skill())
             req = SimRequest(spec, plan, created, loop.create_future(), self.config.decode_tokens_per_s,
-                             self._cached_tokens(digest, len(spec.input_ids)), 0.0, seed_material)
+                             self._cached_tokens(digest, len(spec.input_ids)), seed_material)
             self.requests[spec.rid] = req
             self.waiting.append(req)
             reqs.append(req)
@@ -732,8 +733,7 @@ class SimEngine:
         now = self.now()
         req.state = "running"
         self.running[req.rid] = req
-        req.run_start = now + (self.config.prefill_s + req.extra_delay if prefill else 0.0)
-        req.extra_delay = 0.0
+        req.run_start = now + (self.config.prefill_s if prefill else 0.0)
         finish_at = req.run_start + (len(req.plan.tokens) - req.done_tokens) / req.rate
         req.timer = self._loop().call_at(finish_at, self._on_finished, req)
 
@@ -757,6 +757,7 @@ class SimEngine:
         req.state = "done"
         req.outcome, req.finish, req.final_tokens = outcome, finish, tokens
         req.finished_at = self.now()
+        req.weight_version = self.weight_version
         self.requests.pop(req.rid, None)
         self.stats[outcome] += 1
         if not req.future.done():
@@ -853,7 +854,7 @@ class SimEngine:
                 while self.requests:
                     if self._idle is None or self._idle.done():
                         self._idle = self._loop().create_future()
-                    await self._wait(self._idle, epoch)
+                    await self.wait(self._idle, epoch)
                 if self.config.weight_update_s:
                     await self.sleep(self.config.weight_update_s, epoch)
             finally:
@@ -1016,7 +1017,7 @@ class SimServer:
                 await engine.sleep(self.config.latency_spike_s, epoch)
             if fault == "hang":
                 engine.stats["hangs"] += 1
-                await engine._wait(self._loop_future(), epoch)  # until disconnect or restart
+                await engine.wait(self._loop_future(), epoch)  # until disconnect or restart
             if fault == "drop":
                 engine.stats["drops"] += 1
                 return _drop(request)
@@ -1110,6 +1111,7 @@ class SimServer:
         """The JSON SGLang returns for one request (cumulative, in 0.5.15's key order)."""
         spec, engine = req.spec, self.engine
         count = req.final_tokens if final else (produced if produced is not None else req.progress(engine.now()))
+        version = req.weight_version if final else engine.weight_version
         ids = req.plan.tokens[:count]
         finish = req.finish if final else None
 
@@ -1123,7 +1125,7 @@ class SimServer:
 
         if req.in_queue_abort:
             # TokenizerManager._handle_abort_req: a smaller meta_info, built there.
-            meta: dict[str, Any] = {"id": spec.rid, "finish_reason": finish, "weight_version": engine.weight_version,
+            meta: dict[str, Any] = {"id": spec.rid, "finish_reason": finish, "weight_version": version,
                                     "e2e_latency": req.finished_at - req.created}
             if spec.return_logprob:
                 self._add_logprobs(meta, req, count)
@@ -1132,7 +1134,7 @@ class SimServer:
             return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
         meta = {"id": spec.rid, "finish_reason": finish, "prompt_tokens": len(spec.input_ids),
-                "weight_version": engine.weight_version, "total_retractions": req.retractions}
+                "weight_version": version, "total_retractions": req.retractions}
         if spec.return_logprob:
             self._add_logprobs(meta, req, count)
         meta["completion_tokens"] = count
@@ -1157,9 +1159,11 @@ class SimServer:
                 lp = None if pos == 0 else -abs(prompt_rng.gauss(0.0, 2.0))
                 input_lp.append([lp, spec.input_ids[pos], self._token_text(spec.input_ids[pos], with_text)])
         meta["input_token_logprobs"] = input_lp
-        meta["output_token_logprobs"] = [
-            [plan.logprobs[i], plan.tokens[i], self._token_text(plan.tokens[i], with_text)] for i in range(count)
-        ]
+        if with_text:
+            meta["output_token_logprobs"] = [[lp, t, self._token_text(t, True)]
+                                             for lp, t in zip(plan.logprobs[:count], plan.tokens[:count])]
+        else:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(plan.logprobs[:count], plan.tokens[:count])]
         if spec.top_logprobs_num > 0:
             k = spec.top_logprobs_num
             meta["input_top_logprobs"] = [None if e[0] is None else [[e[0], e[1], e[2]]] for e in input_lp]

@@ -186,8 +186,7 @@ def run_stack(opts: StackOptions, console) -> None:
         console.print(msg, markup=False, highlight=False, soft_wrap=True, style=style)
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    hint = Text(f"push prompts: rollout --namespace {opts.namespace} push FILE --n-samples 8"
-                "   |   Ctrl-C stops everything", style="dim")
+    hint = Text(f"add prompts: rollout --namespace {opts.namespace} push FILE    Ctrl-C: stop all", style="dim")
     try:
         stack.start(say=say)
         queue = Queue(connect(stack.url), opts.namespace)

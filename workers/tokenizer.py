@@ -93,6 +93,12 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Invalid UTF-8 becomes U+FFFD; special ids are dropped or shown as `<|eos|>` etc."""
+        if not isinstance(ids, (list, tuple)):
+            ids = list(ids)  # also rejects a bare int, which bytes() would take as a length
+        try:
+            return bytes(ids).decode("utf-8", errors="replace")  # fast path: plain bytes only
+        except (ValueError, TypeError):
+            pass
         out: list[str] = []
         run = bytearray()
         for token in ids:

@@ -93,6 +93,7 @@ class WorkerSettings:
     heartbeat_s: float = 2.0
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
     metrics_port: int | None = None  # serve Prometheus metrics here
+    keep_response_text: bool = False  # include response texts in results (tokens are always there)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
@@ -234,7 +235,8 @@ class Worker:
             place, error = await self._generate_group(group)
             group.finished_at = time.time()
             group.error = error
-            entry = await asyncio.to_thread(self.queue.publish, self.id, gid, encode_group(group), place, error)
+            entry = await asyncio.to_thread(self.queue.publish_group, self.id, group, place, error,
+                                            self.settings.keep_response_text)
             metrics.GROUPS_PUBLISHED.labels(place if entry else "lost").inc()
             if entry is None:
                 self.counters.groups_lost += 1

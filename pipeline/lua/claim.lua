@@ -1,9 +1,9 @@
 -- Move up to ARGV[2] group ids from the head of the prompt list into one worker's
 -- in-flight set, unless admission is paused, the results backlog is full, or the
--- staleness budget (AReaL pacing: admitted <= (max_staleness + version + 1) * batch_size)
--- is spent. Claiming also counts as a heartbeat.
+-- staleness budget (AReaL pacing: admitted <= (max_staleness + version + 1) * batch_size,
+-- admitted = committed + admitted-and-unsettled) is spent. Claiming also counts as a heartbeat.
 -- KEYS: prompts, payloads, inflight, workers, control, results, admitted, stats
--- ARGV: worker, max_groups
+-- ARGV: worker, max_groups, default max_ready (when the control hash sets none)
 -- Returns {status, weight_version, gid, payload, admitted_version, gid, payload, ...}
 -- with status one of ok, empty, paused, backlog, budget.
 local t = redis.call('TIME')
@@ -16,17 +16,20 @@ local version = tonumber(ctl[5]) or 0
 if ctl[1] == '1' then return {'paused', version} end
 
 local want = tonumber(ARGV[2])
-if ctl[2] then
-  local room = tonumber(ctl[2]) - redis.call('XLEN', KEYS[6])
-  if room <= 0 then return {'backlog', version} end
-  want = math.min(want, room)
-end
+local room = (tonumber(ctl[2]) or tonumber(ARGV[3])) - redis.call('XLEN', KEYS[6])
+if room <= 0 then return {'backlog', version} end
+want = math.min(want, room)
 
 local limit = nil
 if ctl[3] and ctl[4] then
   limit = (tonumber(ctl[3]) + version + 1) * tonumber(ctl[4])
 end
-local admitted = tonumber(ctl[6]) or 0
+-- What counts against the budget: groups committed so far plus groups admitted and not
+-- yet settled (the admitted hash). A group dropped by the filter, the staleness check or
+-- a requeue-drop (or discarded) gives its slot back, as a rejected rollout does in
+-- AReaL; a plain counter of first claims would spend the budget on groups the trainer
+-- never gets, and dynamic sampling would stall once drops reach the slack.
+local admitted = tonumber(redis.call('HGET', KEYS[8], 'committed') or '0') + redis.call('HLEN', KEYS[7])
 
 local out = {'ok', version}
 local status = 'ok'
