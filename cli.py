@@ -222,7 +222,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @click.option("--keep-response-text", is_flag=True,
-              help="Publish response texts with the results (tokens always are; text adds ~20%% per group).")
+              help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,

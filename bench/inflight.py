@@ -37,7 +37,7 @@ Figures (over the window):
   *_cpu_cores       the same for the simulators, redis-server and this process, and the
                     machine's total from /proc/stat, so you can see where the cores went
 
-    python bench/inflight.py              # full run (~3.5 min), a short table
+    python bench/inflight.py              # full run (about 4.5 minutes), a short table
     python bench/inflight.py --quick      # under a minute
     python bench/inflight.py --json       # one JSON object on stdout
 """
@@ -98,7 +98,9 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent)
 
 
-def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> bool:
+    """SIGTERM, then SIGKILL after the timeout. True when every process exited by itself."""
+    clean = True
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -110,6 +112,8 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            clean = False
+    return clean
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -159,7 +163,7 @@ def _get_json(url: str, timeout: float = 15.0) -> dict:
 
 @dataclass
 class Sample:
-    t: float  # seconds since the worker registered
+    t: float  # seconds since the ramp started
     phase: str
     inflight: int  # running + waiting over all simulators
     running: int
@@ -229,6 +233,8 @@ class Bench:
         self.pushed = 0
         self.rng = random.Random(args.seed)
         self.samples: list[Sample] = []
+        self.worker_stop_s: float | None = None
+        self.worker_stop_clean: bool | None = None
 
     # -- setup / teardown ------------------------------------------------------------
 
@@ -260,7 +266,7 @@ class Bench:
                "--concurrency", str(self.args.concurrency), "--max-new-tokens", str(self.args.max_new_tokens)]
         for u in self.sim_urls:
             cmd += ["--engine-url", u]
-        return cmd
+        return cmd + list(self.args.worker_arg)
 
     def _wait_for_simulators(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -304,9 +310,12 @@ class Bench:
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.stop.set()
-        # The worker first: on SIGTERM it hands its groups back to the prompt list.
+        # The worker first: on SIGTERM it hands its groups back to the prompt list. The
+        # Redis data is thrown away, so a worker slow to stop is killed after the grace.
         if self.worker is not None:
-            _stop([self.worker])
+            t = time.monotonic()
+            self.worker_stop_clean = _stop([self.worker], timeout_s=self.args.stop_grace)
+            self.worker_stop_s = time.monotonic() - t
         if self.trainer_thread is not None:
             self.trainer_thread.join(timeout=5)
         _stop(self.sims, timeout_s=5)
@@ -477,8 +486,8 @@ def human(r: dict) -> str:
         f"machine {r['machine_cpu_cores']:.2f} of {r['machine_cores']}",
         f"worker CPU per 1,000 requests/s    {f(r['worker_cpu_per_1k_rps'], '.3f')} cores   "
         f"(simulators {f(r['simulators_cpu_per_1k_rps'], '.3f')})",
-        f"dead letters {r['dead_letters']}, requeued {r['requeued']}, worker engine errors "
-        f"{r['worker_counters'].get('engine_errors', 'n/a')}",
+        f"worker RSS max {f(r['worker_rss_mb_max'], '.0f')} MB; dead letters {r['dead_letters']}, requeued "
+        f"{r['requeued']}, worker engine errors {r['worker_counters'].get('engine_errors', 'n/a')}",
     ])
 
 
@@ -494,12 +503,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--median-tokens", type=int, default=128, help="median output length (default 128)")
     p.add_argument("--p99-tokens", type=int, default=1280, help="p99 output length (default 1280)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="worker --max-new-tokens (default 1024)")
-    p.add_argument("--ramp", dest="ramp_s", type=float, help="seconds to feed up to capacity (default 30, quick 12)")
-    p.add_argument("--settle", dest="settle_s", type=float, help="seconds before measuring (default 60, quick 16)")
-    p.add_argument("--measure", dest="measure_s", type=float, help="measurement window (default 150, quick 20)")
+    p.add_argument("--ramp", dest="ramp_s", type=float, help="seconds to feed up to capacity (default 30, quick 10)")
+    p.add_argument("--settle", dest="settle_s", type=float, help="seconds before measuring (default 60, quick 14)")
+    p.add_argument("--measure", dest="measure_s", type=float, help="measurement window (default 150, quick 18)")
     p.add_argument("--backlog", type=int, default=256, help="groups kept queued in the prompt list (default 256)")
     p.add_argument("--train-batch", type=int, default=16, help="trainer batch size in groups (default 16)")
     p.add_argument("--max-ready", type=int, default=4096, help="results backlog limit (control max_ready)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `rollout worker` (repeat; e.g. --worker-arg=--lease --worker-arg=60)")
+    p.add_argument("--stop-grace", type=float, default=5.0,
+                   help="seconds the worker gets to stop on SIGTERM before SIGKILL (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the logs directory (printed on stderr)")
     p.add_argument("--verbose", action="store_true", help="print every sample on stderr")
@@ -508,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = math.ceil(14336 / args.engines)
     if args.max_running is None:
         args.max_running = args.concurrency * args.engines
-    for name, quick, full in (("ramp_s", 12.0, 30.0), ("settle_s", 16.0, 60.0), ("measure_s", 20.0, 150.0)):
+    for name, quick, full in (("ramp_s", 10.0, 30.0), ("settle_s", 14.0, 60.0), ("measure_s", 18.0, 150.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     if args.engines < 1 or args.concurrency < 1 or args.measure_s < 1:
@@ -518,9 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     def terminate(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGHUP, terminate)
     bench = Bench(args)
+    started = time.monotonic()
     try:
         if not args.json:
             print(f"starting redis, {args.engines} simulators and 1 worker (logs in {bench.tmp})", file=sys.stderr)
@@ -535,8 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         bench.close()
+        wall = time.monotonic() - started
         if args.keep:
             print(f"logs kept in {bench.tmp}", file=sys.stderr)
+    result["wall_s"] = wall
+    result["worker_stop_s"] = bench.worker_stop_s
+    result["worker_stopped_cleanly"] = bench.worker_stop_clean
     print(json.dumps(result) if args.json else human(result))
     return 0 if result["target_met"] else 2
 

@@ -210,14 +210,17 @@ class Consumer:
         self._recheck_held(control, metrics)
         while len(self._held) < n:
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise BatchTimeout(self.diagnose(n, len(self._held), timeout))
+            # Out of time: one last look without blocking, so groups that are already
+            # there are taken (timeout=0 polls) rather than reported missing.
+            expired = remaining is not None and remaining <= 0
             block = self.block_s if remaining is None else max(0.001, min(self.block_s, remaining))
-            entries = self._read(">", n - len(self._held), int(block * 1000))
+            entries = self._read(">", n - len(self._held), None if expired else int(block * 1000))
             if entries:
                 control = read_control(self.redis, self.keys)
                 self._recheck_held(control, metrics)
                 self._screen(entries, control, metrics)
+            if expired and len(self._held) < n:
+                raise BatchTimeout(self.diagnose(n, len(self._held), timeout))
         taken, self._held = self._held[:n], self._held[n:]
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started

@@ -28,6 +28,10 @@ class ControlState:
     # Groups counting against the staleness budget: committed, plus admitted (first
     # claimed) and not settled yet. Dropped and discarded groups give their slot back.
     admitted: int = 0
+    release_policy: str = "continue"  # what happens to aborted groups on release
+
+
+RELEASE_POLICIES = ("continue", "restart", "drop")
 
 
 def _int(value: bytes | None) -> int | None:
@@ -35,20 +39,20 @@ def _int(value: bytes | None) -> int | None:
 
 
 def read_control(client: redis.Redis, keys: Keys) -> ControlState:
-    fields = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready")
+    fields = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "release_policy")
     pipe = client.pipeline(transaction=True)
     pipe.hmget(keys.control, fields)
     pipe.hget(keys.stats, "committed")
     pipe.hlen(keys.admitted)
-    (paused, version, eta, batch, ready), committed, live = pipe.execute()
+    (paused, version, eta, batch, ready, policy), committed, live = pipe.execute()
     return ControlState(
         paused=paused == b"1",
         weight_version=_int(version) or 0,
         max_staleness=_int(eta),
         batch_size=_int(batch),
         max_ready=_int(ready),
-        # computed as the claim script does (lua/claim.lua), not its cached copy
-        admitted=(_int(committed) or 0) + live,
+        admitted=(_int(committed) or 0) + live,  # as lua/claim.lua counts it
+        release_policy=policy.decode() if policy else "continue",
     )
 
 
@@ -130,6 +134,8 @@ class Controller:
         self.redis = queue.redis
         self.keys = queue.keys
         self.engines = engines
+        if release_policy not in RELEASE_POLICIES:
+            raise ValueError(f"unknown release policy {release_policy!r}: use one of {', '.join(RELEASE_POLICIES)}")
         self.release_policy = release_policy
         # abort mode: stop waiting for in-flight groups once their number has not moved
         # for this long after the engines paused (see PauseReport.still_inflight).
@@ -178,6 +184,8 @@ class Controller:
             set_weight_version(self.redis, self.keys, weight_version)
         if self.engines is not None:
             await self.engines.continue_generation()
+        # Recorded so the workers' own releases (of groups aborted later) follow it too.
+        self.redis.hset(self.keys.control, "release_policy", self.release_policy)
         released = self.queue.release(self.release_policy)
         claims_before = int(self.redis.hget(self.keys.stats, "claims") or 0)
         started = time.monotonic()

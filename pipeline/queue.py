@@ -135,7 +135,7 @@ class Queue:
         k = self.keys
         stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[place]
         entry_id = self._scripts["publish"](
-            keys=[k.inflight(worker), k.payloads, stream, k.stats],
+            keys=[k.inflight(worker), k.payloads, stream, k.stats, k.admitted],
             args=[group_id, payload, place, error or ""],
         )
         if entry_id is None:

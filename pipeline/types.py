@@ -47,6 +47,11 @@ class Sample:
     def response_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length:] if self.response_length else []
 
+    def get_reward_value(self, args: Any) -> Any:
+        """slime's accessor: with `--reward-key`, the reward is a dict and that key wins."""
+        key = getattr(args, "reward_key", None)
+        return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
+
     def to_dict(self) -> dict[str, Any]:
         """slime's `Sample.to_dict` shape: status as its string value."""
         return {

@@ -216,7 +216,7 @@ def groups(draw):
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups())
 def test_round_trip_property(g):
     assert decode_group(encode_group(g)) == g

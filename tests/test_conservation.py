@@ -112,7 +112,7 @@ class ConservationMachine(RuleBasedStateMachine):
             if not (ready or queued or requeued):
                 break
             try:  # all that is left; if the filter drops some, the rest stays held for the next try
-                batch = consumer.next_batch(max(1, ready), timeout=0.02)
+                batch = consumer.next_batch(max(1, ready), timeout=0.01)
             except BatchTimeout:
                 continue
             self._check_new(batch)

@@ -112,6 +112,15 @@ def test_batch_waits_for_groups_that_arrive_later(queue, consumer):
     assert 0.3 < time.monotonic() - started < 5
 
 
+def test_zero_timeout_takes_groups_that_are_there(queue, consumer):
+    produce(queue, 3)
+    batch = consumer.next_batch(2, timeout=0)  # a poll: no waiting, but no false timeout either
+    assert [g.group_id for g in batch.groups] == ["g0", "g1"]
+    with pytest.raises(BatchTimeout, match="with 1 of 2 groups"):
+        consumer.next_batch(2, timeout=0)
+    assert [g.group_id for g in consumer.next_batch(1, timeout=0).groups] == ["g2"]
+
+
 def test_invalid_arguments(client, namespace):
     c = Consumer(client, namespace)
     with pytest.raises(ValueError):

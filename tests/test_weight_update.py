@@ -234,8 +234,13 @@ def test_weight_update_in_each_pause_mode(env, redis_url, queue, namespace, mode
             check_sample(g, s)
 
     if mode == "abort":
-        # Every in-flight group was aborted and waited in the requeue stream.
-        assert held == set() and len(requeued) == report.requeued == resumed.released > 0
+        # Every in-flight group was aborted and waited in the requeue stream, except one
+        # whose requests reached the engines only after they paused (rare here: the
+        # workers were at capacity): still in flight, generated wholly under "1".
+        assert len(held) == report.still_inflight <= 1
+        assert len(requeued) == report.requeued == resumed.released > 0
+        for gid in held:
+            assert all(s.weight_versions == ["1"] for s in by_id[gid].samples)
         assert queue.stats().get("requeue", 0) >= len(requeued)
         two_versions = 0
         for gid in requeued:
@@ -254,7 +259,7 @@ def test_weight_update_in_each_pause_mode(env, redis_url, queue, namespace, mode
         # Nothing requeued: the requests stayed on the engines and finished after resume.
         assert requeued == set() and report.requeued == 0 and resumed.released == 0
         assert queue.stats().get("requeue", 0) == 0 and queue.redis.xlen(queue.keys.requeue) == 0
-        assert len(held) == 8
+        assert len(held) >= 6  # (a group may finish in the moment before the engines pause)
         for gid in held:
             versions = [s.weight_versions for s in by_id[gid].samples]
             # One engine call per sample; the simulator (like SGLang) reports the version
@@ -373,8 +378,6 @@ def test_pause_is_seen_within_100ms_and_reports_are_filled(env, redis_url, queue
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="workers/worker.py: a worker at capacity never tries a claim, so its "
-                   "state stays 'running' while paused (see the issue-4 report)")
 def test_worker_at_capacity_shows_paused(env, redis_url, queue, namespace):
     router, sims = env
     push(queue, 12)
@@ -482,3 +485,29 @@ def test_controller_pause_through_old_engine_fallback(queue):
     assert [p for p, _ in calls].count("/continue_generation") == 2
     control = read_control(queue.redis, queue.keys)
     assert not control.paused and control.weight_version == 3
+
+
+def test_abort_before_any_token_records_no_version(redis_url, queue, namespace):
+    # One request runs at a time: the group's second sample waits in the engine's queue
+    # and is aborted there, with no output ("Abort in waiting queue").
+    sim = start_simulator(SimConfig(seed=40, max_running_requests=1, decode_tokens_per_s=100.0,
+                                    length_median=200.0, length_p99=300.0))
+    push(queue, 1, samples=2)
+    workers = [WorkerThread(worker_settings(redis_url, namespace, [sim.url]))]
+    ctl = Control(queue, [sim.url])
+    try:
+        wait_for(lambda: http_json(sim.url + "/v1/loads")["aggregate"]["total_reqs"] == 2, what="2 requests")
+        time.sleep(0.3)
+        ctl.run(ctl.controller.pause("abort"))
+        ctl.run(ctl.engines.update_weight_version("1", abort_all_requests=False))
+        ctl.run(ctl.controller.resume(weight_version=1))
+        [g] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+    finally:
+        stop_all(workers)
+        ctl.close()
+        sim.stop()
+    waited = [s for s in g.samples if s.metadata["rollout_segments"][0] == 0 or s.weight_versions == ["1"]]
+    assert waited, [(s.weight_versions, s.metadata["rollout_segments"]) for s in g.samples]
+    for s in waited:  # every token came from version 1
+        assert s.weight_versions == ["1"], (s.weight_versions, s.metadata["rollout_segments"])
+    assert g.oldest_version() == 0  # the other sample did produce tokens under "default"

@@ -138,6 +138,8 @@ class Worker:
         self._group_size = self.capacity
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._last_reap = 0.0
+        self._paused = False  # admission paused (a weight update is under way)
         self._engine_back = asyncio.Event()  # set while engines are considered healthy
         self._engine_back.set()
 
@@ -200,6 +202,7 @@ class Worker:
                 await self._sleep(1.0)  # woken when a group finishes
                 continue
             claim = await asyncio.to_thread(self.queue.claim, self.id, max(1, free // self._group_size))
+            self._paused = claim.status == "paused"
             for claimed in claim.groups:
                 if claimed.group is not None:
                     self._start(claimed.group)
@@ -292,6 +295,12 @@ class Worker:
             return
         rid = f"{group.group_id}/{sample.index}/{uuid.uuid4().hex[:8]}"
         while True:
+            if self._paused:
+                # A weight update is under way: a request sent now would wait at the
+                # paused engine where an abort cannot reach it. Requeue the sample as
+                # it is; it continues after the resume, under the new weights.
+                sample.status = Status.ABORTED
+                return
             try:
                 self.counters.requests += 1
                 started = time.monotonic()
@@ -327,9 +336,10 @@ class Worker:
         sample.response_length += n_new
         sample.response += result.text
         sample.rollout_log_probs = (sample.rollout_log_probs or []) + result.output_log_probs
-        sample.weight_versions.append(result.weight_version)
         segments = sample.metadata.setdefault(SEGMENTS_KEY, [])
-        segments.append(n_new)
+        if n_new:  # a call that produced nothing (aborted while queued) adds no version
+            sample.weight_versions.append(result.weight_version)
+            segments.append(n_new)
         sample.status = FINISH_STATUS[result.finish_type]
         if sample.status == Status.ABORTED:
             metrics.SAMPLES_ABORTED.inc()
@@ -404,14 +414,31 @@ class Worker:
         try:
             while True:
                 message = await asyncio.to_thread(pubsub.get_message, timeout=1.0)
-                if message is not None:
-                    loop.call_soon_threadsafe(self._wake.set)
+                if message is None:
+                    continue
+                try:
+                    paused = bool(json.loads(message["data"])["paused"])
+                except (ValueError, KeyError, TypeError):
+                    log.warning("worker %s: ignoring malformed control event %r", self.id, message["data"])
+                    continue
+                self._set_paused(paused)
+                loop.call_soon_threadsafe(self._wake.set)
+                await self._heartbeat()  # so status shows the new state at once
         finally:
             await asyncio.to_thread(pubsub.close)
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused:
+            self.state = "paused"
+        elif self.state == "paused":
+            self.state = "running"
+        self._paused = paused
 
     async def _heartbeat(self) -> None:
         metrics.INFLIGHT_SAMPLES.set(self.inflight_samples)
         beat = await asyncio.to_thread(self.queue.heartbeat, self.id, json.dumps(self.info()))
+        if beat.paused != self._paused:  # a missed event: the heartbeat carries the truth
+            self._set_paused(beat.paused)
         if not beat.was_registered and self._tasks:
             # We were presumed dead and our groups went back to the queue; another
             # worker may have them now, and publish would refuse ours anyway.
@@ -433,18 +460,23 @@ class Worker:
         """Reap dead workers and release aborted groups while admission is open, so
         nothing waits on one process being alive."""
         while True:
-            await asyncio.sleep(max(1.0, self.settings.lease_s / 4))
+            await asyncio.sleep(1.0)
             try:
                 await asyncio.to_thread(self._upkeep)
             except Exception as exc:
                 log.warning("worker %s: maintenance failed: %s", self.id, exc)
 
     def _upkeep(self) -> None:
-        for place, depth in self.queue.depths().items():
+        depths = self.queue.depths()
+        for place, depth in depths.items():
             metrics.QUEUE_DEPTH.labels(place).set(depth)
-        self.queue.reap_expired()
-        if not read_control(self.queue.redis, self.queue.keys).paused:
-            self.queue.release()
+        if time.monotonic() - self._last_reap >= self.settings.lease_s / 4:
+            self._last_reap = time.monotonic()
+            self.queue.reap_expired()
+        if depths["requeue"]:
+            control = read_control(self.queue.redis, self.queue.keys)
+            if not control.paused:
+                self.queue.release(control.release_policy)
 
 
 def offpolicy_mask(weight_versions: list[str], segment_lengths: list[int]) -> list[int]:

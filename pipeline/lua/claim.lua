@@ -50,7 +50,6 @@ for _ = 1, want do
   out[#out + 1] = redis.call('HGET', KEYS[2], gid) or ''
   out[#out + 1] = redis.call('HGET', KEYS[7], gid)
 end
-redis.call('HSET', KEYS[5], 'admitted', admitted)
 if #out > 2 then
   redis.call('HINCRBY', KEYS[8], 'claims', (#out - 2) / 3)
   return out

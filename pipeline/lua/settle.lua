@@ -10,6 +10,8 @@
 --   prompt    back to the head of the prompt list as the encoded group
 --   dead      to the dead-letter stream with text as the error
 --   discard   an operator threw a dead letter away
+-- Settled groups leave the admitted hash (they stop counting against the staleness budget),
+-- except those sent back to the prompt list.
 -- Entries already gone (settled by someone else) are skipped.
 -- Returns how many entries were settled.
 local actions = {commit = true, drop = true, duplicate = true, prompt = true, dead = true, discard = true}
@@ -41,6 +43,7 @@ for i = 3, #ARGV, 5 do
       redis.call('HINCRBY', KEYS[7], 'released', 1)
     elseif action == 'dead' then
       redis.call('XADD', KEYS[4], '*', 'gid', gid, 'data', payload, 'error', text)
+      redis.call('HDEL', KEYS[8], gid)
       redis.call('HINCRBY', KEYS[7], 'dead', 1)
     else -- discard
       redis.call('HDEL', KEYS[8], gid)
