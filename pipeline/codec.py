@@ -107,6 +107,15 @@ class PackedSample(Sample):
     def rollout_log_probs(self, value: list[float] | None) -> None:
         self._log_probs = value
 
+    def packed_tokens(self) -> tuple[list[int], bytes] | None:
+        """(prompt ids, little-endian int32 bytes of the rest) while the tokens were
+        neither read nor replaced; None after. For zero-copy readers (torch_adapter)."""
+        return None if self._tokens is not _PACKED else (self._prefix, self._packed_tokens)
+
+    def packed_log_probs(self) -> bytes | None:
+        """Little-endian float32 bytes of the log-probs while unread and unreplaced."""
+        return self._packed_log_probs if self._log_probs is _PACKED else None
+
 
 def _encode_sample(s: Sample, prompt_ids: list[int], shared_prompt: bool, with_text: bool) -> dict:
     n_prompt = len(prompt_ids)

@@ -159,7 +159,7 @@ def push_dataset(queue: Queue, path: str | Path, opts: PushOptions | None = None
         while cursor < len(order):
             _wait_for_room(queue, opts.max_queued)
             chunk = [rows[i] for i in order[cursor:cursor + opts.chunk_size]]
-            items = [_item(row, dataset, epoch, opts) for row in chunk]
+            items = [_item(row, dataset, epoch, len(rows), opts) for row in chunk]
             ok, new_cursor = queue.push(field_name, cursor, items)
             if not ok:
                 log.warning("dataset %s epoch %d: another producer moved the cursor to %d; continuing from there",
@@ -175,8 +175,9 @@ def push_dataset(queue: Queue, path: str | Path, opts: PushOptions | None = None
     return report
 
 
-def _item(row: Row, dataset: str, epoch: int, opts: PushOptions) -> tuple[str, str, bytes]:
+def _item(row: Row, dataset: str, epoch: int, n_rows: int, opts: PushOptions) -> tuple[str, str, bytes]:
     gid = f"{dataset}:{epoch}:{row.index}"
+    group_index = epoch * n_rows + row.index  # unique across epochs, so sample indices are too
     if row.error:
         log.error("%s: %s; dead-lettering the row as group %s", row.where, row.error, gid)
         # One placeholder sample: with none, Group.fresh drops the metadata and the raw line with it.
@@ -184,7 +185,7 @@ def _item(row: Row, dataset: str, epoch: int, opts: PushOptions) -> tuple[str, s
         group.error = f"{row.where}: {row.error}"
         return group.error, gid, encode_group(group)
     group = Group.fresh(gid, row.prompt, opts.n_samples_per_prompt, row.label, row.metadata,
-                        dataset=dataset, epoch=epoch, row=row.index)
+                        dataset=dataset, epoch=epoch, row=row.index, group_index=group_index)
     return "prompt", gid, encode_group(group)
 
 

@@ -40,12 +40,6 @@ def _torch():
 # -- reading samples -----------------------------------------------------------------------
 
 
-def _still_packed(sample: Any, attr: str) -> bool:
-    """True while a PackedSample's field was never read or replaced: only then do its
-    packed bytes hold the current value."""
-    return isinstance(sample, codec.PackedSample) and getattr(sample, attr, None) is codec._PACKED
-
-
 def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     torch = _torch()
     if not data:
@@ -71,18 +65,21 @@ class _Row:
 def _row(sample: Any, use_packed: bool, prefix_cache: dict[int, Any]) -> _Row:
     torch = _torch()
     r = sample.response_length
-    if use_packed and _LITTLE_ENDIAN and _still_packed(sample, "_tokens"):
-        prefix = sample._prefix
+    packed = isinstance(sample, codec.PackedSample) and use_packed and _LITTLE_ENDIAN
+    packed_tokens = sample.packed_tokens() if packed else None
+    packed_log_probs = sample.packed_log_probs() if packed else None
+    if packed_tokens is not None:
+        prefix, packed_tail = packed_tokens
         key = id(prefix)  # the samples of a group share one prompt list: one tensor per group
         if key not in prefix_cache:
             prefix_cache[key] = (prefix, torch.tensor(prefix, dtype=torch.int64))
-        tail = _frombuffer(sample._packed_tokens, torch.int32)
+        tail = _frombuffer(packed_tail, torch.int32)
         prompt, n = prefix_cache[key][1], len(prefix) + tail.numel()
     else:
         prompt, tail = [], list(sample.tokens)
         n = len(tail)
-    if use_packed and _LITTLE_ENDIAN and _still_packed(sample, "_log_probs"):
-        log_probs = _frombuffer(sample._packed_log_probs, torch.float32)
+    if packed_log_probs is not None:
+        log_probs = _frombuffer(packed_log_probs, torch.float32)
     else:
         log_probs = sample.rollout_log_probs
     return _Row(prompt, tail, n, r, log_probs, sample.loss_mask)

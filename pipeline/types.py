@@ -105,10 +105,13 @@ class Group:
 
     @classmethod
     def fresh(cls, group_id: str, prompt: str | list[dict], n_samples: int, label: str | None = None,
-              metadata: dict | None = None, dataset: str = "", epoch: int = 0, row: int = 0) -> Group:
-        """A new group of `n_samples` copies of one prompt, as the producer pushes it."""
+              metadata: dict | None = None, dataset: str = "", epoch: int = 0, row: int = 0,
+              group_index: int | None = None) -> Group:
+        """A new group of `n_samples` copies of one prompt, as the producer pushes it.
+        `group_index` (default: the row) numbers groups; sample indices follow from it."""
+        group_index = row if group_index is None else group_index
         samples = [
-            Sample(group_index=row, index=row * n_samples + i, prompt=prompt, label=label,
+            Sample(group_index=group_index, index=group_index * n_samples + i, prompt=prompt, label=label,
                    metadata=dict(metadata or {}))
             for i in range(n_samples)
         ]

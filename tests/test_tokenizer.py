@@ -123,7 +123,7 @@ def test_missing_tokenizers_gives_install_hint(monkeypatch, tmp_path):
 @pytest.fixture
 def tokenizer_json(tmp_path):
     """A tiny byte-level BPE trained here and saved as tokenizer.json."""
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # in the test extra
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())

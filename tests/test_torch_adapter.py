@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # CI installs torch==2.13.0 (the test extra); a missing torch fails loudly
 
 from pipeline import codec  # noqa: E402
 from pipeline.codec import decode_group, encode_group  # noqa: E402
