@@ -63,17 +63,19 @@ def _pack_mask(mask: list[int] | None) -> list | None:
     return [len(mask), bytes(bits)]
 
 
-def _unpack_mask(packed: Any) -> list[int] | None:
+def _unpack_mask(packed: Any, response_length: int, what: str) -> list[int] | None:
     if packed is None:
         return None
     if not (isinstance(packed, list) and len(packed) == 2 and isinstance(packed[0], int)
-            and isinstance(packed[1], bytes)):
-        raise DecodeError("loss_mask: expected [length, bits]")
+            and not isinstance(packed[0], bool) and packed[0] >= 0 and isinstance(packed[1], bytes)):
+        raise DecodeError(f"{what}: loss_mask: expected [length >= 0, bits]")
     length, bits = packed
+    if length != response_length:  # slime: one mask entry per response token
+        raise DecodeError(f"{what}: loss_mask has {length} entries for {response_length} response tokens")
     if not bits:
         return [1] * length
     if len(bits) != (length + 7) // 8:
-        raise DecodeError(f"loss_mask: {len(bits)} bytes cannot hold {length} bits")
+        raise DecodeError(f"{what}: loss_mask: {len(bits)} bytes cannot hold {length} bits")
     return [(bits[i >> 3] >> (i & 7)) & 1 for i in range(length)]
 
 
@@ -235,7 +237,7 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
         response_length=response_length,
         response=text.decode("utf-8", errors="replace"),
         reward=float(reward) if isinstance(reward, int) else reward,
-        loss_mask=_unpack_mask(m.get("lm")),
+        loss_mask=_unpack_mask(m["lm"], response_length, what),
         weight_versions=wv,
         status=status_value,
     )

@@ -88,7 +88,7 @@ def test_every_status(status):
 def test_loss_masks(mask):
     g = full_group()
     s = g.samples[1]
-    s.tokens = list(range(len(mask or [0] * 9)))
+    s.tokens = list(range(9 if mask is None else len(mask)))
     s.response_length = len(s.tokens)
     s.loss_mask = mask
     assert decode_group(encode_group(g)).samples[1].loss_mask == mask
@@ -351,13 +351,26 @@ def test_sample_not_a_map():
 @pytest.mark.parametrize("mask,expect", [
     ([4, b"\x01\x02"], "2 bytes cannot hold 4 bits"),
     ([20, b"\x01"], "1 bytes cannot hold 20 bits"),
-    ("ones", "loss_mask: expected [length, bits]"),
-    ([4], "loss_mask: expected [length, bits]"),
-    (["4", b"\x01"], "loss_mask: expected [length, bits]"),
+    ("ones", "loss_mask: expected [length >= 0, bits]"),
+    ([4], "loss_mask: expected [length >= 0, bits]"),
+    (["4", b"\x01"], "loss_mask: expected [length >= 0, bits]"),
+    ([-1, b""], "loss_mask: expected [length >= 0, bits]"),
+    ([True, b""], "loss_mask: expected [length >= 0, bits]"),
 ])
 def test_bad_mask(mask, expect):
-    msg = _bad(lambda m: m["s"][0].__setitem__("lm", mask))
+    def corrupt(m):
+        m["s"][0]["lm"] = mask
+        if isinstance(mask, list) and len(mask) == 2 and type(mask[0]) is int and mask[0] > 0:
+            m["s"][0]["rl"] = mask[0]  # so the length matches and the bits are what is wrong
+            m["s"][0]["t"] = b"\x00" * 4 * mask[0]
+            m["s"][0]["sp"] = False
+    msg = _bad(corrupt)
     assert "loss_mask" in msg and expect in msg
+
+
+def test_mask_length_must_match_the_response():
+    msg = _bad(lambda m: m["s"][0].__setitem__("lm", [3, b""]))
+    assert "loss_mask has 3 entries for" in msg and "response tokens" in msg
 
 
 def test_bad_compressed_text():

@@ -225,7 +225,7 @@ class ConservationMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.batches)
     @rule()
-    def commit(self, ):
+    def commit(self):
         batch = self.batches.pop(0)
         assert self.consumer.commit(batch) == len(batch)
         ids = {g.group_id for g in batch.groups}

@@ -174,6 +174,20 @@ def test_budget_does_not_count_reaped_or_requeued_groups_twice(queue):
     assert ids(queue.claim("c", 5)) == ["g2", "g3"]
 
 
+def test_dead_letters_free_their_budget_slot(queue):
+    """A failed group is never trained on: it must not hold a slot of the staleness
+    budget, or (max_staleness + 1) * batch_size failures would stop admission for good."""
+    queue.push_groups(fresh(4))
+    configure(queue.redis, queue.keys, max_staleness=0, batch_size=2)
+    c = queue.claim("w", 2)
+    assert queue.claim("w", 1).status == "budget"
+    for x in c.groups:
+        queue.publish_group("w", x.group, Place.DEAD, error="engine down")
+    assert read_control(queue.redis, queue.keys).admitted == 0
+    assert ids(queue.claim("w", 5)) == ["g2", "g3"]
+    assert_audit_ok(queue)
+
+
 def test_claim_malformed_payload_is_dead_lettered(queue):
     queue.push_groups(fresh(3))
     queue.redis.hset(queue.keys.payloads, "g1", b"\xc1garbage")
@@ -249,12 +263,12 @@ def test_publish_not_held_is_refused(queue):
 
 
 def test_zombie_cannot_publish(make_queue):
-    q = make_queue(lease_s=0.3)
+    q = make_queue(lease_s=0.5)
     q.push_groups(fresh(2))
     a_group = q.claim("A", 1).groups[0].group
     assert a_group.group_id == "g0"
     assert q.reap("A") == -1  # lease not over yet: A is alive
-    time.sleep(0.45)
+    time.sleep(0.6)
     assert q.reap("A") == 1  # presumed dead
     assert prompts(q) == ["g0", "g1"]  # back at the head
     b_group = q.claim("B", 1).groups[0].group
@@ -297,13 +311,13 @@ def test_heartbeat(queue):
 
 
 def test_reap_only_expired_workers(make_queue):
-    q = make_queue(lease_s=0.4)
+    q = make_queue(lease_s=0.6)
     q.push_groups(fresh(6))
     q.claim("old", 2)
-    time.sleep(0.25)
+    time.sleep(0.4)
     q.claim("young", 2)
-    time.sleep(0.25)
-    # old: 0.5 s since its heartbeat, young: 0.25 s.
+    time.sleep(0.3)
+    # old: 0.7 s since its heartbeat, young: 0.3 s.
     assert q.reap("young") == -1
     assert inflight(q, "young") == {"g2", "g3"}
     assert q.reap_expired() == 2
