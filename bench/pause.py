@@ -2,7 +2,7 @@
 """Pause/resume latency of the weight-update protocol under load.
 
 Setup (all local, all real processes): a redis-server, two SGLang simulators
-(`python -m workers.simulator`), the real sglang-router in front of them
+(`rollout sim-engine`), the real sglang-router in front of them
 (`--policy round_robin`), W worker processes generating through the router, a
 feeder keeping the prompt list topped up and a trainer thread consuming and
 committing batches. Then, for each pause mode (abort, retract, in_place), K times:
@@ -139,9 +139,9 @@ class Stack:
         self.sim_urls = []
         for i in range(2):
             port = free_port()
-            self._spawn([sys.executable, "-m", "workers.simulator", "--port", str(port), "--seed", str(i),
-                         "--decode-tokens-per-s", "1500", "--length-median", "96", "--length-p99", "900",
-                         "--prefill-s", "0.002"], tmp / f"sim{i}.log")
+            self._spawn([sys.executable, "-m", "cli", "sim-engine", "--port", str(port), "--seed", str(i),
+                         "--decode-rate", "1500", "--median-tokens", "96", "--p99-tokens", "900"],
+                        tmp / f"sim{i}.log")
             self.sim_urls.append(f"http://127.0.0.1:{port}")
         for url in self.sim_urls:
             wait_until(lambda: http_json(url + "/health") is None, 30, f"simulator {url}")

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from . import metrics as prom
-from .codec import DecodeError, encode_group
+from .codec import encode_group
 from .connection import socket_timeout_of
 from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
@@ -125,12 +125,9 @@ class Consumer:
         scores = self.redis.zmscore(self.keys.committed, [e.group_id or "?" for e in entries]) if entries else []
         held_ids = {g.group_id for _, g in self._held} | set(self._uncommitted.values())
         for entry, committed_at in zip(entries, scores):
-            try:
-                group = entry.decode()
-            except DecodeError as exc:
-                log.error("group %s: results entry %s is malformed (%s); dead-lettering it",
-                          entry.group_id, entry.entry_id, exc)
-                settle.append(Settle("dead", entry.entry_id, entry.group_id, f"malformed results entry: {exc}", entry.data))
+            group, dead = entry.decode_or_dead("results")
+            if dead:
+                settle.append(dead)
                 metrics.dead += 1
                 continue
             if committed_at is not None or group.group_id in held_ids:

@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from .codec import DecodeError, decode_group, encode_group
+from .control import RELEASE_POLICIES
 from .keys import CONSUMER_GROUP, Keys
 from .types import Group, Status
 
@@ -56,6 +57,15 @@ class StreamEntry:
 
     def decode(self) -> Group:
         return decode_group(self.data)
+
+    def decode_or_dead(self, stream: str) -> tuple[Group | None, Settle | None]:
+        """The entry's group, or (None, the Settle that dead-letters it) when it is malformed."""
+        try:
+            return self.decode(), None
+        except DecodeError as exc:
+            log.error("group %s: %s entry %s is malformed (%s); dead-lettering it",
+                      self.group_id, stream, self.entry_id, exc)
+            return None, Settle("dead", self.entry_id, self.group_id, f"malformed {stream} entry: {exc}", self.data)
 
 
 @dataclass
@@ -234,16 +244,13 @@ class Queue:
         """Move aborted groups from the requeue stream back to the head of the prompt
         list. `continue` keeps their partial output, `restart` forgets it, `drop`
         drops them (counted, logged). Malformed entries go to dead letters."""
-        if policy not in ("continue", "restart", "drop"):
-            raise ValueError(f"unknown release policy {policy!r}: use continue, restart or drop")
+        if policy not in RELEASE_POLICIES:
+            raise ValueError(f"unknown release policy {policy!r}: use one of {', '.join(RELEASE_POLICIES)}")
         items = []
         for entry in self.read_stream(self.keys.requeue, max_count):
-            try:
-                group = entry.decode()
-            except DecodeError as exc:
-                log.error("group %s: requeue entry %s is malformed (%s); dead-lettering it",
-                          entry.group_id, entry.entry_id, exc)
-                items.append(Settle("dead", entry.entry_id, entry.group_id, f"malformed requeue entry: {exc}", entry.data))
+            group, dead = entry.decode_or_dead("requeue")
+            if dead:
+                items.append(dead)
                 continue
             if policy == "drop":
                 items.append(Settle("drop", entry.entry_id, group.group_id, "requeue-drop"))

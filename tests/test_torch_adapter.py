@@ -8,12 +8,12 @@ import pytest
 
 import torch  # CI installs torch==2.13.0 (the test extra); a missing torch fails loudly
 
-from pipeline import codec  # noqa: E402
-from pipeline.codec import decode_group, encode_group  # noqa: E402
-from pipeline.consumer import Consumer  # noqa: E402
-from pipeline.queue import Place  # noqa: E402
-from pipeline.torch_adapter import RolloutIterable, _torch, batch_to_tensors, group_advantages  # noqa: E402
-from pipeline.types import Group, Sample, Status  # noqa: E402
+from pipeline import codec  
+from pipeline.codec import decode_group, encode_group  
+from pipeline.consumer import Consumer  
+from pipeline.queue import Place  
+from pipeline.torch_adapter import RolloutIterable, _torch, batch_to_tensors, group_advantages  
+from pipeline.types import Group, Status  
 
 PROMPT = [1, 2, 3]
 

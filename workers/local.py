@@ -1,6 +1,7 @@
 """Starting and stopping local worker processes (used by `rollout demo` and `rollout up`)."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -20,11 +21,14 @@ def start_worker_process(redis_url: str, namespace: str, engine_urls: list[str],
         return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO)
 
 
-def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
-    """SIGTERM (a worker hands its in-flight groups back, then exits); SIGKILL after the timeout."""
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> bool:
+    """SIGTERM (a worker hands its in-flight groups back, then exits); SIGKILL after the
+    timeout. True when every process exited by itself."""
+    clean = True
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
@@ -32,3 +36,5 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> No
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            clean = False
+    return clean

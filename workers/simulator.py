@@ -32,9 +32,7 @@ starts; unknown sampling parameters are a 400.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -1546,25 +1544,3 @@ def start_simulator(config: SimConfig | None = None, host: str = "127.0.0.1", po
         raise RuntimeError(f"the simulator failed to start: {result['error']}") from result["error"]
     runner, actual_port, server = result["started"]
     return SimulatorHandle(server, runner, result["loop"], thread, host, actual_port)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m workers.simulator --port 30000 --seed 1 ...``"""
-    parser = argparse.ArgumentParser(description="SGLang-compatible simulator")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    for f in dataclasses.fields(SimConfig):
-        if f.type in ("int", "float", "str", "str | None"):
-            kind = {"int": int, "float": float}.get(f.type, str)
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-    args = vars(parser.parse_args(argv))
-    host, port = args.pop("host"), args.pop("port")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(serve(SimConfig(**args), host, port))
-    except KeyboardInterrupt:
-        pass
-
-
-if __name__ == "__main__":
-    main()
