@@ -93,7 +93,7 @@ def audit(queue: Queue) -> AuditReport:
     places.update(inflight_ids)
 
     def stream_ids(stream: str) -> list[str]:
-        return [e.group_id for e in queue.iter_stream(stream)]
+        return [e.group_id for e in queue.iter_stream(stream, with_data=False)]
 
     requeue_ids = stream_ids(k.requeue)
     results_ids = stream_ids(k.results)
@@ -114,6 +114,8 @@ def audit(queue: Queue) -> AuditReport:
 
     live = set(prompts) | set(inflight_ids)
     stored = {_text(g) for g in r.hkeys(k.payloads)}
+    prefix = len(k.result(""))
+    result_payloads = {_text(key)[prefix:] for key in r.scan_iter(match=k.result_pattern, count=1000)}
     stats = queue.stats()
     return AuditReport(
         pushed=stats.get("pushed", 0),
@@ -127,6 +129,6 @@ def audit(queue: Queue) -> AuditReport:
         committed=stats.get("committed", 0),
         discarded=stats.get("discarded", 0),
         duplicates=duplicates,
-        orphan_payloads=len(stored - live),
-        missing_payloads=len(live - stored),
+        orphan_payloads=len(stored - live) + len(result_payloads - set(results_ids)),
+        missing_payloads=len(live - stored) + len(set(results_ids) - result_payloads),
     )

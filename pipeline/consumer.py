@@ -22,7 +22,7 @@ from .connection import socket_timeout_of
 from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
-from .queue import DEFAULT_LEASE_S, Queue, Settle, StreamEntry, _entry, reset_group
+from .queue import DEFAULT_LEASE_S, Queue, Settle, StreamEntry, reset_group
 from .types import Group
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class Consumer:
         if not reply:
             return []
         _stream, rows = reply[0]
-        # Pending entries deleted meanwhile come back with empty fields: skip them.
-        return [_entry(eid, fields) for eid, fields in rows if fields]
+        # Pending entries deleted meanwhile come back with empty fields: entries() skips them.
+        return self.queue.entries(self.keys.results, rows)
 
     def _recover(self) -> list[StreamEntry]:
         """Everything pending in the consumer group becomes ours: this consumer's own
@@ -125,16 +125,16 @@ class Consumer:
         scores = self.redis.zmscore(self.keys.committed, [e.group_id or "?" for e in entries]) if entries else []
         held_ids = {g.group_id for _, g in self._held} | set(self._uncommitted.values())
         for entry, committed_at in zip(entries, scores):
+            if committed_at is not None or entry.group_id in held_ids:
+                log.warning("group %s: already trained on or held; dropping duplicate entry %s",
+                            entry.group_id, entry.entry_id)
+                settle.append(Settle("duplicate", entry.entry_id, entry.group_id))
+                metrics.duplicates += 1
+                continue
             group, dead = entry.decode_or_dead("results")
             if dead:
                 settle.append(dead)
                 metrics.dead += 1
-                continue
-            if committed_at is not None or group.group_id in held_ids:
-                log.warning("group %s: already trained on or held; dropping duplicate entry %s",
-                            group.group_id, entry.entry_id)
-                settle.append(Settle("duplicate", entry.entry_id, group.group_id))
-                metrics.duplicates += 1
                 continue
             lag = control.weight_version - (group.oldest_version() or 0)
             if control.max_staleness is not None and lag > control.max_staleness:

@@ -60,8 +60,18 @@ class Keys:
         return self._key("inflight:*")
 
     @property
-    def results(self) -> str:  # STREAM of finished groups, read by the trainer's consumer group
+    def results(self) -> str:  # STREAM of finished group ids (payloads in result keys), for the trainer
         return self._key("results")
+
+    def result(self, group_id: str) -> str:  # STRING: the encoded group of one results entry
+        return self._key(f"result:{group_id}")
+
+    @property
+    def result_pattern(self) -> str:
+        return self._key("result:*")
+
+    def staged(self, worker: str, group_id: str) -> str:  # STRING: a result on its way in (expires)
+        return self._key(f"staged:{worker}:{group_id}")
 
     @property
     def requeue(self) -> str:  # STREAM of aborted groups with their partial output

@@ -24,6 +24,7 @@ _LUA = Path(__file__).with_name("lua")
 DEFAULT_LEASE_S = 30.0
 COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
 DEFAULT_MAX_READY = 4096  # results backlog at which workers stop claiming, unless configured
+STAGED_TTL_S = 3600  # a staged result outlives its publish only if the worker died in between
 
 
 class Place:
@@ -144,10 +145,15 @@ class Queue:
         entry id, or None when the worker no longer holds the group (it was reaped)."""
         k = self.keys
         stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[place]
-        entry_id = self._scripts["publish"](
-            keys=[k.inflight(worker), k.payloads, stream, k.stats, k.admitted],
-            args=[group_id, payload, place, error or ""],
-        )
+        keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted]
+        if place == Place.RESULTS:
+            # Staged with a plain SET, then renamed by the script: see lua/publish.lua.
+            # It expires if this process dies before the script runs.
+            staged = k.staged(worker, group_id)
+            self.redis.set(staged, payload, ex=STAGED_TTL_S)
+            keys += [staged, k.result(group_id)]
+            payload = b""
+        entry_id = self._scripts["publish"](keys=keys, args=[group_id, payload, place, error or ""])
         if entry_id is None:
             log.warning("group %s: worker %s no longer holds it (reaped); not publishing", group_id, worker)
             return None
@@ -223,18 +229,28 @@ class Queue:
         args: list = [consumer_group, COMMITTED_IDS_KEPT]
         for it in items:
             args += [it.action, it.entry_id, it.group_id, it.text, it.payload]
-        return int(self._scripts["settle"](
-            keys=[stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted],
-            args=args,
-        ))
+        keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted]
+        if stream == k.results:
+            keys += [k.result(it.group_id) for it in items]
+        return int(self._scripts["settle"](keys=keys, args=args))
 
-    def read_stream(self, stream: str, count: int = 100, start: str = "-") -> list[StreamEntry]:
-        return [_entry(eid, fields) for eid, fields in self.redis.xrange(stream, start, "+", count=count)]
+    def entries(self, stream: str, rows: list, with_data: bool = True) -> list[StreamEntry]:
+        """StreamEntry objects from XRANGE/XREADGROUP rows. Results entries carry only
+        the group id: their payloads come from the result keys, in one MGET."""
+        entries = [_entry(eid, fields) for eid, fields in rows if fields]
+        if stream == self.keys.results and with_data and entries:
+            payloads = self.redis.mget([self.keys.result(e.group_id) for e in entries])
+            for e, payload in zip(entries, payloads):
+                e.data = payload or b""  # missing: decodes as malformed and is dead-lettered
+        return entries
 
-    def iter_stream(self, stream: str, page: int = 200):
+    def read_stream(self, stream: str, count: int = 100, start: str = "-", with_data: bool = True) -> list[StreamEntry]:
+        return self.entries(stream, self.redis.xrange(stream, start, "+", count=count), with_data)
+
+    def iter_stream(self, stream: str, page: int = 200, with_data: bool = True):
         start = "-"
         while True:
-            entries = self.read_stream(stream, page, start)
+            entries = self.read_stream(stream, page, start, with_data)
             yield from entries
             if len(entries) < page:
                 return

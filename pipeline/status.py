@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 
-from .codec import DecodeError, decode_group
+from .codec import DecodeError
 from .control import read_control
 from .keys import CONSUMER_GROUP, Keys
 from .queue import Queue, _text
@@ -254,9 +254,9 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     # Staleness of the oldest waiting results.
     by_lag: dict[int, int] = {}
     malformed = over = 0
-    for _eid, fields in oldest:
+    for entry in queue.entries(k.results, oldest):
         try:
-            group = decode_group(fields.get(b"data", b""))
+            group = entry.decode()
         except DecodeError:
             malformed += 1
             continue

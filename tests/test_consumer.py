@@ -9,7 +9,6 @@ import time
 import pytest
 
 from pipeline.audit import audit
-from pipeline.codec import encode_group
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, set_paused, set_weight_version
@@ -186,10 +185,9 @@ def test_groups_read_before_a_timeout_stay_with_the_consumer(queue, consumer):
 def test_duplicate_of_committed_group_is_dropped(queue, consumer):
     produce(queue, 1)
     b = consumer.next_batch(1, timeout=5)
-    payload = encode_group(b.groups[0])
     consumer.commit(b)
     # A second copy of g0 shows up (a redelivery, a bug elsewhere): never trained twice.
-    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})
+    queue.redis.xadd(queue.keys.results, {"gid": "g0"})
     produce(queue, 1, prefix="n")
     b2 = consumer.next_batch(1, timeout=5)
     assert [g.group_id for g in b2.groups] == ["n0"]
@@ -202,14 +200,13 @@ def test_duplicate_of_committed_group_is_dropped(queue, consumer):
 
 def test_duplicate_of_held_group_is_dropped(queue, consumer):
     produce(queue, 2)
-    payload = queue.read_stream(queue.keys.results)[0].data
-    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})  # g0 again, read with it
+    queue.redis.xadd(queue.keys.results, {"gid": "g0"})  # g0 again, read with it
     produce(queue, 1, prefix="n")
     b = consumer.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g0", "g1", "n0"]
     assert b.metrics.duplicates == 1
     # g0 is handed out but not committed yet: a copy arriving now is a duplicate too.
-    queue.redis.xadd(queue.keys.results, {"gid": "g0", "data": payload})
+    queue.redis.xadd(queue.keys.results, {"gid": "g0"})
     produce(queue, 1, prefix="m")
     b2 = consumer.next_batch(1, timeout=5)
     assert [g.group_id for g in b2.groups] == ["m0"]
@@ -235,6 +232,21 @@ def test_malformed_results_entry_goes_dead(queue, consumer):
     consumer.commit(b)
     report = assert_audit_ok(queue)
     assert (report.dead, report.committed) == (1, 3)
+
+
+def test_results_entry_without_its_payload_goes_dead(queue, consumer):
+    produce(queue, 3)
+    queue.redis.delete(queue.keys.result("g1"))  # the payload key is gone (an operator, a bug)
+    report = audit(queue)
+    assert report.missing_payloads == 1 and not report.ok  # the audit notices
+    queue.push_groups(fresh(1, "z"))
+    queue.publish_group("w", finish(queue.claim("w", 1).groups[0].group), Place.RESULTS)
+    b = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in b.groups] == ["g0", "g2", "z0"]
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.group_id == "g1" and dead.error.startswith("malformed results entry")
+    consumer.commit(b)
+    assert_audit_ok(queue)
 
 
 # -- timeouts -------------------------------------------------------------------------

@@ -448,7 +448,7 @@ def _results(q: Queue, n: int) -> list:
         q.publish_group("w", finish(c.group), Place.RESULTS)
     q.ensure_consumer_group()
     rows = q.redis.xreadgroup(CONSUMER_GROUP, "t", {q.keys.results: ">"}, count=n)[0][1]
-    return [(eid.decode(), f[b"gid"].decode(), f[b"data"]) for eid, f in rows]
+    return [(e.entry_id, e.group_id, e.data) for e in q.entries(q.keys.results, rows)]
 
 
 def test_commit_acks_deletes_and_counts(queue):

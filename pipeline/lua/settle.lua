@@ -1,7 +1,8 @@
 -- Settle entries of one stream (results, requeue or dead): each entry leaves the
 -- stream and goes to exactly one place. One script for every way out, so every path
 -- keeps the audit's books the same way.
--- KEYS: source stream, prompts, payloads, dead, dropped, committed, stats, admitted
+-- KEYS: source stream, prompts, payloads, dead, dropped, committed, stats, admitted,
+--       and for the results stream one result payload key per entry (deleted with it)
 -- ARGV: consumer group ('' when the source has none), max committed ids to remember,
 --       then five items per entry: action, entry id, group id, text, encoded group.
 --   commit    the trainer trained on it
@@ -27,6 +28,7 @@ for i = 3, #ARGV, 5 do
   local owned = group == '' or redis.call('XACK', KEYS[1], group, id) == 1
   if owned and redis.call('XDEL', KEYS[1], id) == 1 then
     settled = settled + 1
+    if #KEYS > 8 then redis.call('DEL', KEYS[9 + (i - 3) / 5]) end
     if action == 'commit' then
       redis.call('ZADD', KEYS[6], now, gid)
       redis.call('HDEL', KEYS[8], gid)
