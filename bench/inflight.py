@@ -44,7 +44,6 @@ Figures (over the window):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -68,6 +67,7 @@ from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import Group
+from workers.local import stop_processes
 
 log = logging.getLogger("bench.inflight")
 
@@ -96,24 +96,6 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         # Own session: Ctrl-C reaches only this process, which stops children in order.
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                 preexec_fn=_die_with_parent)
-
-
-def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> bool:
-    """SIGTERM, then SIGKILL after the timeout. True when every process exited by itself."""
-    clean = True
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            clean = False
-    return clean
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -314,11 +296,11 @@ class Bench:
         # Redis data is thrown away, so a worker slow to stop is killed after the grace.
         if self.worker is not None:
             t = time.monotonic()
-            self.worker_stop_clean = _stop([self.worker], timeout_s=self.args.stop_grace)
+            self.worker_stop_clean = stop_processes([self.worker], timeout_s=self.args.stop_grace)
             self.worker_stop_s = time.monotonic() - t
         if self.trainer_thread is not None:
             self.trainer_thread.join(timeout=5)
-        _stop(self.sims, timeout_s=5)
+        stop_processes(self.sims, timeout_s=5)
         if self.server is not None:
             self.server.kill()  # nothing to keep
         if not self.args.keep:
