@@ -14,20 +14,24 @@ generated tokens, a 256-token prompt, response text, rewards, log-probs) through
   fill        the instant in-process "engine" writes the samples (pipeline only;
               timed, but NOT counted in either rate)
   encode      pipeline: encode_group of the finished group (the worker's job; counted)
-              bare:     nothing: it sends a PRE-ENCODED payload of the same bytes
-  publish     pipeline: Queue.publish (publish.lua), one call per group
-              bare:     pipelined SREM + HDEL + XADD, one round trip per group
-  next_batch  pipeline: Consumer.next_batch(B) (XREADGROUP, control reads, dedupe,
-              decode)   bare: XREADGROUP COUNT B-have until B entries (no decode)
-  commit      pipeline: Consumer.commit (settle.lua)   bare: pipelined XACK + XDEL
+              bare:     the same encode_group inside its publish step (any queue must
+                        serialize what it carries); a third loop, "pre-encoded", sends
+                        one payload as is and never decodes, for comparison
+  publish     pipeline: Queue.publish (SET of the staged payload, then publish.lua:
+                        ownership check, RENAME into the result key, XADD of the id)
+              bare:     pipelined SET result key + SREM + HDEL + XADD id, one round trip
+  next_batch  pipeline: Consumer.next_batch(B) (XREADGROUP + MGET of the payloads,
+                        control reads, dedupe, decode)
+              bare:     XREADGROUP COUNT B-have until B entries, MGET (no decode)
+  commit      pipeline: Consumer.commit (settle.lua)   bare: pipelined XACK + XDEL + DEL
 
 ratio = pipeline groups/s / bare groups/s, from wall time of the counted phases
-(target >= 0.5). cpu_ratio is the same from CPU time (this process + redis-server's
+(target >= 0.5); ratio_vs_preencoded = pipeline / pre-encoded loop. cpu_ratio is the same from CPU time (this process + redis-server's
 INFO cpu): less sensitive to other load on the machine.
 
 Bytes per token: K groups published into a fresh results stream, left undelivered;
-`MEMORY USAGE <results> SAMPLES 0` / (K x 8 x 2048), once with the response text and
-once with it empty (token ids + log-probs + the rest of the entry). Target <= 9.
+MEMORY USAGE of the stream and of the K result payload keys / (K x 8 x 2048), as
+published by default (no response text) and with --keep-response-text. Target <= 9.
 
     python bench/queue_overhead.py            # full run, a short table
     python bench/queue_overhead.py --quick    # under a minute
@@ -245,17 +249,22 @@ class PipelineLoop:
 
 
 class BareLoop:
-    """The same Redis operations and payload sizes, no pipeline logic, no encoding."""
+    """The same Redis operations and payloads, no pipeline logic (no scripts, no
+    ownership checks, no bookkeeping). With `serialize`, it turns the same groups into
+    the same bytes and back with the same codec (any queue must serialize what it
+    carries); without, it sends one pre-encoded payload and never decodes."""
 
-    def __init__(self, url: str, ns: str, content: Content, batch: int):
+    def __init__(self, url: str, ns: str, content: Content, batch: int, serialize: bool):
         self.r = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=30)
         self.k = Keys(ns)
         self.batch = batch
+        self.serialize = serialize
+        self.content, self.ns = content, ns
         self.inflight = self.k.inflight("bare-worker")
         self.prompt_payload = encode_group(fresh_group(content, ns, 0))
-        done = fresh_group(content, ns, 0)
-        fill(done, content, "bare-worker")
-        self.result_payload = encode_group(done, with_response_text=False)
+        self.done = fresh_group(content, ns, 0)
+        fill(self.done, content, "bare-worker")
+        self.result_payload = encode_group(self.done, with_response_text=False)
         self.row = 0
         try:
             self.r.xgroup_create(self.k.results, CONSUMER_GROUP, id="0", mkstream=True)
@@ -270,7 +279,8 @@ class BareLoop:
         pipe = r.pipeline(transaction=False)
         for i in range(self.row, self.row + n):
             gid = f"bare:0:{i}"
-            pipe.hset(k.payloads, gid, self.prompt_payload)
+            pipe.hset(k.payloads, gid, encode_group(fresh_group(self.content, self.ns, i))
+                      if self.serialize else self.prompt_payload)
             pipe.rpush(k.prompts, gid)
         pipe.execute()
         self.row += n
@@ -287,28 +297,44 @@ class BareLoop:
             _, payloads = pipe.execute()
             if not all(payloads):
                 raise RuntimeError("bare: missing payload")
+            if self.serialize:
+                for data in payloads:
+                    decode_group(data)
             gids += got
         t2 = pc()
         s["claim"] += t2 - t1
         for gid in gids:
             pipe = r.pipeline(transaction=False)
+            pipe.set(k.result(gid.decode()), encode_group(self.done, with_response_text=False)
+                     if self.serialize else self.result_payload)
             pipe.srem(self.inflight, gid)
             pipe.hdel(k.payloads, gid)
-            pipe.xadd(k.results, {"gid": gid, "data": self.result_payload})
+            pipe.xadd(k.results, {"gid": gid})
             pipe.execute()
         t3 = pc()
         s["publish"] += t3 - t2
         ids: list[bytes] = []
+        result_keys: list[str] = []
         while len(ids) < n:
             reply = r.xreadgroup(CONSUMER_GROUP, "bare-trainer", {k.results: ">"}, count=n - len(ids), block=1000)
             if reply:
-                ids += [eid for eid, fields in reply[0][1] if fields]
+                rows = [(eid, fields) for eid, fields in reply[0][1] if fields]
+                keys = [k.result(fields[b"gid"].decode()) for _, fields in rows]
+                payloads = r.mget(keys)
+                if not all(payloads):
+                    raise RuntimeError("bare: missing result payload")
+                if self.serialize:
+                    for data in payloads:
+                        decode_group(data)
+                ids += [eid for eid, _ in rows]
+                result_keys += keys
         t4 = pc()
         s["next_batch"] += t4 - t3
         pipe = r.pipeline(transaction=False)
         pipe.xack(k.results, CONSUMER_GROUP, *ids)
         pipe.xdel(k.results, *ids)
-        acked, deleted = pipe.execute()
+        pipe.delete(*result_keys)
+        acked, deleted, _ = pipe.execute()
         if acked != n or deleted != n:
             raise RuntimeError("bare: commit short")
         s["commit"] += pc() - t4
@@ -330,9 +356,10 @@ def codec_cost(content: Content, reps: int) -> dict[str, float]:
     """encode_group / decode_group of one finished group, alone (CPU ms, best of 3)."""
     group = fresh_group(content, "codec", 0)
     fill(group, content, "codec-worker")
-    data = encode_group(group)
+    data = encode_group(group, with_response_text=False)  # as results are published
     out = {}
-    for name, fn in (("encode", lambda: encode_group(group)), ("decode", lambda: decode_group(data))):
+    for name, fn in (("encode", lambda: encode_group(group, with_response_text=False)),
+                     ("decode", lambda: decode_group(data))):
         best = float("inf")
         for _ in range(3):
             t0 = time.process_time()
@@ -381,9 +408,10 @@ def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: 
             queue.publish("mem-worker", g.group_id, data, Place.RESULTS)
         if client.xlen(queue.keys.results) != k_groups:
             raise RuntimeError("bytes-per-token stream does not hold K groups")
-        used = client.memory_usage(queue.keys.results, samples=0)
+        used = client.memory_usage(queue.keys.results, samples=0) + sum(
+            client.memory_usage(queue.keys.result(g.group_id), samples=0) for g in claimed)
         tokens = k_groups * N_SAMPLES * RESPONSE_TOKENS
-        client.delete(*queue.keys.all_fixed())
+        client.delete(*queue.keys.all_fixed(), *(queue.keys.result(g.group_id) for g in claimed))
         return {
             "groups": k_groups,
             "memory_usage_bytes": used,
@@ -421,17 +449,19 @@ def measure(args: argparse.Namespace) -> dict:
             version = redis_version(url)
             monitor = redis.Redis.from_url(url)
             pipe_loop = PipelineLoop(url, "bench-pipe", content, args.batch_size)
-            bare_loop = BareLoop(url, "bench-bare", content, args.batch_size)
+            bare_loop = BareLoop(url, "bench-bare", content, args.batch_size, serialize=True)
+            raw_loop = BareLoop(url, "bench-raw", content, args.batch_size, serialize=False)
             try:
                 # Warm-up: scripts loaded, consumer recovered, connections open.
                 run(pipe_loop, args.batch_size, args.batch_size, Timer())
                 run(bare_loop, args.batch_size, args.batch_size, Timer())
-                pipe_t, bare_t = Timer(), Timer()
+                run(raw_loop, args.batch_size, args.batch_size, Timer())
+                pipe_t, bare_t, raw_t = Timer(), Timer(), Timer()
                 rounds = max(1, min(args.rounds, args.groups // args.batch_size or 1))
                 per_round = [args.groups // rounds + (1 if i < args.groups % rounds else 0) for i in range(rounds)]
                 started = time.perf_counter()
                 for i, n in enumerate(per_round):
-                    order = ((bare_loop, bare_t), (pipe_loop, pipe_t))
+                    order = ((bare_loop, bare_t), (pipe_loop, pipe_t), (raw_loop, raw_t))
                     for loop, timer in (order if i % 2 == 0 else order[::-1]):
                         gc.collect()
                         counted, fill_cpu = timer.counted(), timer.fill_cpu
@@ -456,6 +486,7 @@ def measure(args: argparse.Namespace) -> dict:
             finally:
                 pipe_loop.close()
                 bare_loop.close()
+                raw_loop.close()
                 monitor.close()
             # As published by default (no response text), and with --keep-response-text.
             mem = stream_bytes(url, "bench-mem", content, args.k_groups, with_text=False)
@@ -467,6 +498,10 @@ def measure(args: argparse.Namespace) -> dict:
     tokens_per_group = N_SAMPLES * RESPONSE_TOKENS
     result = {
         "ratio": ratio,
+        # Against a bare loop that sends one pre-encoded payload and never decodes:
+        # what the codec costs on top of the queue logic.
+        "ratio_vs_preencoded": pipe_t.rate() / raw_t.rate() if raw_t.rate() else 0.0,
+        "preencoded_groups_per_s": raw_t.rate(),
         "bytes_per_token": mem["bytes_per_token"],
         "bytes_per_token_with_text": mem_text["bytes_per_token"],
         "pipeline_groups_per_s": pipe_t.rate(),
@@ -497,8 +532,8 @@ def measure(args: argparse.Namespace) -> dict:
         "prompt_payload_bytes": prompt_payload,
         "response_chars_per_token": content.chars_per_token,
         "response_text_zlib_bytes_per_token": content.text_zlib_bytes_per_token,
-        "bare_payload": "pre-encoded (same bytes and size as the pipeline's encoded group); "
-                        "the bare loop neither encodes nor decodes",
+        "bare_payload": "bare: the same groups through the same codec (encode_group/decode_group); "
+                        "pre-encoded: one payload of the same bytes, sent as is, never decoded",
         "per_group_ms": {"pipeline": pipe_t.per_group_ms(), "bare": bare_t.per_group_ms()},
         "codec_ms_per_group": codec,
         "memory": {"default": mem, "with_text": mem_text},
@@ -531,7 +566,7 @@ def human(r: dict) -> str:
         f"(+{r['prompt_tokens']} prompt), batch {r['batch_size']}, redis {r['redis_version']}, "
         f"AOF {'on (everysec)' if r['aof'] else 'off'}, {r['rounds']} alternating rounds",
         f"result payload {r['result_payload_bytes'] / 1024:.1f} KiB/group, prompt payload "
-        f"{r['prompt_payload_bytes'] / 1024:.1f} KiB; the bare loop sends them pre-encoded",
+        f"{r['prompt_payload_bytes'] / 1024:.1f} KiB; bare serializes with the same codec",
         "",
         f"{'':<10}{'groups':>8}{'seconds':>9}{'groups/s':>10}   ms/group: "
         + " ".join(f"{p:>8}" for p in COUNTED) + f" {'(fill)':>8}",
@@ -544,6 +579,8 @@ def human(r: dict) -> str:
     lines += [
         "",
         f"ratio pipeline/bare          {r['ratio']:.3f}   (target >= {t['ratio_min']}: {ok(t['ratio_ok'])})",
+        f"ratio pipeline/pre-encoded   {r['ratio_vs_preencoded']:.3f}   (bare loop sending one pre-encoded "
+        f"payload, never decoding: {r['preencoded_groups_per_s']:.1f} groups/s)",
         "  per round: " + ", ".join(f"{x:.3f}" for x in r["round_ratios"])
         + f"; CPU (client + redis) per group: bare {cpu['bare']['client']:.2f} + {cpu['bare']['redis']:.2f} ms, "
         f"pipeline {cpu['pipeline']['client']:.2f} + {cpu['pipeline']['redis']:.2f} ms -> CPU ratio "

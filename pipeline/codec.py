@@ -31,6 +31,8 @@ class DecodeError(ValueError):
 
 
 def _pack_array(typecode: str, values: list) -> bytes:
+    if not values:
+        return b""
     try:
         # struct is about twice as fast as array() from a list, and explicitly little-endian.
         return struct.pack(f"<{len(values)}{typecode}", *values)
@@ -173,18 +175,34 @@ def encode_group(group: Group, with_response_text: bool = True) -> bytes:
     )
 
 
-def _field(m: dict, key: str, types: tuple, what: str, optional: bool = False) -> Any:
-    if key not in m:
-        raise DecodeError(f"{what}: missing field {key!r}")
-    value = m[key]
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) and bool not in types:
-        raise DecodeError(f"{what}: field {key!r} is a bool")
-    if not isinstance(value, types):
-        names = "/".join(t.__name__ for t in types)
+_NONE = type(None)
+_MISSING = object()
+# Allowed exact types per field. Exact, so an int field rejects True (bool is its own
+# type) and one table lookup per field keeps decoding cheap.
+_SAMPLE_FIELDS: dict[str, tuple] = {
+    "gi": (int, _NONE), "ix": (int, _NONE), "p": (str, list, _NONE), "l": (str, _NONE),
+    "m": (dict,), "sp": (bool,), "t": (bytes,), "rl": (int,), "r": (bytes,), "rz": (bool,),
+    "rw": (int, float, dict, _NONE), "lp": (bytes, _NONE), "wv": (list,), "st": (str,),
+}
+_GROUP_FIELDS: dict[str, tuple] = {
+    "id": (str,), "pid": (bytes,), "gp": (str, list, _NONE), "s": (list,), "att": (int,), "rst": (int,),
+    "adm": (int, _NONE), "ds": (str,), "ep": (int,), "row": (int,), "ct": (int, float),
+    "clt": (int, float, _NONE), "ft": (int, float, _NONE), "wk": (str, _NONE), "err": (str, _NONE),
+}
+_STATUS = {s.value: s for s in Status}
+
+
+def _check_fields(m: dict, schema: dict[str, tuple], what: str) -> None:
+    for key, types in schema.items():
+        value = m.get(key, _MISSING)
+        if type(value) in types:
+            continue
+        if value is _MISSING:
+            raise DecodeError(f"{what}: missing field {key!r}")
+        if type(value) is bool:
+            raise DecodeError(f"{what}: field {key!r} is a bool")
+        names = "/".join(t.__name__ for t in types if t is not _NONE)
         raise DecodeError(f"{what}: field {key!r} should be {names}, got {type(value).__name__}")
-    return value
 
 
 def _check_packed(data: Any, what: str) -> bytes:
@@ -195,55 +213,52 @@ def _check_packed(data: Any, what: str) -> bytes:
 
 def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> Sample:
     what = f"sample {i}"
-    if not isinstance(m, dict):
+    if type(m) is not dict:
         raise DecodeError(f"{what}: expected a map, got {type(m).__name__}")
-    tail = _check_packed(_field(m, "t", (bytes,), what), f"{what} tokens")
-    prefix = prompt_ids if _field(m, "sp", (bool,), what) else []
+    _check_fields(m, _SAMPLE_FIELDS, what)
+    if "lm" not in m:  # checked by _unpack_mask; absent is not "all ones" (that is [n, b""])
+        raise DecodeError(f"{what}: missing field 'lm'")
+    tail = _check_packed(m["t"], f"{what} tokens")
+    prefix = prompt_ids if m["sp"] else []
     n_tokens = len(prefix) + len(tail) // 4
-    text = _field(m, "r", (bytes,), what)
-    if _field(m, "rz", (bool,), what):
+    text = m["r"]
+    if m["rz"]:
         try:
             text = zlib.decompress(text)
         except zlib.error as exc:
             raise DecodeError(f"{what}: response text does not decompress: {exc}") from None
-    lp = _field(m, "lp", (bytes,), what, optional=True)
+    lp = m["lp"]
     if lp is not None:
         _check_packed(lp, f"{what} log-probs")
-    reward = _field(m, "rw", (int, float, dict), what, optional=True)
-    status = _field(m, "st", (str,), what)
-    try:
-        status_value = Status(status)
-    except ValueError:
-        raise DecodeError(f"{what}: unknown status {status!r}") from None
-    response_length = _field(m, "rl", (int,), what)
+    status = _STATUS.get(m["st"])
+    if status is None:
+        raise DecodeError(f"{what}: unknown status {m['st']!r}")
+    response_length = m["rl"]
     if not 0 <= response_length <= n_tokens:
         raise DecodeError(f"{what}: response_length {response_length} outside 0..{n_tokens}")
-    wv = _field(m, "wv", (list,), what)
-    if not all(isinstance(v, str) for v in wv):
+    wv = m["wv"]
+    if not all(type(v) is str for v in wv):
         raise DecodeError(f"{what}: weight_versions must be strings")
-    prompt = _field(m, "p", (str, list), what, optional=True)
-    if prompt is None:
-        prompt = group_prompt
+    prompt = m["p"] if m["p"] is not None else group_prompt
     if not isinstance(prompt, (str, list)):
         raise DecodeError(f"{what}: no prompt (neither the sample's nor the group's)")
-    if "lm" not in m:  # absent is not "all ones": that is [length, b""]
-        raise DecodeError(f"{what}: missing field 'lm'")
-    sample = PackedSample(
-        group_index=_field(m, "gi", (int,), what, optional=True),
-        index=_field(m, "ix", (int,), what, optional=True),
+    reward = m["rw"]
+    sample = PackedSample.__new__(PackedSample)  # fields set directly: decoding is a hot path
+    sample.__dict__.update(
+        group_index=m["gi"],
+        index=m["ix"],
         prompt=prompt,
-        label=_field(m, "l", (str,), what, optional=True),
-        metadata=_field(m, "m", (dict,), what),
+        label=m["l"],
+        metadata=m["m"],
         response_length=response_length,
         response=text.decode("utf-8", errors="replace"),
-        reward=float(reward) if isinstance(reward, int) else reward,
+        reward=float(reward) if type(reward) is int else reward,
         loss_mask=_unpack_mask(m["lm"], response_length, what),
         weight_versions=wv,
-        status=status_value,
+        status=status,
+        _tokens=_PACKED, _packed_tokens=tail, _prefix=prefix,
+        _log_probs=None if lp is None else _PACKED, _packed_log_probs=lp,
     )
-    sample._tokens, sample._packed_tokens, sample._prefix = _PACKED, tail, prefix
-    if lp is not None:
-        sample._log_probs, sample._packed_log_probs = _PACKED, lp
     return sample
 
 
@@ -252,28 +267,16 @@ def decode_group(data: bytes) -> Group:
         m = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for garbage input
         raise DecodeError(f"not msgpack: {exc}") from None
-    if not isinstance(m, dict):
+    if type(m) is not dict:
         raise DecodeError(f"expected a map, got {type(m).__name__}")
     version = m.get("v")
     if version != SCHEMA_VERSION:
         raise DecodeError(f"schema version {version!r}, this code reads {SCHEMA_VERSION}")
-    what = "group"
-    prompt_ids = _unpack_array("i", _field(m, "pid", (bytes,), what), "prompt_ids")
-    group_prompt = m.get("gp")
-    samples = [_decode_sample(s, prompt_ids, group_prompt, i) for i, s in enumerate(_field(m, "s", (list,), what))]
+    _check_fields(m, _GROUP_FIELDS, "group")
+    prompt_ids = _unpack_array("i", m["pid"], "prompt_ids")
+    samples = [_decode_sample(s, prompt_ids, m["gp"], i) for i, s in enumerate(m["s"])]
     return Group(
-        group_id=_field(m, "id", (str,), what),
-        samples=samples,
-        prompt_ids=prompt_ids,
-        attempts=_field(m, "att", (int,), what),
-        restarts=_field(m, "rst", (int,), what),
-        admitted_version=_field(m, "adm", (int,), what, optional=True),
-        dataset=_field(m, "ds", (str,), what),
-        epoch=_field(m, "ep", (int,), what),
-        row=_field(m, "row", (int,), what),
-        created_at=_field(m, "ct", (int, float), what),
-        claimed_at=_field(m, "clt", (int, float), what, optional=True),
-        finished_at=_field(m, "ft", (int, float), what, optional=True),
-        worker=_field(m, "wk", (str,), what, optional=True),
-        error=_field(m, "err", (str,), what, optional=True),
+        group_id=m["id"], samples=samples, prompt_ids=prompt_ids, attempts=m["att"], restarts=m["rst"],
+        admitted_version=m["adm"], dataset=m["ds"], epoch=m["ep"], row=m["row"], created_at=m["ct"],
+        claimed_at=m["clt"], finished_at=m["ft"], worker=m["wk"], error=m["err"],
     )
