@@ -458,8 +458,8 @@ def human(r: dict) -> str:
         f"max {r['max_inflight']:,}   (target >= {r['target_inflight']:,} at every sample: "
         f"{'ok' if r['target_met'] else 'MISSED'})",
         f"worker slots held (samples)        mean {f(r['mean_worker_slots'], ',.0f')}  max "
-        f"{f(r['max_worker_slots'], ',')}  (requests/slots {f(r['slot_utilization'])}: a group holds its 8 slots "
-        f"until its slowest sample ends)",
+        f"{f(r['max_worker_slots'], ',')}  (requests/slots {f(r['slot_utilization'])}: a slot is freed when its "
+        f"request ends; groups waiting on a slow sample hold one)",
         f"completed requests/s               {r['requests_per_s']:,.1f}  ({r['groups_per_s']:.1f} groups/s "
         f"committed by the trainer)",
         "",
