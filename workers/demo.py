@@ -6,8 +6,10 @@ the audit: every pushed group accounted for, none trained twice.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 import shutil
 import statistics
 import subprocess
@@ -19,11 +21,12 @@ from typing import Callable
 from pipeline.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
-from pipeline.control import configure
+from pipeline.control import Controller, configure
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, register_local, unregister_local
 
+from .engine import EngineSet
 from .local import start_worker_process, stop_processes
 from .simulator import SimConfig, start_simulator
 
@@ -42,6 +45,8 @@ class DemoOptions:
     max_new_tokens: int = 512
     step_timeout_s: float = 60.0
     seed: int = 0
+    update_weights: bool = True  # a weight update after every step (pause → load → resume)
+    max_staleness: int = 1  # η: admission pacing and the check at consumption
 
 
 def _numeric(reward) -> float | None:
@@ -52,17 +57,24 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
     say = echo or (lambda _msg: None)
     workdir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
     server = RedisServer(workdir / "redis")
-    sim = None
+    sim = loop = engines = None
     procs: list[subprocess.Popen] = []
     steps: list[dict] = []
     trained: list[str] = []
     try:
         url = server.start()
         register_local(server)
-        sim = start_simulator(SimConfig(seed=opts.seed))
+        # The simulated model answers better with each weight version, so rewards rise.
+        sim = start_simulator(SimConfig(seed=opts.seed, skill=0.3, skill_gain_per_version=0.1,
+                                        decode_tokens_per_s=1000.0))
         queue = Queue(connect(url), NAMESPACE)
-        # Keep a modest backlog so workers pause instead of racing through the dataset.
-        configure(queue.redis, queue.keys, max_ready=4 * opts.batch_size)
+        # Keep a modest backlog so workers pause instead of racing through the dataset,
+        # and bound staleness: admission is paced to (η + version + 1) · B groups.
+        configure(queue.redis, queue.keys, max_ready=4 * opts.batch_size, max_staleness=opts.max_staleness,
+                  batch_size=opts.batch_size)
+        engines = EngineSet([sim.url])
+        controller = Controller(queue, engines)
+        loop = asyncio.new_event_loop()  # one loop for the engine client's HTTP session
         rows = sum(1 for line in DATASET.open() if line.strip())
         epochs = max(1, math.ceil(opts.steps * opts.batch_size / rows))
         report = push_dataset(queue, DATASET, PushOptions(n_samples_per_prompt=opts.n_samples, epochs=epochs,
@@ -73,7 +85,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             procs.append(start_worker_process(url, NAMESPACE, [sim.url], workdir / f"worker-{i}.log",
                                               ["--max-new-tokens", str(opts.max_new_tokens), "--lease", "10"]))
         consumer = Consumer(queue.redis, NAMESPACE)
-        say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} {'staleness':>9}")
+        say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} "
+            f"{'staleness':>9} {'update s':>8} {'requeued':>8}")
         for step in range(opts.steps):
             batch = consumer.next_batch(opts.batch_size, timeout=opts.step_timeout_s)
             samples = [s for g in batch.groups for s in g.samples]
@@ -90,10 +103,19 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             }
             trained += row["group_ids"]
             consumer.commit(batch)
+            if opts.update_weights:
+                # What a trainer does after its step: pause (in-flight requests abort and
+                # their groups are requeued with partial output), load the new weights on
+                # every engine, resume (the partial groups continue under them).
+                started = time.monotonic()
+                pause, _resume = loop.run_until_complete(controller.update_weights_from_disk(
+                    f"/checkpoints/step-{step + 1}", step + 1, mode="abort"))
+                row["update_s"] = round(time.monotonic() - started, 3)
+                row["requeued"] = pause.requeued
             steps.append(row)
             say(f"{step:>4} {row['wait_s']:>7.3f} {row['groups']:>6} {row['samples']:>7} "
                 f"{row['mean_reward'] if row['mean_reward'] is not None else '-':>7} {row['truncated']:>9} "
-                f"{row['max_staleness']:>9}")
+                f"{row['max_staleness']:>9} {row.get('update_s', '-'):>8} {row.get('requeued', '-'):>8}")
         stop_processes(procs)
         result = audit(queue)
         duplicates = len(trained) - len(set(trained))
@@ -118,6 +140,9 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         return {"ok": False, "error": str(exc), "steps": steps}
     finally:
         stop_processes(procs)
+        if loop is not None:
+            loop.run_until_complete(engines.close())
+            loop.close()
         if sim is not None:
             sim.stop()
         unregister_local(server)

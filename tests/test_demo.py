@@ -1,0 +1,32 @@
+"""`rollout demo`, the main job, as a user runs it: a real subprocess, --json summary."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_demo_trains_exact_batches_with_weight_updates_and_a_clean_audit(tmp_path):
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "cli", "demo", "--steps", "4", "--batch-size", "6",
+                           "--n-samples", "3", "--workers", "2", "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert summary["ok"] and summary["trained_twice"] == 0
+    assert [s["groups"] for s in summary["steps"]] == [6] * 4
+    assert [s["samples"] for s in summary["steps"]] == [18] * 4
+    assert summary["groups_trained"] == 24
+    # A weight update after every step; staleness never passes the demo's bound of 1.
+    assert all("update_s" in s for s in summary["steps"])
+    assert all(s["max_staleness"] <= 1 for s in summary["steps"])
+    audit = summary["audit"]
+    assert audit["ok"] and audit["committed"] == 24 and audit["missing"] == 0
+    assert not (tmp_path / "local-redis.json").exists()  # unregistered on the way out
