@@ -623,7 +623,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
-    waiting = getattr(report, "still_inflight", 0)
+    waiting = report.still_inflight
     held = (f"; {waiting} groups in flight wait at the paused engines and continue on resume"
             if waiting else "")
     click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {len(reached)} engines {source} "
