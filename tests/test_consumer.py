@@ -257,7 +257,7 @@ def _timeout(consumer: Consumer, n: int = 1, timeout: float = 0.3) -> str:
     with pytest.raises(BatchTimeout) as info:
         consumer.next_batch(n, timeout=timeout)
     elapsed = time.monotonic() - started
-    assert timeout <= elapsed < timeout + 1.0
+    assert timeout <= elapsed < timeout + 3.0
     return str(info.value)
 
 

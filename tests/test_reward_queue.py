@@ -215,7 +215,7 @@ def test_timeout_without_worker_cancels_job(conn):
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"timed out after 0.3s \(status=queued"):
         asyncio.run(reward.score(ARGS, make_group(["x"])))
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # gave up at its timeout, did not hang
     assert reward.queue.count == 0  # nobody will score it later
     assert not conn.keys("rq:job:*")
 
