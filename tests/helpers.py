@@ -1,11 +1,25 @@
-"""Test helpers: run a real Worker on its own event loop in a thread."""
+"""Test helpers: a real Worker in a thread, the real sglang-router as a subprocess,
+small HTTP and consumer shortcuts."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
+import pytest
+
+from pipeline.consumer import Consumer
+from pipeline.redis_server import free_port
+from pipeline.types import Group
 from workers.worker import Worker, WorkerSettings
+
+ROUTER_STARTUP_TIMEOUT_S = 30.0
 
 
 class WorkerThread:
@@ -54,3 +68,83 @@ def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str =
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def http_json(url: str, body: Any = None, timeout: float = 5.0, method: str | None = None) -> Any:
+    """GET (or POST when there is a body; or `method`) and the JSON answer (None if empty)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60) -> list[Group]:
+    """Take and commit batches until `total` groups were trained on."""
+    got: list[Group] = []
+    while len(got) < total:
+        b = consumer.next_batch(min(batch, total - len(got)), timeout=timeout)
+        got += b.groups
+        consumer.commit(b)
+    return got
+
+
+def router_engine_urls(router_url: str) -> list[str]:
+    try:
+        return [w["url"] for w in http_json(router_url + "/workers", timeout=2)["workers"]]
+    except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError):
+        return []
+
+
+class RouterProcess:
+    """The real router, `python -m sglang_router.launch_router`, on a free port, its
+    output in a log file. Ready when GET /workers lists every engine: sglang-router
+    registers --worker-urls in the background after /health already answers."""
+
+    def __init__(self, worker_urls: list[str], log_path: str, extra_args: list[str] = ()):
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError as exc:  # a missing router is a broken test environment, not a skip
+            pytest.fail(f"sglang-router is not installed ({exc}); `pip install sglang-router` "
+                        "(it is in the [test] extra of pyproject.toml)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        args = [sys.executable, "-m", "sglang_router.launch_router",
+                "--worker-urls", *worker_urls,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                # the metrics exporter defaults to 0.0.0.0:29000: two routers would collide
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--log-level", "warn", *extra_args]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.startup_s: float | None = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def wait_ready(self, expected: list[str], timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"sglang router exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if sorted(router_engine_urls(self.url)) == sorted(expected):
+                self.startup_s = time.monotonic() - self.started
+                return
+            time.sleep(0.05)
+        pytest.fail(f"sglang router at {self.url} did not list {expected} within {timeout:g}s:\n"
+                    f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # graceful: the router waits for in-flight requests
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()

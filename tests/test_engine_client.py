@@ -8,17 +8,14 @@ import contextlib
 import json
 import logging
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.helpers import ROUTER_STARTUP_TIMEOUT_S, RouterProcess, http_json, router_engine_urls
 from workers.engine import (
     EngineClient,
     EngineControlError,
@@ -673,75 +670,6 @@ def test_engine_set_health_never_raises():
 #     so these tests use --policy round_robin to make "both engines get traffic"
 #     deterministic.
 
-ROUTER_STARTUP_TIMEOUT_S = 30.0
-
-
-def _http_json(url: str, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
-
-
-def _router_engine_urls(router_url: str) -> list[str]:
-    try:
-        return [w["url"] for w in _http_json(router_url + "/workers", timeout=2)["workers"]]
-    except (OSError, urllib.error.URLError, ValueError, KeyError):
-        return []
-
-
-class RouterProcess:
-    """`python -m sglang_router.launch_router` on a free port, stdout/stderr to a log file."""
-
-    def __init__(self, worker_urls: list[str], log_path: str, extra_args: list[str] = ()):
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError as exc:  # a missing router is a broken test environment, not a skip
-            pytest.fail(f"sglang-router is not installed ({exc}); `pip install sglang-router` "
-                        "(it is in the [test] extra of pyproject.toml)")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        args = [sys.executable, "-m", "sglang_router.launch_router",
-                "--worker-urls", *worker_urls,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                # the metrics exporter defaults to 0.0.0.0:29000: two routers would collide
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--log-level", "warn", *extra_args]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self.startup_s: float | None = None
-
-    def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read()[-n:].decode(errors="replace")
-
-    def wait_ready(self, expected: list[str], timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"sglang router exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if sorted(_router_engine_urls(self.url)) == sorted(expected):
-                self.startup_s = time.monotonic() - self.started
-                return
-            time.sleep(0.05)
-        pytest.fail(f"sglang router at {self.url} did not list {expected} within {timeout:g}s:\n"
-                    f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # graceful: the router waits for in-flight requests
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def router_env(tmp_path_factory):
     from workers.simulator import SimConfig, start_simulator
@@ -763,11 +691,11 @@ def router_env(tmp_path_factory):
 
 
 def _submitted(sim) -> int:
-    return _http_json(sim.url + "/sim/stats")["stats"].get("submitted", 0)
+    return http_json(sim.url + "/sim/stats")["stats"].get("submitted", 0)
 
 
 def _running(sims) -> int:
-    return sum(_http_json(s.url + "/v1/loads")["aggregate"]["total_reqs"] for s in sims)
+    return sum(http_json(s.url + "/v1/loads")["aggregate"]["total_reqs"] for s in sims)
 
 
 PROMPT = list(b"What is 2 + 3?")
@@ -917,10 +845,10 @@ def test_engine_set_refresh_sees_engine_added_to_router(router_env):
     router, sims = router_env
     extra = start_simulator()
     try:
-        answer = _http_json(router.url + "/workers", "POST", {"url": extra.url})
+        answer = http_json(router.url + "/workers", {"url": extra.url})
         assert answer["status"] == "accepted"  # 202: registration happens in the background
         deadline = time.monotonic() + 15
-        while extra.url not in _router_engine_urls(router.url):
+        while extra.url not in router_engine_urls(router.url):
             assert time.monotonic() < deadline, "router never registered the new engine"
             time.sleep(0.05)
 
@@ -935,14 +863,14 @@ def test_engine_set_refresh_sees_engine_added_to_router(router_env):
         reached, engines_seen = run(go())
         assert reached == sorted([extra.url] + [s.url for s in sims])
         assert sorted(engines_seen) == reached
-        assert _http_json(extra.url + "/get_model_info")["weight_version"] == "v-added"
+        assert http_json(extra.url + "/get_model_info")["weight_version"] == "v-added"
     finally:
-        workers = _http_json(router.url + "/workers")["workers"]
+        workers = http_json(router.url + "/workers")["workers"]
         for w in workers:
             if w["url"] == extra.url:
-                _http_json(f"{router.url}/workers/{w['id']}", "DELETE")
+                http_json(f"{router.url}/workers/{w['id']}", method="DELETE")
         deadline = time.monotonic() + 15
-        while extra.url in _router_engine_urls(router.url) and time.monotonic() < deadline:
+        while extra.url in router_engine_urls(router.url) and time.monotonic() < deadline:
             time.sleep(0.05)
         extra.stop()
 

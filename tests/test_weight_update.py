@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -25,7 +19,7 @@ from pipeline.consumer import Consumer
 from pipeline.control import Controller, WeightUpdateError, read_control, set_paused
 from pipeline.queue import Queue
 from pipeline.types import Group, Status
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import RouterProcess, WorkerThread, consume_all, http_json, wait_for
 from workers.engine import EngineSet
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
@@ -38,71 +32,13 @@ SLOW = dict(decode_tokens_per_s=300.0, length_median=150.0, length_p99=300.0, pr
 # -- the real router (own helper; tests/test_engine_client.py has a similar one) ----------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, body: dict | None = None, timeout: float = 5.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
-
-
-class Router:
-    """`python -m sglang_router.launch_router` in front of `engine_urls`; ready when
-    GET /workers lists every engine (registration is asynchronous)."""
-
-    def __init__(self, engine_urls: list[str], log_path: Path):
-        self.engine_urls = engine_urls
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *engine_urls,
-             "--host", "127.0.0.1", "--port", str(self.port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
-             "--policy", "round_robin", "--log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def listed(self) -> list[str]:
-        try:
-            return sorted(w["url"] for w in http_json(self.url + "/workers", timeout=2)["workers"])
-        except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError):
-            return []
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"router exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            if self.listed() == sorted(self.engine_urls):
-                return
-            time.sleep(0.05)
-        pytest.fail(f"router did not list {self.engine_urls} in {timeout}s: {self.log_path.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def router_env(tmp_path_factory):
     sims = [start_simulator(SimConfig(seed=10 + i, **SLOW)) for i in range(2)]
-    router = Router([s.url for s in sims], tmp_path_factory.mktemp("router") / "router.log")
+    router = RouterProcess([s.url for s in sims], str(tmp_path_factory.mktemp("router") / "router.log"),
+                           ["--policy", "round_robin"])
     try:
-        router.wait_ready()
+        router.wait_ready([s.url for s in sims])
         yield router, sims
     finally:
         router.stop()
@@ -148,15 +84,6 @@ def inflight_ids(queue: Queue) -> set[str]:
 
 def claims(queue: Queue) -> int:
     return int(queue.redis.hget(queue.keys.stats, "claims") or 0)
-
-
-def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60) -> list[Group]:
-    got: list[Group] = []
-    while len(got) < total:
-        b = consumer.next_batch(min(batch, total - len(got)), timeout=timeout)
-        got += b.groups
-        consumer.commit(b)
-    return got
 
 
 def check_sample(group: Group, s) -> None:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from pipeline.consumer import Consumer
 from pipeline.control import Controller
 from pipeline.queue import Queue
 from pipeline.types import Group, Status
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from workers.engine import EngineSet
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
@@ -47,23 +46,6 @@ def push(queue: Queue, n_groups: int, n_samples: int, prefix: str = "g") -> list
         groups.append(Group.fresh(f"{prefix}{i}", f"What is {a} + {b}?", n_samples, label=str(a + b), row=i))
     queue.push_groups(groups)
     return [g.group_id for g in groups]
-
-
-def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60) -> list[Group]:
-    got: list[Group] = []
-    while len(got) < total:
-        b = consumer.next_batch(min(batch, total - len(got)), timeout=timeout)
-        got += b.groups
-        consumer.commit(b)
-    return got
-
-
-def sim_post(url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        raw = resp.read()
-        return json.loads(raw) if raw else {}
 
 
 def check_sample_consistent(group: Group) -> None:
@@ -188,7 +170,7 @@ def test_kill_9_worker_mid_run_loses_nothing(redis_url, queue, namespace, sim):
 @pytest.mark.slow
 def test_engine_faults_retry_dead_letter_and_recover(redis_url, queue, namespace, sim):
     # Some failures: retried, every group still completes.
-    sim_post(sim.url, "/sim/faults", {"error_rate": 0.2, "drop_rate": 0.05})
+    http_json(sim.url + "/sim/faults", {"error_rate": 0.2, "drop_rate": 0.05})
     push(queue, 30, 4, prefix="flaky")
     worker = WorkerThread(settings(redis_url, namespace, [sim.url], max_attempts=50, backoff_s=0.01,
                                    backoff_max_s=0.05, engine_down_after=1000))
@@ -201,7 +183,7 @@ def test_engine_faults_retry_dead_letter_and_recover(redis_url, queue, namespace
         worker.stop()
 
     # Every request fails: groups go to dead letters with the error, never to results.
-    sim_post(sim.url, "/sim/faults", {"error_rate": 1.0, "drop_rate": 0.0})
+    http_json(sim.url + "/sim/faults", {"error_rate": 1.0, "drop_rate": 0.0})
     push(queue, 5, 2, prefix="doomed")
     worker = WorkerThread(settings(redis_url, namespace, [sim.url], max_attempts=3, backoff_s=0.01,
                                    engine_down_after=1000))
@@ -227,7 +209,7 @@ def test_engine_faults_retry_dead_letter_and_recover(redis_url, queue, namespace
         prompts_while_down = queue.redis.llen(queue.keys.prompts)
         time.sleep(0.5)
         assert queue.redis.llen(queue.keys.prompts) == prompts_while_down  # not claiming
-        sim_post(sim.url, "/sim/faults", {"error_rate": 0.0})
+        http_json(sim.url + "/sim/faults", {"error_rate": 0.0})
         got = consume_all(Consumer(queue.redis, namespace), 10, 5)
     finally:
         worker.stop()
