@@ -311,6 +311,7 @@ class Worker:
             sample.status = Status.TRUNCATED  # nothing left to generate: no request
             return
         rid = f"{group.group_id}/{sample.index}/{uuid.uuid4().hex[:8]}"
+        failures = group.attempts  # carried over from earlier claims of this group
         while True:
             if self._paused:
                 # A weight update is under way: a request sent now would wait at the
@@ -336,12 +337,15 @@ class Worker:
                     # spending the group's attempts, then try again.
                     await self._engine_back.wait()
                     continue
-                group.attempts += 1
-                if group.attempts >= s.max_attempts:
-                    raise GroupFailed(f"engine failed {group.attempts} times; last error: {exc}", "engine") from None
-                delay = min(s.backoff_max_s, s.backoff_s * 2 ** (group.attempts - 1)) * random.uniform(0.8, 1.2)
+                # Attempts count per sample: the n samples of a group failing in the same
+                # moment are one bad moment, not n. The group keeps its worst count.
+                failures += 1
+                group.attempts = max(group.attempts, failures)
+                if failures >= s.max_attempts:
+                    raise GroupFailed(f"engine failed {failures} times; last error: {exc}", "engine") from None
+                delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
                 log.warning("group %s: engine error (%s); retry %d in %.1fs", group.group_id, exc,
-                            group.attempts, delay)
+                            failures, delay)
                 await asyncio.sleep(delay)
         self._append(sample, result)
 
