@@ -36,8 +36,10 @@ def test_worker_and_consumer_metrics_from_real_traffic(redis_url, queue, namespa
         consumer = Consumer(queue.redis, namespace)
         for _ in range(2):
             consumer.commit(consumer.next_batch(10, timeout=30))
-        # Queue depths are sampled by the worker's upkeep (every second).
-        wait_for(lambda: "rollout_queue_depth{place=\"prompts\"}" in scrape(port), timeout=10, what="queue depth")
+        # Queue depths are sampled by the worker's upkeep (every second). Gauges are
+        # process-wide, so wait for this worker's reading (every prompt claimed).
+        wait_for(lambda: scrape(port).get('rollout_queue_depth{place="prompts"}') == 0, timeout=10,
+                 what="queue depth")
         m = scrape(port)
     finally:
         worker.stop()

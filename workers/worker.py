@@ -237,6 +237,13 @@ class Worker:
         self.inflight_samples += slots
         task = asyncio.create_task(self._process(group))
         self._tasks[group.group_id] = task
+        # A done callback, not a finally: it also runs for a task cancelled before it started.
+        task.add_done_callback(lambda _t, gid=group.group_id: self._finished(gid))
+
+    def _finished(self, group_id: str) -> None:
+        self.inflight_samples -= self._slots.pop(group_id, 0)
+        self._tasks.pop(group_id, None)
+        self._wake.set()
 
     # -- one group -------------------------------------------------------------------
 
@@ -259,18 +266,12 @@ class Worker:
             else:
                 self.counters.groups_dead += 1
                 log.error("group %s: dead-lettered: %s", gid, error)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", gid)
             metrics.DEAD_LETTERS.labels("worker_error").inc()
             await asyncio.to_thread(self.queue.publish, self.id, gid, encode_group(group), Place.DEAD,
                                     f"worker error: {type(exc).__name__}: {exc}")
             self.counters.groups_dead += 1
-        finally:
-            self.inflight_samples -= self._slots.pop(gid, 0)
-            self._tasks.pop(gid, None)
-            self._wake.set()
 
     async def _generate_group(self, group: Group) -> tuple[str, str | None]:
         """Returns where the group goes and, for dead letters, why."""
