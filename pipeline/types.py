@@ -128,14 +128,3 @@ class Group:
         if versions:
             return min(versions)
         return self.admitted_version
-
-    def rewards(self) -> list[float | dict | None]:
-        return [s.reward for s in self.samples]
-
-
-@dataclass
-class Entry:
-    """A group read from a stream, with the stream entry id it came from."""
-
-    entry_id: str
-    group: Group

@@ -27,7 +27,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline import metrics
-from pipeline.codec import encode_group
 from pipeline.connection import connect
 from pipeline.control import read_control
 from pipeline.queue import DEFAULT_LEASE_S, Place, Queue
@@ -269,7 +268,7 @@ class Worker:
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", gid)
             metrics.DEAD_LETTERS.labels("worker_error").inc()
-            await asyncio.to_thread(self.queue.publish, self.id, gid, encode_group(group), Place.DEAD,
+            await asyncio.to_thread(self.queue.publish_group, self.id, group, Place.DEAD,
                                     f"worker error: {type(exc).__name__}: {exc}")
             self.counters.groups_dead += 1
 
