@@ -18,8 +18,10 @@ import click
 import redis
 
 from pipeline.connection import ConnectionFailed, connect, redact
+from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.queue import Queue
+from pipeline.types import PauseMode, ReleasePolicy, choices
 from pipeline.redis_server import local_redis_url
 
 DEFAULT_NAMESPACE = "rollout"
@@ -216,8 +218,16 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
-@click.option("--lease", "lease_s", default=30.0, show_default=True, type=click.FloatRange(min=1),
-              help="Seconds without a heartbeat before this worker's groups are given back.")
+@click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
+              type=click.FloatRange(min=0.05),
+              help="Seconds between heartbeats. The lease (a namespace setting, `rollout configure --lease`) "
+                   "must cover three.")
+@click.option("--request-timeout", "request_timeout_s", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one /generate call may take; then it is aborted on the engine and retried.")
+@click.option("--reward-timeout", "reward_timeout_s", default=300.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
@@ -226,12 +236,17 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port, keep_response_text) -> None:
+           max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix, metrics_port,
+           keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It claims prompt groups, generates every sample through SGLang's /generate,
     scores them and publishes finished groups; on shutdown it hands back what it
-    holds. Run as many as you like, on any host.
+    holds. Run as many as you like, on any host. Given a router URL, it finds
+    the engines behind it, and looks again every 30 s (and while engines are
+    down): its capacity is --concurrency per engine found. If Redis restarts, it
+    waits for it and carries on; if it was presumed dead meanwhile (its lease
+    ran out), it drops its work and registers anew.
 
     \b
     Example:
@@ -244,7 +259,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
         redis_url=obj.url(), engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
-        lease_s=lease_s, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
+        heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
+        mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
         keep_response_text=keep_response_text,
         sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids)),
@@ -342,8 +358,9 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
               help="Samples in flight per engine, per worker.")
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
-@click.option("--lease", "lease_s", default=10.0, show_default=True, type=click.FloatRange(min=1),
-              help="Worker lease in seconds.")
+@click.option("--lease", "lease_s", default=10.0, show_default=True,
+              type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help="The namespace's worker lease in seconds (see `rollout configure`).")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
@@ -384,8 +401,9 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
         redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
+        lease_s=lease_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
-                     "--reward", reward, "--lease", str(lease_s)],
+                     "--reward", reward],
         sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
     )
     try:
@@ -477,12 +495,20 @@ def audit_cmd(obj: Context, as_json) -> None:
     (undelivered and pending) and dead-letter streams, and what was committed,
     dropped or discarded, and checks they add up to what was pushed, with no
     group in two places. Exit code 0 when it adds up, 1 when anything is
-    missing or duplicated (or the namespace is empty).
+    missing or duplicated (or the namespace is empty). The counts come from one
+    atomic snapshot, so a busy pipeline cannot make groups look missing.
+
+    \b
+    JSON keys (stable): pushed, prompts, inflight (worker -> groups),
+    requeue, results_undelivered, results_pending, dead, dropped, committed,
+    discarded, duplicates_discarded, accounted, lost, extra, in_two_places
+    (group ids), committed_and_live (group ids), orphan_payloads,
+    missing_payloads, unregistered_inflight (worker ids), ok.
 
     \b
     Example:
       rollout --namespace exp1 audit
-      rollout audit --json | jq .missing
+      rollout audit --json | jq .lost
     """
     from pipeline.audit import audit
 
@@ -517,12 +543,16 @@ def _print_audit(report) -> None:
     if report.ok:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
-    if report.missing:
-        console.print(f"PROBLEM: {report.missing} pushed groups found nowhere" if report.missing > 0
-                      else f"PROBLEM: {-report.missing} more groups found than pushed", style="red")
-    if report.duplicates:
-        console.print(f"PROBLEM: {len(report.duplicates)} groups in two places: "
-                      f"{', '.join(report.duplicates[:10])}", style="red", markup=False)
+    if report.lost:
+        console.print(f"PROBLEM: {report.lost} pushed groups found nowhere", style="red")
+    if report.extra:
+        console.print(f"PROBLEM: {report.extra} more groups found than pushed", style="red")
+    if report.in_two_places:
+        console.print(f"PROBLEM: {len(report.in_two_places)} groups in two places: "
+                      f"{', '.join(report.in_two_places[:10])}", style="red", markup=False)
+    if report.committed_and_live:
+        console.print(f"PROBLEM: {len(report.committed_and_live)} groups committed yet still in the pipeline: "
+                      f"{', '.join(report.committed_and_live[:10])}", style="red", markup=False)
     if report.orphan_payloads:
         console.print(f"PROBLEM: {report.orphan_payloads} stored payloads of groups neither queued nor in flight",
                       style="red")
@@ -575,7 +605,7 @@ _ENGINE_URL_OPTION = click.option(
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(["abort", "retract", "in_place"]), default="abort", show_default=True,
+@click.option("--mode", type=click.Choice(choices(PauseMode)), default=PauseMode.ABORT.value, show_default=True,
               help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
@@ -594,7 +624,8 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
       rollout pause --mode abort
       rollout pause --mode in_place --engine-url http://router:30000
     """
-    from pipeline.control import Controller, set_paused
+    from pipeline.control import set_paused
+    from pipeline.controller import Controller
     from workers.engine import EngineSet
 
     given = _given_engine_urls(engine_urls)
@@ -603,7 +634,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
     urls, source = _engines_for_control(queue, given)
     if not urls:
         set_paused(queue.redis, queue.keys, True)
-        inflight = sum(queue.redis.scard(queue.keys.inflight(w)) for w in queue.live_workers())
+        inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
                    f"reports any); {inflight} groups in flight finish normally")
         return
@@ -633,7 +664,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
 @main.command()
 @click.option("--weight-version", type=click.IntRange(min=0),
               help="The trainer's new weight version. Default: unchanged.")
-@click.option("--release-policy", type=click.Choice(["continue", "restart", "drop"]), default="continue",
+@click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)), default=ReleasePolicy.CONTINUE.value,
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
 @click.pass_obj
@@ -648,20 +679,18 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
       rollout resume --weight-version 12
       rollout resume --weight-version 12 --engine-url http://router:30000
     """
-    from pipeline.control import Controller
+    from pipeline.controller import Controller
     from workers.engine import EngineSet
 
     given = _given_engine_urls(engine_urls)
     queue = obj.queue()
     obj.warn_if_empty(queue)
     urls, source = _engines_for_control(queue, given)
-    wait_claim = 5.0 if queue.live_workers() else 0.0
 
     async def go():
         engines = EngineSet(urls) if urls else None
         try:
-            report = await Controller(queue, engines, release_policy=release_policy).resume(
-                weight_version, first_claim_timeout_s=wait_claim)
+            report = await Controller(queue, engines, release_policy=release_policy).resume(weight_version)
             return report, (engines.engines if engines else [])
         finally:
             if engines is not None:
@@ -674,11 +703,66 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
                                    f"{obj.scrub(str(exc))}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    first = "" if report.first_claim_s is None else f"; first claim after {report.first_claim_s:.3f}s"
     where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
              "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
     click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
-               f"{first}; {where}")
+               f"; {where}")
+
+
+@main.command()
+@click.option("--max-staleness", type=int,
+              help="η: no group whose oldest token lags the trainer's weight version by more is trained; "
+                   "admission is paced to (η + version + 1) · B groups. Negative: no bound.")
+@click.option("--batch-size", type=int, help="B, the groups per training step that pacing counts with "
+                                              "(next_batch must ask for exactly this many). Negative: unset.")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help=f"Seconds a worker may go without a heartbeat before any worker or the trainer gives its "
+                   f"groups back (at least {HEARTBEATS_PER_LEASE} heartbeats of {DEFAULT_HEARTBEAT_S:g}s).")
+@click.option("--max-claims", type=click.IntRange(min=1),
+              help="Claims of one group without it finishing (a worker died holding it) before it is "
+                   "dead-lettered.")
+@click.option("--max-ready", type=int, help="Results waiting for the trainer at which workers stop claiming. "
+                                             "Negative: back to the default.")
+@click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)),
+              help="What happens to aborted groups when admission reopens.")
+@click.option("--json", "as_json", is_flag=True, help="Print the settings as one JSON object.")
+@click.pass_obj
+def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy,
+              as_json) -> None:
+    """Show or change the namespace's settings (every worker and trainer follows them).
+
+    Without options, prints the current settings. The staleness bound needs
+    both --max-staleness and --batch-size, and the trainer must bump the weight
+    version (`rollout resume --weight-version`, Controller.resume) once per
+    batch, or admission stops when the budget is spent.
+
+    \b
+    JSON keys: paused, weight_version, max_staleness, batch_size, max_ready, lease_s,
+    max_claims, release_policy, admitted, committed, staleness_limit.
+
+    \b
+    Example:
+      rollout configure --max-staleness 1 --batch-size 64
+      rollout configure --lease 20 --max-claims 5
+    """
+    from pipeline.control import configure as set_settings
+
+    queue = obj.queue()
+    try:
+        state = set_settings(queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
+                             max_ready=max_ready, lease_s=lease_s, max_claims=max_claims,
+                             release_policy=release_policy)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(state.to_dict()))
+        return
+    bound = ("none" if state.staleness_limit is None else
+             f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
+             f"admitted at version {state.weight_version}")
+    click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
+               f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
+               f"{'paused' if state.paused else 'admitting'}")
 
 
 # -- dead letters ----------------------------------------------------------------------
@@ -881,9 +965,9 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     """
     from rich.progress import Progress
 
-    from pipeline.consumer import BatchTimeout, Consumer
-
     from pipeline import metrics as prom
+    from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
+    from pipeline.retry import RedisUnavailable
 
     queue = obj.queue()
     if metrics_port:
@@ -897,9 +981,12 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
         for step in range(steps):
             try:
                 batch = reader.next_batch(batch_size, timeout=timeout_s)
-            except BatchTimeout as exc:
+                reader.commit(batch)
+            except (BatchTimeout, RedisUnavailable) as exc:
                 raise click.ClickException(f"after {done} of {steps} batches: {exc}") from None
-            reader.commit(batch)
+            except SessionFenced as exc:
+                raise click.ClickException(f"after {done} of {steps} batches, another trainer took over this "
+                                           f"namespace (the batch in hand is theirs now): {exc}") from None
             done += 1
             if metrics_port:
                 for place, depth in queue.depths().items():
@@ -943,7 +1030,7 @@ def _batch_record(step: int, batch) -> dict:
         "dropped": m.dropped,
         "restarted": m.restarted,
         "dead": m.dead,
-        "duplicates": m.duplicates,
+        "duplicates_discarded": m.duplicates,
     }
 
 
@@ -957,7 +1044,7 @@ def _print_batch(console, row: dict, steps: int) -> None:
     head = (f"step {row['step'] + 1}/{steps}  {len(row['groups'])} groups  wait {row['wait_s']:.2f}s  "
             f"version {row['weight_version']}  mean reward {reward}  lag:groups {lags}")
     extra = [f"{n} {what}" for what, n in (("restarted", row["restarted"]), ("dead-lettered", row["dead"]),
-                                           ("duplicates", row["duplicates"])) if n]
+                                           ("duplicates discarded", row["duplicates_discarded"])) if n]
     extra += [f"{n} dropped ({reason})" for reason, n in row["dropped"].items()]
     console.print(head + ("; " + ", ".join(extra) if extra else ""), markup=False, soft_wrap=True)
     table = Table(box=None, padding=(0, 1), header_style="bold")

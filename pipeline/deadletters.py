@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codec import DecodeError, encode_group
-from .queue import Queue, Settle, StreamEntry, reset_group
-from .status import server_time
+from .queue import Queue, Settle, StreamEntry
 from .types import Group
 
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
@@ -116,7 +115,7 @@ def count(queue: Queue) -> int:
 
 def list_dead(queue: Queue, limit: int | None = None) -> list[DeadLetter]:
     """Dead letters, oldest first (all of them when `limit` is None)."""
-    now = server_time(queue.redis)
+    now = queue.now_ms() / 1000
     out: list[DeadLetter] = []
     for entry in queue.iter_stream(queue.keys.dead):
         out.append(_letter(entry, now))
@@ -128,7 +127,7 @@ def list_dead(queue: Queue, limit: int | None = None) -> list[DeadLetter]:
 def find(queue: Queue, ids: list[str]) -> tuple[list[DeadLetter], list[str]]:
     """Dead letters by stream entry id (`1712345678901-0`) or group id. Returns the
     found ones (in the order asked, each once) and the ids not found."""
-    now = server_time(queue.redis)
+    now = queue.now_ms() / 1000
     found: dict[str, DeadLetter] = {}
     missing: list[str] = []
     by_group: list[str] = []
@@ -198,14 +197,14 @@ def retry(queue: Queue, ids: list[str] | None = None, all_: bool = False, restar
         group = letter.group
         assert group is not None
         if restart:
-            reset_group(group)
+            group.reset()
         group.attempts = 0
         group.restarts = 0
         group.error = None
         group.worker = None
-        items.append(Settle("prompt", letter.entry_id, letter.group_id, payload=encode_group(group)))
+        items.append(Settle("prompt", letter.entry_id, letter.group_id, "dead retry", encode_group(group)))
     # Each goes to the head of the prompt list: reversed, so the oldest ends up first.
-    result.settled = queue.settle(queue.keys.dead, items[::-1])
+    result.settled = queue.settle(queue.keys.dead, items[::-1])[0]
     return result
 
 
@@ -214,4 +213,4 @@ def drop(queue: Queue, ids: list[str] | None = None, all_: bool = False) -> tupl
     and how many entries were actually removed."""
     letters = _select(queue, ids, all_)
     items = [Settle("discard", l.entry_id, l.group_id) for l in letters]
-    return letters, queue.settle(queue.keys.dead, items)
+    return letters, queue.settle(queue.keys.dead, items)[0]

@@ -34,7 +34,7 @@ import redis
 from .codec import DecodeError
 from .control import read_control
 from .keys import CONSUMER_GROUP, Keys
-from .queue import Queue, _text
+from .queue import Queue, text as _text
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
@@ -201,7 +201,6 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     r, k = queue.redis, queue.keys
     now = server_time(r)
     now_ms = int(now * 1000)
-    lease_ms = int(queue.lease_s * 1000)
 
     pipe = r.pipeline(transaction=False)
     pipe.llen(k.prompts)
@@ -220,18 +219,21 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         pending = int(r.xpending(k.results, CONSUMER_GROUP)["pending"])
     except redis.ResponseError:  # no consumer group yet
         pending = 0
-    counters = {_text(a): int(b) for a, b in stats.items()}
+    counters = queue.stats()
 
     names = [_text(w) for w, _ in workers]
     sizes = []
     if names:
         pipe = r.pipeline(transaction=False)
         for w in names:
-            pipe.scard(k.inflight(w))
+            pipe.hlen(k.inflight(w))
         sizes = pipe.execute()
     worker_rows: list[WorkerStatus] = []
-    for (raw_name, seen), name, size in zip(workers, names, sizes):
-        row = WorkerStatus(name=name, alive=now_ms - seen < lease_ms, last_heartbeat_s=max(0.0, (now_ms - seen) / 1000),
+    lease_ms = int(control.lease_s * 1000)
+    for (raw_name, deadline), name, size in zip(workers, names, sizes):
+        # Scores are lease deadlines: the last heartbeat was one lease before.
+        row = WorkerStatus(name=name, alive=deadline >= now_ms,
+                           last_heartbeat_s=max(0.0, (now_ms - (deadline - lease_ms)) / 1000),
                            inflight_groups=int(size))
         raw = info.get(raw_name) or info.get(name.encode())
         if raw:
@@ -247,7 +249,8 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
             except (ValueError, AttributeError, TypeError):
                 row.state = "unreadable info"
         if not row.alive:
-            row.state = f"lease expired ({row.state})"
+            row.state = (f"dead (no heartbeat for {row.last_heartbeat_s:.0f}s; its groups return at the next "
+                         f"reap)")
         worker_rows.append(row)
     worker_rows.sort(key=lambda w: (not w.alive, w.name))
 

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import subprocess
 import uuid
 
 import pytest
 
 from pipeline.connection import connect
 from pipeline.queue import Queue
-from pipeline.redis_server import RedisServer, free_port
+from pipeline.redis_server import RedisServer, find_redis_server, free_port
 
 
 @pytest.fixture(scope="session")
@@ -41,15 +44,7 @@ def namespace():
 
 @pytest.fixture
 def queue(client, namespace):
-    return Queue(client, namespace, lease_s=30.0)
-
-
-# -- added for the core queue suite (issue 2) ------------------------------------------
-import os
-import shutil
-import subprocess
-
-from pipeline.redis_server import find_redis_server
+    return Queue(client, namespace)
 
 
 def _server_version(binary: str) -> str | None:
@@ -104,12 +99,3 @@ def redis_factory(tmp_path):
     yield make
     for server in servers:
         server.kill()
-
-
-@pytest.fixture
-def make_queue(client, namespace):
-    """Queues on the test's namespace with a chosen lease."""
-    def make(lease_s: float = 30.0) -> Queue:
-        return Queue(client, namespace, lease_s=lease_s)
-
-    return make

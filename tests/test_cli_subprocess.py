@@ -121,7 +121,7 @@ def test_pipeline_through_the_cli(env, redis_url, namespace, tmp_path):
 
         wait_for(sim_up, what="the simulator")
         worker = spawn("worker", "--engine-url", f"http://127.0.0.1:{port}", "--max-new-tokens", "32",
-                       "--concurrency", "8", "--lease", "5", env=env, log=tmp_path / "worker.log")
+                       "--concurrency", "8", "--heartbeat", "1", env=env, log=tmp_path / "worker.log")
         proc = rollout("consume", "--batch-size", "4", "--steps", "2", "--json", "--timeout", "30", env=env)
         assert proc.returncode == 0, proc.stderr + (tmp_path / "worker.log").read_text()[-3000:]
         batches = [json.loads(l) for l in proc.stdout.splitlines()]

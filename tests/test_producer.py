@@ -14,6 +14,7 @@ from pipeline.audit import audit
 from pipeline.codec import decode_group
 from pipeline.producer import DatasetError, PushOptions, epoch_order, push_dataset
 from pipeline.queue import Queue
+from tests.groups import claim, publish
 
 ROWS = [
     {"input": "What is 1+1?", "label": "2", "metadata": {"source": "arith", "id": 0}},
@@ -321,11 +322,11 @@ def test_full_cycle_audit_adds_up(queue, client, namespace, tmp_path):
 
     path = write_jsonl(tmp_path / "cyc.jsonl", ROWS, raw_lines={2: "bad"})
     push_dataset(queue, path, PushOptions(skip_bad=True, n_samples_per_prompt=2))
-    for c in queue.claim("w", 10).groups:
+    for c in claim(queue, "w", 10).groups:
         g = c.group
         for i, s in enumerate(g.samples):
             s.tokens, s.response_length, s.reward = [1, 2], 1, float(i)
-        queue.publish_group("w", g, Place.RESULTS)
+        publish(queue, "w", g, Place.RESULTS)
     consumer = Consumer(client, namespace, block_s=0.2)
     consumer.commit(consumer.next_batch(5, timeout=5))
     report = assert_audit_ok(queue)

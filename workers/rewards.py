@@ -34,6 +34,7 @@ Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import logging
@@ -41,6 +42,7 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from fractions import Fraction
 from typing import Any
 
@@ -340,6 +342,9 @@ class Reward:
         self.fn = fn
         self.group = group
         self.name = name or _describe(fn)
+        # Where sync functions run (None: the loop's default). The worker gives them
+        # threads of their own, apart from the ones its Redis calls use.
+        self.executor: Executor | None = None
 
     @classmethod
     def from_path(cls, path: str, group: bool = False) -> Reward:
@@ -353,7 +358,8 @@ class Reward:
             result = await self.fn(args, arg)
         else:
             # sync judges may block (HTTP, subprocess, heavy parsing): keep the loop free
-            result = await asyncio.to_thread(self.fn, args, arg)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.executor, functools.partial(self.fn, args, arg))
         if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
             result = await result
         return result

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.connection import connect, redact
+from pipeline.control import configure
+from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import (RedisServer, RedisServerError, local_redis_url, register_local, rollout_home,
                                    unregister_local)
@@ -43,6 +45,7 @@ class StackOptions:
     data_dir: Path | None = None  # default: $ROLLOUT_HOME/stack
     redis_port: int | None = None  # None: a unix socket in the data directory
     worker_args: list[str] = field(default_factory=list)  # extra `rollout worker` options
+    lease_s: float | None = None  # the namespace's worker lease (None: leave it as configured)
     sim_config: dict[str, Any] = field(default_factory=dict)  # SimConfig fields
     refresh_s: float = 1.0
     duration_s: float | None = None  # stop by itself after this long (scripted runs)
@@ -86,6 +89,10 @@ class Stack:
         register_local(self.server)
         self._registered = True
         say(f"redis {self.url} (data in {self.server.data_dir}, AOF on)")
+        if self.opts.lease_s is not None:
+            client = connect(self.url)
+            configure(client, Keys(self.opts.namespace), lease_s=self.opts.lease_s)
+            client.close()
         if self.opts.engine_urls:
             self.engine_urls = list(self.opts.engine_urls)
         else:
