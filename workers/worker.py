@@ -34,40 +34,13 @@ from pipeline.types import Group, Sample, Status
 
 from .engine import EngineRequestError, EngineSet, EngineUnavailable, GenerateResult
 from .rewards import Reward, RewardError
+from .sampling import SamplingSettings
 from .tokenizer import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 SEGMENTS_KEY = "rollout_segments"  # sample.metadata: tokens produced by each engine call
-
-
-@dataclass
-class SamplingSettings:
-    """slime's rollout_* arguments, sent as SGLang sampling_params."""
-
-    max_new_tokens: int = 1024  # rollout_max_response_len
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def params(self, max_new_tokens: int) -> dict[str, Any]:
-        p: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            # As slime: keep stop tokens in the output so tokens and text line up.
-            "no_stop_trim": True,
-            "spaces_between_special_tokens": False,
-        }
-        if self.stop:
-            p["stop"] = self.stop
-        if self.stop_token_ids:
-            p["stop_token_ids"] = self.stop_token_ids
-        return p
 
 
 @dataclass
