@@ -34,8 +34,21 @@ class ControlState:
 RELEASE_POLICIES = ("continue", "restart", "drop")
 
 
-def _int(value: bytes | None) -> int | None:
-    return None if value is None else int(value)
+_warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
+
+
+def _int(value: bytes | None, name: str) -> int | None:
+    """An integer field; a corrupt one counts as unset (logged once), so no reader of
+    the control hash crashes on it. `rollout status` shows it as an alert."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        if (name, value) not in _warned:
+            _warned.add((name, value))
+            log.error("control field %s holds %r, not an integer; ignoring it", name, value[:40])
+        return None
 
 
 def read_control(client: redis.Redis, keys: Keys) -> ControlState:
@@ -45,14 +58,15 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
     pipe.hget(keys.stats, "committed")
     pipe.hlen(keys.admitted)
     (paused, version, eta, batch, ready, policy), committed, live = pipe.execute()
+    policy = policy.decode("utf-8", "replace") if policy else "continue"
     return ControlState(
         paused=paused == b"1",
-        weight_version=_int(version) or 0,
-        max_staleness=_int(eta),
-        batch_size=_int(batch),
-        max_ready=_int(ready),
-        admitted=(_int(committed) or 0) + live,  # as lua/claim.lua counts it
-        release_policy=policy.decode() if policy else "continue",
+        weight_version=_int(version, "weight_version") or 0,
+        max_staleness=_int(eta, "max_staleness"),
+        batch_size=_int(batch, "batch_size"),
+        max_ready=_int(ready, "max_ready"),
+        admitted=(_int(committed, "stats committed") or 0) + live,  # as lua/claim.lua counts it
+        release_policy=policy if policy in RELEASE_POLICIES else "continue",
     )
 
 
