@@ -284,7 +284,7 @@ def test_dead_list_show(run, queue, tmp_path):
     assert max(len(l.rstrip()) for l in lines) <= 80
     assert lines[0].split() == ["id", "group", "age", "try", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
-    assert "[cannot retry]" in result.output and "3 dead letters" in result.output
+    assert "[bad row]" in result.output and "3 dead letters" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
     assert {"id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
@@ -292,7 +292,7 @@ def test_dead_list_show(run, queue, tmp_path):
     show = run("dead", "show", ids["fail1"])
     assert show.exit_code == 0 and "HTTP 503" in show.output and "attempts   3" in show.output
     show = run("dead", "show", "rows.jsonl:0:1")
-    assert "retry      no:" in show.output and "no input" in show.output
+    assert "retry      after fixing the row" in show.output and "no input" in show.output
     detail = json.loads(run("dead", "show", "fail0", "--json").output)
     assert detail["group_id"] == "fail0" and detail["retriable"] is True
     assert "no dead letter 'nope'" in one_error_line(run("dead", "show", "nope"))
