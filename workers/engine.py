@@ -291,6 +291,18 @@ def parse_generate_response(
     )
 
 
+def decode_body(raw: bytes) -> Any:
+    """An HTTP answer's body: its JSON value, its text when it is not JSON (plain-text
+    answers: router 422s, "Cache flushed.", a wrong service's HTML), None when empty."""
+    text = raw.decode("utf-8", errors="replace")
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
+        return text
+
+
 def _error_message(body: Any) -> str:
     """Extract the human message from any of the error shapes engines/routers use."""
     if isinstance(body, dict):
@@ -384,12 +396,7 @@ class EngineClient:
                 f"{method} {url} failed: {type(exc).__name__}: {exc}", url=self.url
             ) from exc
 
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            body: Any = json.loads(text) if text.strip() else None
-        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
-            body = text  # plain-text answers: router 422s, "Cache flushed." etc.
-
+        body = decode_body(raw)
         if status < 400:
             return body
         message = f"{method} {url} -> HTTP {status}: {_error_message(body)}"
