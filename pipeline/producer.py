@@ -45,6 +45,7 @@ DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 #: How much of a bad row its dead letter keeps (its size is kept too).
 RAW_KEPT_CHARS = 2000
 _FINGERPRINT_FIELD = "fingerprint"
+_RUNS_FIELD = "runs"  # cursor restarts of a dataset, for the group ids of the next run
 
 
 class DatasetError(ValueError):
@@ -319,9 +320,9 @@ def _claim_fingerprint(queue: Queue, dataset: str, data: Dataset, opts: PushOpti
     """The fingerprint this push goes on with: recorded now if there is none, else
     the recorded one, if the file and options are the same dataset."""
     bad_now = [r.index for r in data.rows if r.error]
-    recorded = _read_fingerprint(queue, dataset)
     if opts.restart_cursor:
-        run = recorded.run + 1 if recorded else 0
+        # Counted apart from the fingerprint, which may be what was corrupt.
+        run = int(queue.redis.hincrby(queue.keys.dataset, f"{dataset}:{_RUNS_FIELD}", 1))
         new = data.fingerprint(opts, bad_now, run)
         pipe = queue.redis.pipeline(transaction=True)
         for name in _cursor_fields(queue, dataset):
@@ -330,6 +331,7 @@ def _claim_fingerprint(queue: Queue, dataset: str, data: Dataset, opts: PushOpti
         pipe.execute()
         log.warning("dataset %s: cursor restarted (run %d): every row is pushed again", dataset, run)
         return new
+    recorded = _read_fingerprint(queue, dataset)
     if recorded is None:
         new = data.fingerprint(opts, bad_now)
         if queue.redis.hsetnx(queue.keys.dataset, _fingerprint_field(dataset), json.dumps(asdict(new))):

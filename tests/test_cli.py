@@ -12,24 +12,11 @@ from pipeline.control import read_control
 from pipeline.queue import Place, Queue
 from pipeline.redis_server import register_local, unregister_local
 from pipeline.types import Group, Status
+from tests.helpers import one_error_line
 
 STABLE_KEYS = {"prompts", "inflight", "results_ready", "results_pending", "requeue", "dead", "workers_alive",
                "weight_version", "paused"}
 UNREACHABLE = "redis://127.0.0.1:1"
-
-
-@pytest.fixture
-def run(redis_url, namespace, monkeypatch, tmp_path):
-    """`rollout --redis-url URL --namespace NS ARGS...` -> click Result."""
-    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))  # no local Redis leaks in
-    for var in ("ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def invoke(*args, url: str | None = redis_url, ns: str | None = namespace, input=None):
-        head = (["--redis-url", url] if url else []) + (["--namespace", ns] if ns else [])
-        return CliRunner().invoke(main, [*head, *args], catch_exceptions=False, input=input)
-
-    return invoke
 
 
 def groups(n: int, prefix: str = "g", n_samples: int = 2) -> list[Group]:
@@ -49,14 +36,6 @@ def finished(queue: Queue, n: int, worker: str = "w", version: str = "0") -> lis
         queue.publish_group(worker, g, Place.RESULTS)
         out.append(g)
     return out
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code != 0, result.output
-    lines = [l for l in result.output.splitlines() if l.strip()]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # -- help and conventions ------------------------------------------------------------------

@@ -425,7 +425,7 @@ class EngineClient:
         if isinstance(body, list):
             # A list answer means a batch or n > 1: this client is single-sample only.
             raise EngineProtocolError(
-                f"/generate on {self.url} returned {len(body)} results; "
+                f"malformed /generate answer from {self.url}: {len(body)} results; "
                 "expected one (is sampling_params.n > 1?)",
                 url=self.url,
                 head=_head(body),
