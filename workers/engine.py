@@ -50,7 +50,6 @@ import asyncio
 import itertools
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -175,10 +174,10 @@ def _check_log_probs(log_probs: list) -> str | None:
         return None
     if not set(map(type, log_probs)) <= {float, int}:
         return "has log-probs that are not numbers"
-    # A sum of finite values within float32 range is finite; NaN or inf anywhere is not.
-    if not math.isfinite(sum(log_probs)) or min(log_probs) < -FLOAT32_MAX or max(log_probs) > FLOAT32_MAX:
-        bad = next(x for x in log_probs if not -FLOAT32_MAX <= x <= FLOAT32_MAX)
-        return f"has log-prob {bad!r}, not a finite float32"
+    # NaN fails every comparison; ints compare exactly, however large.
+    bad = next((x for x in log_probs if not -FLOAT32_MAX <= x <= FLOAT32_MAX), None)
+    if bad is not None:
+        return f"has log-prob {bad!r:.40}, not a finite float32"
     return None
 
 
@@ -275,8 +274,8 @@ def parse_generate_response(
     if prompt_tokens is not None and (type(prompt_tokens) is not int or prompt_tokens < 0):
         raise bad(f"prompt_tokens is {prompt_tokens!r:.50}, not a count")
     e2e = meta.get("e2e_latency")
-    if e2e is not None and type(e2e) not in (int, float):
-        raise bad(f"e2e_latency is {e2e!r:.50}, not a number")
+    if e2e is not None and (type(e2e) not in (int, float) or not abs(e2e) < 1e300):  # NaN fails too
+        raise bad(f"e2e_latency is {e2e!r:.50}, not a number of seconds")
     return GenerateResult(
         output_ids=ids,
         output_log_probs=log_probs,
