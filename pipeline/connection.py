@@ -110,12 +110,13 @@ def _failure(url: str, exc: Exception) -> ConnectionFailed:
     return ConnectionFailed(f"cannot reach Redis at {shown}: {exc}")
 
 
-def connect(url: str, socket_timeout: float = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
+def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
     """A client for `url` (redis://, rediss://, unix://). Returns a cluster client
     when the server runs in cluster mode. Raises ConnectionFailed with the reason."""
     check_url(url)
+    probe_timeout = PROBE_TIMEOUT_S if socket_timeout is None else min(socket_timeout, PROBE_TIMEOUT_S)
     try:
-        probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=min(socket_timeout, PROBE_TIMEOUT_S),
+        probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=probe_timeout,
                                      socket_connect_timeout=PROBE_TIMEOUT_S)
         try:
             cluster_enabled = probe.info("cluster").get("cluster_enabled") == 1
