@@ -17,9 +17,10 @@ from pathlib import Path
 import click
 import redis
 
-from pipeline.connection import ConnectionFailed, connect, redact
+from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
+from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
 from pipeline.types import PauseMode, ReleasePolicy, choices
 from pipeline.redis_server import local_redis_url
@@ -51,17 +52,7 @@ class Context:
 
     def scrub(self, text: str) -> str:
         """`text` with the Redis password (if any) masked: errors never show it."""
-        if self.redis_url:
-            from urllib.parse import unquote, urlsplit
-
-            try:
-                password = urlsplit(self.redis_url).password
-            except ValueError:
-                password = None
-            text = text.replace(self.redis_url, redact(self.redis_url))
-            for secret in {password, unquote(password or "")} - {None, ""}:
-                text = text.replace(secret, "***")
-        return text
+        return scrub(text, self.redis_url) if self.redis_url else text
 
     def warn_if_empty(self, queue: Queue) -> None:
         """Control commands act on an empty namespace too (e.g. pause before the first
@@ -159,15 +150,28 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--seed", default=42, show_default=True, help="Shuffle seed (rollout_seed).")
 @click.option("--skip-bad", is_flag=True, help="Dead-letter bad rows instead of refusing the file.")
 @click.option("--dataset-name", help="Name of the dataset cursor. Default: the file name.")
+@click.option("--restart-cursor", is_flag=True,
+              help="Forget this dataset's cursor and push every row again, under new group ids.")
 @click.option("--max-queued", type=click.IntRange(min=1),
               help="Feeder mode: keep pushing, but wait while the prompt list holds this many.")
+@click.option("--max-prompt-bytes", default=DEFAULT_MAX_PROMPT_BYTES, show_default=True,
+              type=click.IntRange(min=1), help="Largest row (prompt, label and metadata as stored); larger is bad.")
+@click.option("--tokenizer", help="Hugging Face tokenizer path: with --context-length, refuse prompts too long.")
+@click.option("--context-length", type=click.IntRange(min=1),
+              help="The engine's context in tokens (SGLang's --context-length); needs --tokenizer.")
+@click.option("--apply-chat-template", is_flag=True, help="Count string prompts templated as a user message.")
 @click.pass_obj
 def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples, epochs, shuffle, seed,
-         skip_bad, dataset_name, max_queued) -> None:
+         skip_bad, dataset_name, restart_cursor, max_queued, max_prompt_bytes, tokenizer, context_length,
+         apply_chat_template) -> None:
     """Push prompt groups from a JSONL or Parquet FILE.
 
     The cursor lives in Redis: pushing the same dataset again resumes where the
-    last push stopped and never pushes a (dataset, epoch, row) twice.
+    last push stopped and never pushes a (dataset, epoch, row) twice. It is kept
+    with a fingerprint of the file and options: resuming with another file, seed,
+    shuffle or group size is refused (use --dataset-name or --restart-cursor).
+    A row dead-lettered by --skip-bad can be fixed in the file and sent again
+    with `rollout dead retry`.
 
     \b
     Example:
@@ -175,22 +179,47 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     """
     from rich.progress import Progress
 
-    from pipeline.producer import DatasetError, PushOptions, push_dataset, read_rows
+    from pipeline.producer import DatasetError, PushOptions, load_dataset, push_dataset
 
+    if (tokenizer is None) != (context_length is None):
+        raise click.UsageError("--tokenizer and --context-length go together: the prompt length is checked "
+                               "against the context")
     opts = PushOptions(input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                        n_samples_per_prompt=n_samples, epochs=epochs, shuffle=shuffle, seed=seed,
-                       skip_bad=skip_bad, dataset_name=dataset_name, max_queued=max_queued)
+                       skip_bad=skip_bad, dataset_name=dataset_name, max_queued=max_queued,
+                       max_prompt_bytes=max_prompt_bytes, context_length=context_length,
+                       count_tokens=_token_counter(tokenizer, apply_chat_template) if tokenizer else None,
+                       restart_cursor=restart_cursor)
     queue = obj.queue()
     try:
-        total = len(read_rows(file, opts)) * epochs
+        data = load_dataset(file, opts)
+        if not data.rows:
+            click.echo(f"warning: {file} holds no rows: nothing pushed", err=True)
+            return
         with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
-            task = progress.add_task(f"pushing {file.name}", total=total)
-            report = push_dataset(queue, file, opts, progress=lambda n: progress.advance(task, n))
+            task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
+            report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n))
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
+                                             "recorded in the cursor: run the same push again to resume")) from None
     click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
                f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
                f"({report.rows} rows x {epochs} epochs)")
+    if report.dead:
+        click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
+
+
+def _token_counter(name: str, apply_chat_template: bool):
+    """Prompt length in tokens, for the context check at push time."""
+    from workers.tokenizer import TokenizerError, encode_prompt, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(name)
+    except TokenizerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+    return lambda prompt: len(encode_prompt(tokenizer, prompt, apply_chat_template))
 
 
 # -- worker ----------------------------------------------------------------------------
@@ -230,7 +259,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
@@ -252,23 +281,43 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
     Example:
       rollout worker --engine-url http://router:30000 --concurrency 256 --reward math_boxed
     """
-    from workers.worker import SamplingSettings, WorkerSettings, run_worker
+    from workers.sampling import SamplingError, SamplingSettings
+    from workers.tokenizer import TokenizerError
+    from workers.worker import WorkerSettings, run_worker
 
-    urls = [u for url in engine_urls for u in url.split()]
+    urls = _given_engine_urls(engine_urls)
+    if metrics_port:
+        _check_port_free("0.0.0.0", metrics_port, "--metrics-port")
+    try:
+        sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
+    except SamplingError as exc:
+        raise click.ClickException(f"bad sampling settings: {exc}") from None
     settings = WorkerSettings(
         redis_url=obj.url(), engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
-        keep_response_text=keep_response_text,
-        sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids)),
+        keep_response_text=keep_response_text, sampling=sampling,
     )
     try:
         asyncio.run(run_worker(settings))
-    except (ConnectionFailed, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+    except (ConnectionFailed, TokenizerError, ValueError) as exc:
+        raise click.ClickException(obj.scrub(str(exc))) from None
+
+
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """A one-line error now rather than a traceback when the server binds later."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                     param_hint=option) from None
 
 
 # -- simulator -------------------------------------------------------------------------
@@ -276,7 +325,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
 
 @main.command("sim-engine")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=30000, show_default=True)
+@click.option("--port", default=30000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--max-running", default=256, show_default=True, help="Requests decoding at once; more wait.")
 @click.option("--decode-rate", default=2000.0, show_default=True, help="Tokens per second per running request.")
@@ -304,6 +353,7 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
                            length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
+    _check_port_free(host, port, "--port")
     click.echo(f"SGLang simulator on http://{host}:{port}", err=True)
     try:
         asyncio.run(serve(config, host, port))
@@ -817,7 +867,7 @@ def dead_list(obj: Context, limit, as_json) -> None:
     for l in letters:
         g = l.group
         rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                     ("[cannot retry] " if l.not_retriable else "") + (l.error or "-")))
+                     _retry_mark(l) + (l.error or "-")))
     # Fixed columns as wide as their contents (group ids capped); the error takes the rest.
     widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
     widths[1] = min(widths[1], 24)
@@ -832,6 +882,12 @@ def dead_list(obj: Context, limit, as_json) -> None:
     console.print(table)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
     console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
+
+
+def _retry_mark(letter) -> str:
+    if letter.not_retriable:
+        return "[cannot retry] "
+    return "[bad row] " if letter.bad_row else ""
 
 
 def _age(seconds) -> str:
@@ -869,6 +925,8 @@ def dead_show(obj: Context, ident, as_json) -> None:
                  f"  error      {l.error or '-'}"]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
+        elif l.bad_row:
+            lines.append(f"  retry      after fixing the row in its file: rollout dead retry {l.entry_id}")
         else:
             lines.append(f"  retry      yes: rollout dead retry {l.entry_id}")
         if l.group is None:
@@ -894,9 +952,10 @@ def dead_show(obj: Context, ident, as_json) -> None:
 def dead_retry(obj: Context, idents, all_, restart) -> None:
     """Send dead letters back to the head of the prompt list.
 
-    Their attempt counts are reset and their errors cleared. Bad dataset rows and
-    undecodable payloads cannot be retried: given by id, nothing is done and the
-    error names them; with --all they are skipped and listed.
+    Their attempt counts are reset and their errors cleared. A bad dataset row is
+    read again from its file (fix it there first). Undecodable payloads and rows
+    still bad cannot be retried: given by id, nothing is done and the error names
+    them; with --all they are skipped and listed.
 
     \b
     Example:
@@ -949,7 +1008,8 @@ def dead_drop(obj: Context, idents, all_) -> None:
               help="Seconds to wait for each batch; on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
-@click.option("--metrics-port", type=int, help="Serve the trainer-side Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535),
+              help="Serve the trainer-side Prometheus metrics on this port.")
 @click.pass_obj
 def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port) -> None:
     """A stand-in trainer: take K exact batches and commit them.
@@ -969,8 +1029,9 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
     from pipeline.retry import RedisUnavailable
 
-    queue = obj.queue()
+    queue = obj.nonempty_queue()  # a typo must not create a namespace's keys
     if metrics_port:
+        _check_port_free("0.0.0.0", metrics_port, "--metrics-port")
         prom.serve_metrics(metrics_port)
     reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()

@@ -248,15 +248,16 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
             text = zlib.decompress(text)
         except zlib.error as exc:
             raise DecodeError(f"{what}: response text does not decompress: {exc}") from None
-    lp = m["lp"]
-    if lp is not None:
-        _check_packed(lp, f"{what} log-probs")
     status = _STATUS.get(m["st"])
     if status is None:
         raise DecodeError(f"{what}: unknown status {m['st']!r}")
     response_length = m["rl"]
     if not 0 <= response_length <= n_tokens:
         raise DecodeError(f"{what}: response_length {response_length} outside 0..{n_tokens}")
+    lp = m["lp"]
+    if lp is not None and len(_check_packed(lp, f"{what} log-probs")) // 4 != response_length:
+        # slime: one rollout log-prob per response token.
+        raise DecodeError(f"{what}: {len(lp) // 4} log-probs for {response_length} response tokens")
     wv = m["wv"]
     if not all(type(v) is str for v in wv):
         raise DecodeError(f"{what}: weight_versions must be strings")

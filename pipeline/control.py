@@ -67,16 +67,21 @@ _FIELDS = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready
            "release_policy")
 
 
+_warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
+
+
 def _number(raw: bytes | None, name: str, keys: Keys) -> int | None:
-    """A stored integer, or None (unset). A foreign value is reported and read as
+    """A stored integer, or None (unset). A foreign value is reported (once) and read as
     unset: one bad field must not stop status, the trainer or the workers."""
     if raw is None:
         return None
     try:
         return int(raw)
     except ValueError:
-        log.error("%s field %r holds %r, not an integer; ignoring it (fix with `rollout configure`)",
-                  keys.control, name, raw[:40])
+        if (name, raw) not in _warned:
+            _warned.add((name, raw))
+            log.error("%s field %r holds %r, not an integer; ignoring it (fix with `rollout configure`)",
+                      keys.control, name, raw[:40])
         return None
 
 

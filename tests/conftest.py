@@ -8,7 +8,9 @@ import subprocess
 import uuid
 
 import pytest
+from click.testing import CliRunner
 
+from cli import main as cli_main
 from pipeline.connection import connect
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, find_redis_server, free_port
@@ -45,6 +47,22 @@ def namespace():
 @pytest.fixture
 def queue(client, namespace):
     return Queue(client, namespace)
+
+
+@pytest.fixture
+def run(redis_url, namespace, monkeypatch, tmp_path):
+    """`rollout --redis-url URL --namespace NS ARGS...` through click's runner -> click Result.
+    An exception escaping the command fails the test: the CLI must never show a traceback."""
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))  # no local Redis leaks in
+    for var in ("ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def invoke(*args, url: str | None = redis_url, ns: str | None = namespace, input=None):
+        head = (["--redis-url", url] if url else []) + (["--namespace", ns] if ns else [])
+        return CliRunner().invoke(cli_main, [*head, *args], catch_exceptions=False, input=input)
+
+    return invoke
+
 
 
 def _server_version(binary: str) -> str | None:

@@ -64,6 +64,16 @@ class WorkerThread:
             raise self.error
 
 
+def one_error_line(result) -> str:
+    """The one line a failed CLI command (click runner result) printed, checked to be
+    a one-line error without a traceback."""
+    assert result.exit_code != 0, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
 def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

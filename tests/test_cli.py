@@ -14,24 +14,11 @@ from pipeline.redis_server import register_local, unregister_local
 from pipeline.types import Group, Status
 from pipeline.audit import AUDIT_JSON_KEYS
 from tests.groups import claim, publish
+from tests.helpers import one_error_line
 
 STABLE_KEYS = {"prompts", "inflight", "results_ready", "results_pending", "requeue", "dead", "workers_alive",
                "weight_version", "paused"}
 UNREACHABLE = "redis://127.0.0.1:1"
-
-
-@pytest.fixture
-def run(redis_url, namespace, monkeypatch, tmp_path):
-    """`rollout --redis-url URL --namespace NS ARGS...` -> click Result."""
-    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))  # no local Redis leaks in
-    for var in ("ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def invoke(*args, url: str | None = redis_url, ns: str | None = namespace, input=None):
-        head = (["--redis-url", url] if url else []) + (["--namespace", ns] if ns else [])
-        return CliRunner().invoke(main, [*head, *args], catch_exceptions=False, input=input)
-
-    return invoke
 
 
 def groups(n: int, prefix: str = "g", n_samples: int = 2) -> list[Group]:
@@ -51,14 +38,6 @@ def finished(queue: Queue, n: int, worker: str = "w", version: str = "0") -> lis
         publish(queue, worker, g, Place.RESULTS)
         out.append(g)
     return out
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code != 0, result.output
-    lines = [l for l in result.output.splitlines() if l.strip()]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # -- help and conventions ------------------------------------------------------------------
@@ -285,7 +264,7 @@ def test_dead_list_show(run, queue, tmp_path):
     assert max(len(l.rstrip()) for l in lines) <= 80
     assert lines[0].split() == ["id", "group", "age", "try", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
-    assert "[cannot retry]" in result.output and "3 dead letters" in result.output
+    assert "[bad row]" in result.output and "3 dead letters" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
     assert {"id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
@@ -293,7 +272,7 @@ def test_dead_list_show(run, queue, tmp_path):
     show = run("dead", "show", ids["fail1"])
     assert show.exit_code == 0 and "HTTP 503" in show.output and "attempts   3" in show.output
     show = run("dead", "show", "rows.jsonl:0:1")
-    assert "retry      no:" in show.output and "no input" in show.output
+    assert "retry      after fixing the row" in show.output and "no input" in show.output
     detail = json.loads(run("dead", "show", "fail0", "--json").output)
     assert detail["group_id"] == "fail0" and detail["retriable"] is True
     assert "no dead letter 'nope'" in one_error_line(run("dead", "show", "nope"))

@@ -77,7 +77,7 @@ def test_errors_are_one_line_with_nonzero_exit(env, redis_url, namespace, tmp_pa
     cases = [
         (["--redis-url", "redis://127.0.0.1:1", "status"], ["cannot reach Redis at redis://127.0.0.1:1"]),
         (["--redis-url", "http://x", "audit"], ["unsupported Redis URL 'http://x'"]),
-        (["--redis-url", f"redis://admin:{secret}@127.0.0.1:1/0", "status"], ["admin:***@127.0.0.1:1"]),
+        (["--redis-url", f"redis://admin:{secret}@127.0.0.1:1/0", "status"], ["redis://***@127.0.0.1:1"]),
         (["--redis-url", redis_url, "--namespace", namespace, "status"], [f"namespace '{namespace}' is empty"]),
         (["--redis-url", redis_url, "--namespace", namespace, "push", str(tmp_path / "nope.jsonl")],
          ["no such file"]),

@@ -140,8 +140,9 @@ def test_epochs(queue, tmp_path):
     assert report.pushed == 9
     assert queued(queue) == [f"e.jsonl:{e}:{r}" for e in range(3) for r in range(3)]
     assert payload(queue, "e.jsonl:2:1").epoch == 2
-    assert {k.decode(): int(v) for k, v in queue.redis.hgetall(queue.keys.dataset).items()} == {
-        "e.jsonl:0": 3, "e.jsonl:1": 3, "e.jsonl:2": 3}
+    cursors = {k.decode(): v for k, v in queue.redis.hgetall(queue.keys.dataset).items()}
+    assert json.loads(cursors.pop("e.jsonl:fingerprint"))["rows"] == 3
+    assert {k: int(v) for k, v in cursors.items()} == {"e.jsonl:0": 3, "e.jsonl:1": 3, "e.jsonl:2": 3}
 
 
 def test_shuffle_with_seed_is_deterministic(client, tmp_path):

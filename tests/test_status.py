@@ -181,14 +181,14 @@ def test_list_and_find_dead_letters(queue, tmp_path):
     by_gid = {l.group_id: l for l in letters}
     assert by_gid["fail0"].error.startswith("engine failed 3 times")
     assert by_gid["fail0"].not_retriable is None and by_gid["fail0"].group.attempts == 3
-    assert "bad dataset row" in by_gid["rows.jsonl:0:1"].not_retriable
+    assert by_gid["rows.jsonl:0:1"].bad_row and by_gid["rows.jsonl:0:1"].not_retriable is None
     assert "missing key 'input'" in by_gid["rows.jsonl:0:1"].error
     assert "does not decode" in by_gid["junk:0:0"].not_retriable
     assert deadletters.list_dead(queue, limit=2)[1].group_id == "fail1"
     found, missing = deadletters.find(queue, [ids["fail1"], "fail0", "nope", "1-1"])
     assert [l.group_id for l in found] == ["fail1", "fail0"] and missing == ["nope", "1-1"]
     details = by_gid["rows.jsonl:0:1"].details()
-    assert "no input key" in details["raw_row"] and details["retriable"] is False
+    assert "no input key" in details["raw_row"] and details["bad_row"] is True
     json.dumps([l.details() for l in letters], default=str)  # every field serializes
 
 

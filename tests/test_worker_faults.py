@@ -313,9 +313,12 @@ class AbortingEngine:
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "output_token_logprobs": [],
                 "weight_version": "default"}})
 
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="")
+
         app = web.Application()
         app.router.add_post("/generate", generate)
-        app.router.add_get("/health", lambda r: web.Response(text=""))
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

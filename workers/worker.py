@@ -48,8 +48,9 @@ from pipeline.queue import Claim, ClaimedGroup, ClaimStatus, Place, Published, Q
 from pipeline.retry import Reconnect
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
 
-from .engine import EngineError, EngineRequestError, EngineSet, GenerateResult
+from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .rewards import Reward, RewardError
+from .sampling import SamplingSettings
 from .tokenizer import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,34 +60,6 @@ FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": 
 WAITING_ON_ENGINE_S = 10.0
 #: How often a worker looks for engines joining or leaving behind its router URLs.
 REDISCOVER_S = 30.0
-
-
-@dataclass
-class SamplingSettings:
-    """slime's rollout_* arguments, sent as SGLang sampling_params."""
-
-    max_new_tokens: int = 1024  # rollout_max_response_len
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def params(self, max_new_tokens: int) -> dict[str, Any]:
-        p: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            # As slime: keep stop tokens in the output so tokens and text line up.
-            "no_stop_trim": True,
-            "spaces_between_special_tokens": False,
-        }
-        if self.stop:
-            p["stop"] = self.stop
-        if self.stop_token_ids:
-            p["stop_token_ids"] = self.stop_token_ids
-        return p
 
 
 @dataclass
@@ -594,8 +567,8 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except EngineError as exc:
-            if exc.status is None:  # timed out or cut off: the engine may still be generating it
-                self._abort_requests(rid)
+            if exc.status is None and not isinstance(exc, EngineProtocolError):
+                self._abort_requests(rid)  # timed out or cut off: the engine may still be generating it
             raise
         finally:
             self._outstanding -= 1
