@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import redis
 
+from pipeline.acl import Role
 from pipeline.connection import ConnectionFailed, connect, redact
 from pipeline.keys import check_namespace
 from pipeline.queue import Queue
@@ -972,6 +973,53 @@ def _print_batch(console, row: dict, steps: int) -> None:
                            for r in g["rewards"])
         table.add_row(g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"]))
     console.print(table)
+
+
+# -- acl -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--role", required=True, type=click.Choice([r.value for r in Role]),
+              help="worker: generate; trainer: push, consume, pause/resume; admin: also status, audit, "
+                   "dead letters, purge.")
+@click.option("--namespace", "role_namespace", help="The namespace the user may use. Default: --namespace.")
+@click.option("--user", help="User name. Default: NAMESPACE-ROLE.")
+@click.option("--password", envvar="ROLLOUT_ACL_PASSWORD",
+              help="The user's password (env ROLLOUT_ACL_PASSWORD). Default: a new random one, shown once "
+                   "on stderr. The line carries only its SHA-256.")
+@click.pass_obj
+def acl(obj: Context, role, role_namespace, user, password) -> None:
+    """Print the ACL SETUSER line of a least-privilege Redis user for one role.
+
+    The user may touch only the namespace's keys ({NS}:*) and its events
+    channel, run only the commands the role sends (those inside the Lua scripts
+    included), and take entries out of only the streams the role settles (a
+    worker cannot settle the trainer's results). Connects to nothing.
+
+    \b
+    Example:
+      rollout acl --role worker --namespace exp1 | redis-cli -h redis-host
+      ROLLOUT_ACL_PASSWORD=... rollout acl --role trainer --namespace exp1
+    """
+    import secrets
+
+    from pipeline.acl import default_user, setuser_line
+
+    namespace = role_namespace or obj.namespace
+    try:
+        check_namespace(namespace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--namespace") from None
+    role = Role(role)
+    user = user or default_user(role, namespace)
+    if not user.isprintable() or any(c in user for c in " ()\"'"):
+        raise click.BadParameter(f"{user!r} cannot be a Redis user name: no spaces, quotes or parentheses",
+                                 param_hint="--user")
+    if not password:
+        password = secrets.token_urlsafe(24)
+        click.echo(f"password for Redis user {user!r} (shown once): {password}\n"
+                   f"connect as redis://{user}:{password}@HOST:PORT", err=True)
+    click.echo(setuser_line(role, namespace, user, password))
 
 
 # -- purge -----------------------------------------------------------------------------

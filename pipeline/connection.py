@@ -7,6 +7,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.cluster import RedisCluster
 
+from .acl import ExplainingRedis
+
 log = logging.getLogger(__name__)
 
 # The reply shapes this code parses (XREADGROUP lists, HMGET lists) are RESP2's;
@@ -38,8 +40,8 @@ def connect(url: str, socket_timeout: float = SOCKET_TIMEOUT_S) -> redis.Redis |
     if scheme not in ("redis", "rediss", "unix"):
         raise ConnectionFailed(f"unsupported Redis URL {redact(url)!r}: use redis://, rediss:// or unix://")
     try:
-        client = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                      socket_connect_timeout=5, health_check_interval=30)
+        client = ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                          socket_connect_timeout=5, health_check_interval=30)
         cluster_enabled = client.info("cluster").get("cluster_enabled") == 1
     except (redis.RedisError, ValueError, OSError) as exc:
         raise ConnectionFailed(f"cannot reach Redis at {redact(url)}: {exc}") from None

@@ -1,0 +1,204 @@
+"""Least-privilege Redis ACL users for the roles that touch a pipeline, and clear
+errors when Redis refuses one of their commands.
+
+Each role (worker, trainer, admin) may use only its namespace's keys (`{ns}:*`), the
+events channel, and the commands it sends. Those are listed here and nowhere else:
+the commands of the Lua scripts a role runs are read from the scripts themselves
+(Redis checks every command a script calls against the caller's ACL), the commands
+a role sends itself are listed by hand. tests/test_acl.py runs each role's whole
+cycle under its ACL user, so a command missing here fails a test.
+
+Taking entries out of a stream (XACK, XDEL) is allowed only on the streams a role
+settles: a worker can release the requeue stream but cannot settle the trainer's
+results, even though both go through the same settle script.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import redis
+
+from .admin import namespace_pattern
+from .keys import Keys
+
+LUA_DIR = Path(__file__).with_name("lua")
+
+#: Commands that take an entry out of a stream; a role gets them only on the streams it settles.
+SETTLING = frozenset({"xack", "xdel"})
+
+_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
+
+
+class Role(str, Enum):
+    WORKER = "worker"
+    TRAINER = "trainer"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a role does to its namespace. Commands are lower case, subcommands as
+    `container|sub`, as ACL SETUSER spells them."""
+
+    scripts: frozenset[str] = frozenset()  # pipeline/lua scripts it runs (their commands are read from them)
+    commands: frozenset[str] = frozenset()  # commands it sends itself
+    settles: frozenset[str] = frozenset()  # names of the streams it takes entries out of
+    publishes: bool = False  # PUBLISH on the events channel
+    subscribes: bool = False  # SUBSCRIBE to it
+
+    def __or__(self, other: Access) -> Access:
+        return Access(self.scripts | other.scripts, self.commands | other.commands, self.settles | other.settles,
+                      self.publishes or other.publishes, self.subscribes or other.subscribes)
+
+    def all_commands(self) -> frozenset[str]:
+        found = set(self.commands)
+        for name in self.scripts:
+            found |= script_commands(name)
+        if self.publishes:
+            found.add("publish")
+        if self.subscribes:
+            found.add("subscribe")
+        return frozenset(found)
+
+
+def script_commands(name: str) -> frozenset[str]:
+    """The commands lua/<name>.lua calls."""
+    return frozenset(c.lower() for c in _CALL.findall((LUA_DIR / f"{name}.lua").read_text()))
+
+
+def _access(scripts=(), commands=(), settles=(), publishes=False, subscribes=False) -> Access:
+    return Access(frozenset(scripts), frozenset(commands), frozenset(settles), publishes, subscribes)
+
+
+#: Every client: connect() asks INFO whether the server runs a cluster; redis-py pings
+#: idle connections and loads a script the server does not know yet (after a restart).
+CLIENT = _access(commands=("info", "ping", "evalsha", "script|load"))
+#: control.read_control: one MULTI over the control hash, the stats and the admitted hash.
+READ_CONTROL = _access(commands=("multi", "exec", "hmget", "hget", "hlen"))
+#: Queue.release (workers while admission is open, the trainer on resume): requeue → prompts.
+RELEASE = _access(scripts=("settle",), commands=("xrange",), settles=("requeue",))
+
+WORKER = CLIENT | READ_CONTROL | RELEASE | _access(
+    scripts=("claim", "heartbeat", "publish", "reap"),
+    # publish stages a result with SET; depths; reap_expired reads the heartbeats by server time
+    commands=("set", "llen", "xlen", "time", "zrangebyscore"),
+    subscribes=True,
+)
+
+TRAINER = CLIENT | READ_CONTROL | RELEASE | _access(
+    scripts=("settle", "push"),
+    commands=(
+        "xgroup|create", "xreadgroup", "xautoclaim", "mget", "zmscore",  # Consumer.next_batch
+        "llen", "xlen", "zrevrange", "zrangebyscore", "time",  # the timeout error's diagnosis
+        "hset", "hdel", "zrange", "scard",  # control fields (Controller, configure), in-flight count
+        "rpush", "hincrby",  # push_groups (slime hands partial groups back), producer cursor
+    ),
+    settles=("results",),
+    publishes=True,
+)
+
+ADMIN = TRAINER | _access(
+    commands=(
+        "scan", "unlink", "exists",  # purge, namespace_is_empty
+        "lrange", "smembers", "hkeys", "hgetall", "xpending", "zcount",  # audit, status
+    ),
+    settles=("dead",),
+)
+
+ROLES: dict[Role, Access] = {Role.WORKER: WORKER, Role.TRAINER: TRAINER, Role.ADMIN: ADMIN}
+
+
+def password_hash(password: str) -> str:
+    """The `#<sha256>` form of a password: an ACL line that does not reveal it."""
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def default_user(role: Role, namespace: str) -> str:
+    return f"{namespace}-{role.value}"
+
+
+def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[str]:
+    """Arguments of `ACL SETUSER` for `role` on `namespace` (after the command name).
+    `reset` first, so running it again replaces whatever the user had."""
+    keys = Keys(namespace)
+    access = ROLES[role]
+    commands = access.all_commands()
+    args = [user, "reset", "on", password_hash(password), f"~{namespace_pattern(namespace)}", "resetchannels"]
+    if access.publishes or access.subscribes:
+        args.append(f"&{keys.events}")
+    args += ["-@all"] + [f"+{c}" for c in sorted(commands - SETTLING)]
+    settling = sorted(commands & SETTLING)
+    if settling and access.settles:
+        streams = " ".join(f"~{getattr(keys, s)}" for s in sorted(access.settles))
+        args.append(f"({streams} -@all {' '.join('+' + c for c in settling)})")
+    return args
+
+
+def setuser_line(role: Role, namespace: str, user: str, password: str) -> str:
+    """One `ACL SETUSER ...` line, as redis-cli reads it from stdin (ACL SETUSER joins
+    the words of a selector in parentheses itself)."""
+    return " ".join(["ACL", "SETUSER", *setuser_args(role, namespace, user, password)])
+
+
+# -- refusals that name the command --------------------------------------------------------
+
+
+class PermissionDenied(redis.exceptions.NoPermissionError):
+    """Redis refused a command under the user's ACL; the message names the command
+    (inside a script: the script, its line and the command there)."""
+
+
+_SCRIPT_PLACE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
+_SCRIPT_REFUSAL = "The user executing the script can't"
+
+
+class ExplainingRedis(redis.Redis):
+    """redis.Redis whose ACL refusals raise PermissionDenied saying which command was
+    refused. Redis's own text names no command for a key refusal, and inside a script
+    only its sha and line."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._script_sources: dict[str, str] = {}
+
+    def register_script(self, script: str | bytes):
+        registered = super().register_script(script)
+        self._script_sources[registered.sha] = script if isinstance(script, str) else script.decode()
+        return registered
+
+    def execute_command(self, *args, **options):
+        try:
+            return super().execute_command(*args, **options)
+        except redis.exceptions.ResponseError as exc:
+            text = str(exc)
+            if not isinstance(exc, redis.exceptions.NoPermissionError) and _SCRIPT_REFUSAL not in text:
+                raise
+            raise PermissionDenied(self._explain(args, text)) from None
+
+    def _explain(self, args: tuple, text: str) -> str:
+        user = self.connection_pool.connection_kwargs.get("username") or "default"
+        command = str(args[0]).upper()
+        reason = text.split(" script: ")[0]
+        if command == "EVALSHA" and len(args) > 1 and args[1] in self._script_sources:
+            command = f"EVALSHA of {_script_name(self._script_sources[args[1]])}"
+        place = _SCRIPT_PLACE.search(text)
+        if place and place.group(1) in self._script_sources:
+            source = self._script_sources[place.group(1)]
+            line_no = int(place.group(2))
+            lines = source.splitlines()
+            line = lines[line_no - 1] if 0 < line_no <= len(lines) else ""
+            called = _CALL.search(line)
+            inner = called.group(1).upper() if called else "a command"
+            command = f"{inner} in {_script_name(source)} line {line_no} (run by {command})"
+        return f"permission denied for Redis user {user!r}: {command}: {reason}"
+
+
+def _script_name(source: str) -> str:
+    for path in sorted(LUA_DIR.glob("*.lua")):
+        if path.read_text() in source:
+            return path.name
+    return "a script"
