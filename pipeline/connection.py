@@ -8,6 +8,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from .acl import ExplainingRedis
+from .tls import check_tls_options
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ def connect(url: str, socket_timeout: float = SOCKET_TIMEOUT_S) -> redis.Redis |
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise ConnectionFailed(f"unsupported Redis URL {redact(url)!r}: use redis://, rediss:// or unix://")
+    try:
+        check_tls_options(url)
+    except ValueError as exc:
+        raise ConnectionFailed(f"bad Redis URL {redact(url)}: {exc}") from None
     try:
         client = ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
                                           socket_connect_timeout=5, health_check_interval=30)
