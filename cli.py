@@ -256,6 +256,38 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
         raise click.ClickException(str(exc)) from None
 
 
+# -- reward-worker ---------------------------------------------------------------------
+
+
+@main.command("reward-worker")
+@click.option("--allow", "allowed", multiple=True, required=True,
+              help="A reward this worker may score, as the generation workers' --reward names it; repeat for several.")
+@click.option("--queue", "queue_names", multiple=True,
+              help="rq queue to serve (the generation workers' --reward-queue); repeat for several. "
+                   "Default: rollout-rewards.")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty.")
+@click.pass_obj
+def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
+    """Score groups for generation workers started with --reward-queue.
+
+    An rq worker that runs only the project's scoring job, and only with an
+    allowed reward: any other job (another function, another reward, job
+    callbacks) fails in rq's failed-job registry with the reason, and nothing it
+    names is imported. Jobs travel as JSON, never pickle. Run as many as you like.
+
+    \b
+    Example:
+      rollout reward-worker --allow math_boxed --allow my_judges.verify:rm
+    """
+    from workers.reward_queue import run_reward_worker
+
+    queues = {"queue_names": list(queue_names)} if queue_names else {}
+    try:
+        run_reward_worker(connect(obj.url()), list(allowed), burst=burst, **queues)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 # -- simulator -------------------------------------------------------------------------
 
 
