@@ -20,8 +20,10 @@ import redis
 from pipeline.acl import Role
 from pipeline.connection import ConnectionFailed, connect, redact
 from pipeline.keys import check_namespace
+from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from pipeline.queue import Queue
-from pipeline.redis_server import local_redis_url
+from pipeline.redis_server import Fsync, local_redis_url
+from workers.local import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
@@ -118,8 +120,9 @@ def _setup_logging(verbose: int) -> None:
 
 
 @click.group(cls=RolloutGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="redis://, rediss:// or unix:// URL "
-              "(env ROLLOUT_REDIS_URL). Default: the local Redis of `rollout up` / `rollout demo`.")
+@click.option("--redis-url", envvar=REDIS_URL_ENV, help=f"redis://, rediss:// or unix:// URL "
+              f"(env {REDIS_URL_ENV}, which keeps a password out of `ps`). Default: the local Redis of "
+              "`rollout up` / `rollout demo`.")
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
               help="Pipeline namespace: all its keys share this hash tag (env ROLLOUT_NAMESPACE).")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
@@ -195,6 +198,11 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 # -- worker ----------------------------------------------------------------------------
 
 
+_METRICS_HOST_OPTION = click.option(
+    "--metrics-host", default=DEFAULT_METRICS_HOST, show_default=True,
+    help="Address --metrics-port listens on; 0.0.0.0 for every interface (a Prometheus on another host).")
+
+
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
@@ -222,12 +230,13 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port, keep_response_text) -> None:
+           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It claims prompt groups, generates every sample through SGLang's /generate,
@@ -246,6 +255,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
         lease_s=lease_s, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
+        metrics_host=metrics_host,
         keep_response_text=keep_response_text,
         sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids)),
@@ -385,13 +395,18 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
               help="Also listen on 127.0.0.1:PORT. Default: a unix socket in the data directory only.")
+@click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.EVERYSEC.value,
+              show_default=True,
+              help="When Redis's AOF reaches the disk. Either way a crash of redis-server alone loses no "
+                   "acknowledged write. everysec: a host crash can lose up to ~1 s of them; always: none, "
+                   "every write waits for the disk.")
 @click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Dashboard refresh interval in seconds.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
 def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
-       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, refresh_s, duration_s) -> None:
+       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, fsync, refresh_s, duration_s) -> None:
     """Run a local stack in the foreground with a live dashboard.
 
     Starts an embedded Redis (AOF on, registered so every other `rollout`
@@ -416,7 +431,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     urls = _given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
-        redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
+        redis_port=redis_port, fsync=Fsync(fsync), refresh_s=refresh_s, duration_s=duration_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
                      "--reward", reward, "--lease", str(lease_s)],
         sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
@@ -899,8 +914,9 @@ def dead_drop(obj: Context, idents, all_) -> None:
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
 @click.option("--metrics-port", type=int, help="Serve the trainer-side Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.pass_obj
-def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port) -> None:
+def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port, metrics_host) -> None:
     """A stand-in trainer: take K exact batches and commit them.
 
     For each batch it prints the group ids, sample statuses, rewards, weight
@@ -920,7 +936,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
 
     queue = obj.queue()
     if metrics_port:
-        prom.serve_metrics(metrics_port)
+        prom.serve_metrics(metrics_port, metrics_host)
     reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()

@@ -52,8 +52,8 @@ def make_certificates(directory: Path) -> Path:
     """ca.pem, server.pem/.key (for 127.0.0.1 and localhost), client.pem/.key, stranger.pem."""
     ca_key, server_key, client_key, stranger_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(4))
     _write(directory, "ca", _issue("test CA", ca_key, "test CA", ca_key, ca=True))
-    _write(directory, "server", _issue("localhost", server_key, "test CA", ca_key,
-                                       sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    _write(directory, "server", _issue("localhost", server_key, "test CA", ca_key, sans=names,
                                        usage=ExtendedKeyUsageOID.SERVER_AUTH), server_key)
     _write(directory, "client", _issue("rollout worker", client_key, "test CA", ca_key,
                                        usage=ExtendedKeyUsageOID.CLIENT_AUTH), client_key)

@@ -93,6 +93,7 @@ class WorkerSettings:
     heartbeat_s: float = 2.0
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
     metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
@@ -163,7 +164,7 @@ class Worker:
         except Exception as exc:  # keep going: generation goes through the given URLs
             log.warning("engine discovery failed (%s); using %s as given", exc, self.settings.engine_urls)
         if self.settings.metrics_port:
-            metrics.serve_metrics(self.settings.metrics_port)
+            metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         log.info("worker %s: capacity %d samples, engines %s, namespace %s", self.id, self.capacity,
                  self.engines.engines or self.settings.engine_urls, self.settings.namespace)
         await self._heartbeat()
