@@ -90,7 +90,7 @@ WORKER = CLIENT | READ_CONTROL | RELEASE | _access(
 )
 
 TRAINER = CLIENT | READ_CONTROL | RELEASE | _access(
-    scripts=("settle", "push"),
+    scripts=("push",),  # and settle, with RELEASE: the consumer settles results through it
     commands=(
         "xgroup|create", "xreadgroup", "xautoclaim", "mget", "zmscore",  # Consumer.next_batch
         "llen", "xlen", "zrevrange", "zrangebyscore", "time",  # the timeout error's diagnosis
@@ -156,6 +156,20 @@ _SCRIPT_PLACE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
 _SCRIPT_REFUSAL = "The user executing the script can't"
 
 
+def _user(client: redis.Redis) -> str:
+    return client.connection_pool.connection_kwargs.get("username") or "default"
+
+
+class ExplainingPipeline(redis.client.Pipeline):
+    """A pipeline whose refusals say "permission denied" (redis-py names the command)."""
+
+    def execute(self, raise_on_error: bool = True):
+        try:
+            return super().execute(raise_on_error)
+        except redis.exceptions.NoPermissionError as exc:
+            raise PermissionDenied(f"permission denied for Redis user {_user(self)!r}: {exc}") from None
+
+
 class ExplainingRedis(redis.Redis):
     """redis.Redis whose ACL refusals raise PermissionDenied saying which command was
     refused. Redis's own text names no command for a key refusal, and inside a script
@@ -170,6 +184,9 @@ class ExplainingRedis(redis.Redis):
         self._script_sources[registered.sha] = script if isinstance(script, str) else script.decode()
         return registered
 
+    def pipeline(self, transaction: bool = True, shard_hint=None) -> ExplainingPipeline:
+        return ExplainingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
     def execute_command(self, *args, **options):
         try:
             return super().execute_command(*args, **options)
@@ -180,7 +197,6 @@ class ExplainingRedis(redis.Redis):
             raise PermissionDenied(self._explain(args, text)) from None
 
     def _explain(self, args: tuple, text: str) -> str:
-        user = self.connection_pool.connection_kwargs.get("username") or "default"
         command = str(args[0]).upper()
         reason = text.split(" script: ")[0]
         if command == "EVALSHA" and len(args) > 1 and args[1] in self._script_sources:
@@ -194,7 +210,7 @@ class ExplainingRedis(redis.Redis):
             called = _CALL.search(line)
             inner = called.group(1).upper() if called else "a command"
             command = f"{inner} in {_script_name(source)} line {line_no} (run by {command})"
-        return f"permission denied for Redis user {user!r}: {command}: {reason}"
+        return f"permission denied for Redis user {_user(self)!r}: {command}: {reason}"
 
 
 def _script_name(source: str) -> str:

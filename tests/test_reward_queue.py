@@ -126,14 +126,14 @@ class ThreadSimpleWorker(SimpleWorker):
         pass
 
 
-async def score_with_worker(reward: RQReward, args, groups: list[list[Sample]], conn: Redis) -> list:
+async def score_with_worker(reward: RQReward, args, groups: list[list[Sample]], conn: Redis, **worker_kwargs) -> list:
     """Start scoring every group, wait until all jobs are queued, then drain the
     queue with a burst rq worker in a thread."""
     tasks = [asyncio.create_task(reward.score(args, g)) for g in groups]
     deadline = time.monotonic() + 10
     while reward.queue.count < len(groups) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    worker = ThreadSimpleWorker([reward.queue_name], connection=conn, serializer=JSONSerializer)
+    worker = ThreadSimpleWorker([reward.queue_name], connection=conn, serializer=JSONSerializer, **worker_kwargs)
     await asyncio.to_thread(worker.work, burst=True, logging_level="WARNING")
     return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -414,17 +414,8 @@ def test_reward_worker_runs_nothing_but_allowlisted_scoring(conn, redis_server, 
 
 def test_a_reward_not_allowlisted_is_a_reward_error_naming_it(conn):
     reward = RQReward("tests.test_reward_queue.marking_reward", conn)
-
-    async def main():
-        task = asyncio.create_task(reward.score(ARGS, make_group(["x"])))
-        while reward.queue.count < 1:
-            await asyncio.sleep(0.01)
-        worker = ThreadSimpleWorker([reward.queue_name], connection=conn, serializer=JSONSerializer,
-                                    job_class=AllowlistedJob.for_paths(["math_boxed"]))
-        await asyncio.to_thread(worker.work, burst=True, logging_level="CRITICAL")
-        return await asyncio.gather(task, return_exceptions=True)
-
-    [error] = asyncio.run(main())
+    [error] = asyncio.run(score_with_worker(reward, ARGS, [make_group(["x"])], conn,
+                                            job_class=AllowlistedJob.for_paths(["math_boxed"])))
     assert isinstance(error, RewardError)
     assert "'tests.test_reward_queue.marking_reward' is not allowlisted" in str(error)
 
