@@ -17,13 +17,16 @@ from pathlib import Path
 import click
 import redis
 
+from pipeline.acl import Role
 from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
+from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
+from pipeline.redis_server import Fsync, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
-from pipeline.redis_server import local_redis_url
+from workers.local import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
@@ -110,8 +113,9 @@ def _setup_logging(verbose: int) -> None:
 
 
 @click.group(cls=RolloutGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="redis://, rediss:// or unix:// URL "
-              "(env ROLLOUT_REDIS_URL). Default: the local Redis of `rollout up` / `rollout demo`.")
+@click.option("--redis-url", envvar=REDIS_URL_ENV, help=f"redis://, rediss:// or unix:// URL "
+              f"(env {REDIS_URL_ENV}, which keeps a password out of `ps`). Default: the local Redis of "
+              "`rollout up` / `rollout demo`.")
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
               help="Pipeline namespace: all its keys share this hash tag (env ROLLOUT_NAMESPACE).")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
@@ -225,6 +229,11 @@ def _token_counter(name: str, apply_chat_template: bool):
 # -- worker ----------------------------------------------------------------------------
 
 
+_METRICS_HOST_OPTION = click.option(
+    "--metrics-host", default=DEFAULT_METRICS_HOST, show_default=True,
+    help="Address --metrics-port listens on; 0.0.0.0 for every interface (a Prometheus on another host).")
+
+
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
@@ -260,13 +269,14 @@ def _token_counter(name: str, apply_chat_template: bool):
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
            max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix, metrics_port,
-           keep_response_text) -> None:
+           metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It claims prompt groups, generates every sample through SGLang's /generate,
@@ -287,7 +297,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
 
     urls = _given_engine_urls(engine_urls)
     if metrics_port:
-        _check_port_free("0.0.0.0", metrics_port, "--metrics-port")
+        _check_port_free(metrics_host, metrics_port, "--metrics-port")
     try:
         sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                     top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
@@ -298,7 +308,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
-        mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
+        mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling,
     )
     try:
@@ -318,6 +328,38 @@ def _check_port_free(host: str, port: int, option: str) -> None:
         except OSError as exc:
             raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                                      param_hint=option) from None
+
+
+# -- reward-worker ---------------------------------------------------------------------
+
+
+@main.command("reward-worker")
+@click.option("--allow", "allowed", multiple=True, required=True,
+              help="A reward this worker may score, as the generation workers' --reward names it; repeat for several.")
+@click.option("--queue", "queue_names", multiple=True,
+              help="rq queue to serve (the generation workers' --reward-queue); repeat for several. "
+                   "Default: rollout-rewards.")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty.")
+@click.pass_obj
+def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
+    """Score groups for generation workers started with --reward-queue.
+
+    An rq worker that runs only the project's scoring job, and only with an
+    allowed reward: any other job (another function, another reward, job
+    callbacks) fails in rq's failed-job registry with the reason, and nothing it
+    names is imported. Jobs travel as JSON, never pickle. Run as many as you like.
+
+    \b
+    Example:
+      rollout reward-worker --allow math_boxed --allow my_judges.verify:rm
+    """
+    from workers.reward_queue import run_reward_worker
+
+    queues = {"queue_names": list(queue_names)} if queue_names else {}
+    try:
+        run_reward_worker(connect(obj.url()), list(allowed), burst=burst, **queues)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # -- simulator -------------------------------------------------------------------------
@@ -419,13 +461,18 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
               help="Also listen on 127.0.0.1:PORT. Default: a unix socket in the data directory only.")
+@click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.EVERYSEC.value,
+              show_default=True,
+              help="When Redis's AOF reaches the disk. Either way a crash of redis-server alone loses no "
+                   "acknowledged write. everysec: a host crash can lose up to ~1 s of them; always: none, "
+                   "every write waits for the disk.")
 @click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Dashboard refresh interval in seconds.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
 def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
-       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, refresh_s, duration_s) -> None:
+       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, fsync, refresh_s, duration_s) -> None:
     """Run a local stack in the foreground with a live dashboard.
 
     Starts an embedded Redis (AOF on, registered so every other `rollout`
@@ -450,7 +497,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     urls = _given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
-        redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
+        redis_port=redis_port, fsync=Fsync(fsync), refresh_s=refresh_s, duration_s=duration_s,
         lease_s=lease_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
                      "--reward", reward],
@@ -1010,8 +1057,9 @@ def dead_drop(obj: Context, idents, all_) -> None:
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
               help="Serve the trainer-side Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.pass_obj
-def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port) -> None:
+def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port, metrics_host) -> None:
     """A stand-in trainer: take K exact batches and commit them.
 
     For each batch it prints the group ids, sample statuses, rewards, weight
@@ -1031,8 +1079,8 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
 
     queue = obj.nonempty_queue()  # a typo must not create a namespace's keys
     if metrics_port:
-        _check_port_free("0.0.0.0", metrics_port, "--metrics-port")
-        prom.serve_metrics(metrics_port)
+        _check_port_free(metrics_host, metrics_port, "--metrics-port")
+        prom.serve_metrics(metrics_port, metrics_host)
     reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()
@@ -1120,6 +1168,53 @@ def _print_batch(console, row: dict, steps: int) -> None:
                            for r in g["rewards"])
         table.add_row(g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"]))
     console.print(table)
+
+
+# -- acl -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--role", required=True, type=click.Choice([r.value for r in Role]),
+              help="worker: generate; trainer: push, consume, pause/resume; admin: also status, audit, "
+                   "dead letters, purge.")
+@click.option("--namespace", "role_namespace", help="The namespace the user may use. Default: --namespace.")
+@click.option("--user", help="User name. Default: NAMESPACE-ROLE.")
+@click.option("--password", envvar="ROLLOUT_ACL_PASSWORD",
+              help="The user's password (env ROLLOUT_ACL_PASSWORD). Default: a new random one, shown once "
+                   "on stderr. The line carries only its SHA-256.")
+@click.pass_obj
+def acl(obj: Context, role, role_namespace, user, password) -> None:
+    """Print the ACL SETUSER line of a least-privilege Redis user for one role.
+
+    The user may touch only the namespace's keys ({NS}:*) and its events
+    channel, run only the commands the role sends (those inside the Lua scripts
+    included), and take entries out of only the streams the role settles (a
+    worker cannot settle the trainer's results). Connects to nothing.
+
+    \b
+    Example:
+      rollout acl --role worker --namespace exp1 | redis-cli -h redis-host
+      ROLLOUT_ACL_PASSWORD=... rollout acl --role trainer --namespace exp1
+    """
+    import secrets
+
+    from pipeline.acl import default_user, setuser_line
+
+    namespace = role_namespace or obj.namespace
+    try:
+        check_namespace(namespace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--namespace") from None
+    role = Role(role)
+    user = user or default_user(role, namespace)
+    if not user.isprintable() or any(c in user for c in " ()\"'"):
+        raise click.BadParameter(f"{user!r} cannot be a Redis user name: no spaces, quotes or parentheses",
+                                 param_hint="--user")
+    if not password:
+        password = secrets.token_urlsafe(24)
+        click.echo(f"password for Redis user {user!r} (shown once): {password}\n"
+                   f"connect as redis://{user}:{password}@HOST:PORT", err=True)
+    click.echo(setuser_line(role, namespace, user, password))
 
 
 # -- purge -----------------------------------------------------------------------------

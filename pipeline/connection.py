@@ -16,6 +16,9 @@ import redis
 from redis.cluster import RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, UnixDomainSocketConnection
 
+from .acl import ExplainingRedis
+from .tls import check_tls_options
+
 log = logging.getLogger(__name__)
 
 # The reply shapes this code parses (XREADGROUP lists, HMGET lists) are RESP2's;
@@ -90,6 +93,10 @@ def check_url(url: str) -> SplitResult:
         raise ConnectionFailed(f"malformed Redis URL {shown!r}: the port must be a number from 1 to 65535")
     if scheme == "unix" and not parts.path:
         raise ConnectionFailed(f"malformed Redis URL {shown!r}: a unix:// URL needs a socket path")
+    try:  # before the generic check: "needs rediss://" says more than "unknown query parameter"
+        check_tls_options(url)
+    except ValueError as exc:
+        raise ConnectionFailed(f"bad Redis URL {shown}: {exc}") from None
     unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
                      - _query_parameters(scheme))
     if unknown:
@@ -123,8 +130,8 @@ def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.
         finally:
             probe.close()
         if not cluster_enabled:
-            return redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                        socket_connect_timeout=5, health_check_interval=30)
+            return ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                            socket_connect_timeout=5, health_check_interval=30)
         return RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
                                      socket_connect_timeout=5)
     except (redis.RedisError, ValueError, TypeError, OSError) as exc:

@@ -86,6 +86,7 @@ class WorkerSettings:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
     metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
@@ -251,7 +252,7 @@ class Worker:
                              f"heartbeats of this worker ({self.settings.heartbeat_s:g}s each): raise it with "
                              f"`rollout configure --lease`")
         if self.settings.metrics_port:
-            metrics.serve_metrics(self.settings.metrics_port)
+            metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         log.info("%s", self.describe())
         self.ready.set()
         background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._maintenance_loop()),
