@@ -44,6 +44,27 @@ def queue(client, namespace):
     return Queue(client, namespace, lease_s=30.0)
 
 
+@pytest.fixture
+def tokenizer_json(tmp_path):
+    """A tiny byte-level BPE trained here and saved as tokenizer.json."""
+    import tokenizers  # in the test extra
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["What is 2 + 3? The answer is 5.", "Let me think step by step.", "héllo wörld"] * 20
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
 # -- added for the core queue suite (issue 2) ------------------------------------------
 import os
 import shutil
