@@ -247,6 +247,13 @@ def test_gpu_engines(config, raw):
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert "curl -fs http://localhost:30000/health" in svc["healthcheck"]["test"][1]
     assert profile_services(config, "gpu") & {"engine-1"} == set()  # one GPU is enough for `gpu`
+    # A trainer on the host reaches Redis, the router and each engine (weight updates), on localhost only.
+    published = {n: s["ports"] for n, s in config["services"].items() if s.get("ports")}
+    assert published["engine-0"] == ["127.0.0.1:30001:30000/tcp"]
+    assert published["engine-1"] == ["127.0.0.1:30002:30000/tcp"]
+    for name in routers(config):
+        assert published[name] == ["127.0.0.1:30000:30000/tcp"]
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports)
 
 
 def volume_sources(svc: dict) -> dict[str, str]:

@@ -259,11 +259,15 @@ def test_the_simulator_is_recognised_by_its_model_info():
 def test_a_worker_takes_the_served_models_tokenizer_and_refuses_bytes(tokenizer_json):
     engine = FakeModelEngine(tokenizer_json)
     try:
-        run = lambda requested: asyncio.run(worker_tokenizer([engine.url], requested, allow_byte=False,
-                                                             apply_chat_template=True))
+        run = lambda requested: asyncio.run(asyncio.wait_for(
+            worker_tokenizer([engine.url], requested, allow_byte=False, apply_chat_template=True), 30))
         assert run(None) == tokenizer_json
         with pytest.raises(TokenizerChoiceError, match="--allow-byte-tokenizer"):
             run("byte")
+        # A tokenizer named explicitly does not depend on what the engines serve.
+        engine.close()
+        assert run(tokenizer_json) == tokenizer_json
+        engine = FakeModelEngine(tokenizer_json)
         engine.model_info["tokenizer_path"] = str(tokenizer_json) + ".missing.json"
         with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing"):
             run(None)

@@ -337,9 +337,11 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
     """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
     loaded once here so a missing library or model fails now, in one line.
 
-    Waits for every engine to answer /get_model_info. Raises TokenizerChoiceError.
+    Waits for every engine to answer /get_model_info, unless a tokenizer other than
+    bytes is requested (then what they serve changes nothing). Raises TokenizerChoiceError.
     """
-    engines = [await _engine_model(url, wait_log_s) for url in engine_urls]
+    asks_engines = requested in (None, "byte")
+    engines = [await _engine_model(url, wait_log_s) for url in engine_urls] if asks_engines else []
     name = choose_tokenizer(engines, requested, allow_byte)
     try:
         tokenizer = load_tokenizer(name)
@@ -350,5 +352,5 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
             and not apply_chat_template:
         logger.warning("tokenizer %s has a chat template, but string prompts are sent without it: pass "
                        "--apply-chat-template for an instruct model", name)
-    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(e.url for e in engines))
+    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(engine_urls))
     return name
