@@ -258,7 +258,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
-    model's tokenizer (needs `pip install 'rollout-queue[hf]'`). Then it claims
+    model's tokenizer (a real model needs `pip install 'rollout-queue[hf]'`; the
+    simulator takes bytes). Then it claims
     prompt groups, generates every sample through SGLang's /generate, scores them
     and publishes finished groups; on shutdown it hands back what it holds. Run as
     many as you like, on any host.
