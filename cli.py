@@ -295,6 +295,56 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
         pass
 
 
+@main.command("torch-engine")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Initial weights (without --model-path) and sampling seed.")
+@click.option("--model-path", type=click.Path(exists=True, dir_okay=False),
+              help="Checkpoint to start from (written by the trainer). Default: a fresh model from the options below.")
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--width", default=128, show_default=True, type=click.IntRange(min=8), help="d_model.")
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--context-length", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--max-running", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoding at once (KV cache slots); more wait.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch CPU threads.")
+@click.option("--step-time", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Minimum seconds per decode step (sleeps the rest, CPU free): emulate a GPU's pace.")
+def torch_engine(host, port, seed, model_path, layers, width, heads, context_length, max_running, device, threads,
+                 step_time) -> None:
+    """Run a real PyTorch model behind the SGLang-compatible server.
+
+    A small byte-level causal LM (the workers' default tokenizer works with it), with
+    continuous batching over a KV cache, return_logprob, every pause mode and
+    /update_weights_from_disk for checkpoints the trainer writes. Needs torch
+    (pip install 'rollout-queue[torch]').
+
+    \b
+    Example:
+      rollout torch-engine --port 30000 --layers 2 --width 128 --max-running 64
+    """
+    try:
+        from workers.byte_lm import ModelConfig
+        from workers.torch_engine import TorchEngineConfig, serve
+    except ImportError as exc:
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
+    try:
+        config = TorchEngineConfig(seed=seed, model_path=model_path, max_running_requests=max_running, device=device,
+                                   threads=threads, min_step_s=step_time,
+                                   model=ModelConfig(n_layers=layers, d_model=width, n_heads=heads,
+                                                     context_length=context_length))
+    except ValueError as exc:
+        raise click.ClickException(f"bad torch engine settings: {exc}") from None
+    click.echo(f"torch engine on http://{host}:{port}", err=True)
+    try:
+        asyncio.run(serve(config, host, port))
+    except ValueError as exc:  # an unreadable --model-path
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
 # -- demo ------------------------------------------------------------------------------
 
 

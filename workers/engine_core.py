@@ -413,6 +413,23 @@ class Engine:
 
     # -- shutdown and load ---------------------------------------------------------------
 
+    def _fail(self, reqs: list[EngineRequest], message: str) -> None:
+        """End requests with an internal error: SGLang answers these with HTTP 500."""
+        for req in reqs:
+            if req.state == State.WAITING:
+                self.waiting.remove(req)
+            else:
+                self._stop(req)
+                self.running.pop(req.rid, None)
+                self._evict(req)
+            self._complete(req, Outcome.ABORTED, {"type": "abort", "message": message, "status_code": 500,
+                                                  "err_type": "InternalServerError"})
+        self._admit()
+
+    def close(self) -> None:
+        """The server is shutting down."""
+        self.drop_all()
+
     def drop_all(self) -> int:
         """Lose every request and wake every waiting handler, which then drops its
         connection (used by restart and by server shutdown)."""

@@ -136,6 +136,9 @@ class EngineServer:
             raise
         if any(r.outcome == Outcome.DROPPED for r in reqs):
             return drop(request)
+        failed = next((r.finish for r in reqs if (r.finish or {}).get("status_code")), None)
+        if failed is not None:  # an engine error, not a user abort: SGLang answers with its status
+            return error(failed["message"], failed["status_code"])
         outputs = [self._render(r, stream=False) for r in reqs]
         return json_reply(outputs[0] if parsed.single else outputs)
 
@@ -432,7 +435,7 @@ class EngineServer:
 
     def shutdown(self) -> None:
         """Drop everything in flight so handlers end before the server closes."""
-        self.engine.drop_all()
+        self.engine.close()
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         """Backend-specific routes (the simulator's /sim/*)."""
