@@ -351,7 +351,7 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
 @main.command()
 @click.option("--engine", type=click.Choice(["sim", "torch"]), default="sim", show_default=True,
               help="sim: the SGLang simulator and a stand-in trainer; torch: real models and GRPO that learns.")
-@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 40 (torch).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8.")
 @click.option("--n-samples", type=click.IntRange(min=1), help="Samples per group. Default: 4 (sim), 8 (torch).")
 @click.option("--workers", "n_workers", type=click.IntRange(min=1),

@@ -1,6 +1,6 @@
 """GRPO on a tiny byte-level model, through the whole pipeline, on a CPU.
 
-    python examples/grpo_tiny.py                 # ~40 steps, prints the reward curve
+    python examples/grpo_tiny.py                 # 60 steps (~30 s), prints the reward curve
     python examples/grpo_tiny.py --json          # one JSON object; exit 1 unless the run is clean
     python examples/grpo_tiny.py --png curve.png # also plot it (needs matplotlib)
 

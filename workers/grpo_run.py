@@ -46,7 +46,7 @@ NAMESPACE = "grpo"
 
 @dataclass
 class GRPOOptions:
-    steps: int = 40
+    steps: int = 60
     batch_size: int = 8  # B: groups per step
     n_samples: int = 8  # samples per prompt (the group size)
     max_new_tokens: int = 8
