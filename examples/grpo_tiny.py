@@ -2,7 +2,7 @@
 
     python examples/grpo_tiny.py                 # 60 steps (~30 s), prints the reward curve
     python examples/grpo_tiny.py --json          # one JSON object; exit 1 unless the run is clean
-    python examples/grpo_tiny.py --png curve.png # also plot it (needs matplotlib)
+    python examples/grpo_tiny.py --png curve.png # where to plot it (when matplotlib is installed)
 
 Redis, `rollout torch-engine` processes, `rollout worker` processes and this process
 as the trainer (see workers/grpo_run.py). The prompt names a letter case ("lower: " or
@@ -31,7 +31,8 @@ from workers.grpo_run import GRPOOptions, run_grpo
 @click.option("--engines", default=GRPOOptions.engines, show_default=True, type=click.IntRange(1, 2))
 @click.option("--workers", default=GRPOOptions.workers, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True)
-@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), help="Save the reward curve here.")
+@click.option("--png", default="grpo_tiny_curve.png", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Save the reward curve here when matplotlib is installed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of the table.")
 def main(steps, batch_size, n_samples, engines, workers, seed, png, as_json) -> None:
     opts = GRPOOptions(steps=steps, batch_size=batch_size, n_samples=n_samples, engines=engines, workers=workers,

@@ -110,13 +110,14 @@ REWARD_MARGIN = 0.25  # reward_last - reward_first over 30 steps; seeds 0-3 meas
 
 
 @pytest.mark.slow
-def test_grpo_tiny_learns_with_exact_logprobs_across_weight_updates():
+def test_grpo_tiny_learns_with_exact_logprobs_across_weight_updates(tmp_path):
     """30 steps, one engine, one worker, η = 1, a weight update (abort mode) after every
     step. Every step's agreement check recomputes each segment of each sample under
     the version it reports: a continued sample passes only if its aborted prefix and
     its continuation were each recorded with the weights that produced them."""
     steps = 30
-    summary = _run(["examples/grpo_tiny.py", "--steps", str(steps), "--seed", "0", "--json"], timeout=240)
+    summary = _run(["examples/grpo_tiny.py", "--steps", str(steps), "--seed", "0", "--json",
+                    "--png", str(tmp_path / "curve.png")], timeout=240)
     assert summary["ok"] and summary["steps"] == steps and summary["error"] is None
     assert summary["reward_last"] >= summary["reward_first"] + REWARD_MARGIN, summary["curve"]
     assert all(row["logprob_max_abs_diff"] <= AGREEMENT_TOLERANCE for row in summary["curve"])

@@ -33,6 +33,7 @@ from pipeline.control import Controller, configure
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, free_port
+from pipeline.types import parse_version
 
 from . import case_task
 from .engine import EngineSet
@@ -208,7 +209,7 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
              seconds: float, say: Callable[[str], None]) -> dict:
     window = max(1, min(5, len(rows) // 4))  # steps averaged at each end of the curve
     rewards = [r["reward"] for r in rows]
-    seen = sorted({v for r in rows for v in r["versions"]}, key=lambda v: (len(v), v))
+    seen = sorted({v for r in rows for v in r["versions"]}, key=parse_version)
     audit_ok = audit_report is not None and audit_report.ok
     summary = {
         "ok": error is None and audit_ok and len(rows) == opts.steps,

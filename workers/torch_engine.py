@@ -132,6 +132,7 @@ class TorchEngine(Engine):
             model_config, state = load_checkpoint(config.model_path)
         if model_config.vocab_size != tokenizer.vocab_size:
             raise ValueError(f"model vocab_size {model_config.vocab_size} != tokenizer's {tokenizer.vocab_size}")
+        # The checkpoint, if any, decides the architecture; the server reads these limits.
         config.model = model_config
         config.context_length = model_config.context_length
         config.max_total_num_tokens = config.max_running_requests * model_config.context_length
@@ -249,8 +250,8 @@ class TorchEngine(Engine):
         tokens, logprobs = self._sample(rows, torch.cat(logits))
         tokens_list = tokens.tolist()
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        top_k = max(r.spec.top_logprobs_num if r.spec.return_logprob else 0 for r in rows)
-        top = torch.topk(logprobs, min(top_k, logprobs.shape[1])) if top_k else None
+        top_n = max(r.spec.top_logprobs_num if r.spec.return_logprob else 0 for r in rows)
+        top = torch.topk(logprobs, min(top_n, logprobs.shape[1])) if top_n else None
         for i, req in enumerate(rows):
             req.tokens.append(tokens_list[i])
             req.logprobs.append(chosen[i])
