@@ -438,40 +438,108 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
         asyncio.run(serve(config, host, port))
 
 
+@main.command("torch-engine")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Initial weights (without --model-path) and sampling seed.")
+@click.option("--model-path", type=click.Path(exists=True, dir_okay=False),
+              help="Checkpoint to start from (written by the trainer). Default: a fresh model from the options below.")
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--width", default=128, show_default=True, type=click.IntRange(min=8), help="d_model.")
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--context-length", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--max-running", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoding at once (KV cache slots); more wait.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch CPU threads.")
+@click.option("--step-time", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Minimum seconds per decode step (sleeps the rest, CPU free): emulate a GPU's pace.")
+def torch_engine(host, port, seed, model_path, layers, width, heads, context_length, max_running, device, threads,
+                 step_time) -> None:
+    """Run a real PyTorch model behind the SGLang-compatible server.
+
+    A small byte-level causal LM (the workers' default tokenizer works with it), with
+    continuous batching over a KV cache, return_logprob, every pause mode and
+    /update_weights_from_disk for checkpoints the trainer writes. Needs torch
+    (pip install 'rollout-queue[torch]').
+
+    \b
+    Example:
+      rollout torch-engine --port 30000 --layers 2 --width 128 --max-running 64
+    """
+    try:
+        from workers.byte_lm import ModelConfig
+        from workers.torch_engine import TorchEngineConfig, serve
+    except ImportError as exc:
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
+    try:
+        config = TorchEngineConfig(seed=seed, model_path=model_path, max_running_requests=max_running, device=device,
+                                   threads=threads, min_step_s=step_time,
+                                   model=ModelConfig(n_layers=layers, d_model=width, n_heads=heads,
+                                                     context_length=context_length))
+    except ValueError as exc:
+        raise click.ClickException(f"bad torch engine settings: {exc}") from None
+    click.echo(f"torch engine on http://{host}:{port}", err=True)
+    try:
+        asyncio.run(serve(config, host, port))
+    except ValueError as exc:  # an unreadable --model-path
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
 # -- demo ------------------------------------------------------------------------------
 
 
 @main.command()
-@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1), help="Training steps.")
-@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(min=1), help="Groups per step.")
-@click.option("--n-samples", default=4, show_default=True, type=click.IntRange(min=1), help="Samples per group.")
-@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Generation worker processes.")
+@click.option("--engine", type=click.Choice(["sim", "torch"]), default="sim", show_default=True,
+              help="sim: the SGLang simulator and a stand-in trainer; torch: real models and GRPO that learns.")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8.")
+@click.option("--n-samples", type=click.IntRange(min=1), help="Samples per group. Default: 4 (sim), 8 (torch).")
+@click.option("--workers", "n_workers", type=click.IntRange(min=1),
+              help="Generation worker processes. Default: 2 (sim), 1 (torch).")
+@click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="torch: engine processes.")
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
+              help="torch: save the reward curve here (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the audit) instead.")
-def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
+def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
     """Run the whole pipeline locally and train on it for a few steps.
 
-    Starts an embedded Redis and an SGLang simulator, pushes a bundled arithmetic
-    dataset, runs worker processes and a minimal trainer loop that takes exact
-    batches and commits them, then prints the audit and stops everything.
+    Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
+    worker processes and a trainer that takes exact batches, updates the engines'
+    weights after every step, then prints the audit and stops everything. With
+    `--engine torch` the engines run a real PyTorch model that a GRPO trainer
+    improves (see examples/grpo_tiny.py); the log-probs of every trained token are
+    checked against the trainer's own, under the weights that generated it.
 
     \b
     Example:
       rollout demo --steps 10 --batch-size 16 --n-samples 8 --workers 4
+      rollout demo --engine torch --json
     """
-    from workers.demo import DemoOptions, run_demo
-
+    given = {name: value for name, value in (("steps", steps), ("batch_size", batch_size),
+                                             ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
+    echo = None if as_json else click.echo
     try:
-        summary = run_demo(DemoOptions(steps=steps, batch_size=batch_size, n_samples=n_samples, workers=n_workers),
-                           echo=None if as_json else click.echo)
+        if engine == "torch":
+            try:
+                from workers.grpo_run import GRPOOptions, run_grpo
+            except ImportError as exc:
+                raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
+                                           "pip install 'rollout-queue[torch]'") from None
+            summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
+        else:
+            from workers.demo import DemoOptions, run_demo
+
+            summary = run_demo(DemoOptions(**given), echo=echo)
     except RedisServerError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     if not summary["ok"]:
         sys.exit(1)
-
-
 
 
 # -- up --------------------------------------------------------------------------------

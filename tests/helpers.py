@@ -118,6 +118,24 @@ def http_json(url: str, body: Any = None, timeout: float = 5.0, method: str | No
     return json.loads(raw) if raw else None
 
 
+def http_call(url: str, path: str, body: dict | None = None, method: str | None = None,
+              timeout: float = 10.0, raw: bytes | None = None) -> tuple[int, Any]:
+    """One HTTP call; returns (status, parsed JSON or text), error statuses included.
+    Connection errors raise."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            status, payload = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, payload
+
+
 def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60) -> list[Group]:
     """Take and commit batches until `total` groups were trained on."""
     got: list[Group] = []

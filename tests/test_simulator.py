@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import aiohttp
 import pytest
 
+from tests.helpers import http_call as call
 from workers.simulator import SimConfig, draw_output_length, start_simulator
 from workers.tokenizer import ByteTokenizer
 
@@ -29,23 +30,6 @@ LONG = {"max_new_tokens": 5000, "ignore_eos": True}  # keeps a slow simulator bu
 
 
 # --- helpers -------------------------------------------------------------------------
-
-
-def call(url: str, path: str, body: dict | None = None, method: str | None = None,
-         timeout: float = 10.0, raw: bytes | None = None) -> tuple[int, object]:
-    """One HTTP call; returns (status, parsed JSON or text). Connection errors raise."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            status, payload = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, payload = exc.code, exc.read().decode()
-    try:
-        return status, json.loads(payload)
-    except ValueError:
-        return status, payload
 
 
 def generate(url: str, body: dict, timeout: float = 10.0) -> dict | list:

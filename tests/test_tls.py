@@ -21,7 +21,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, RedisServerError, free_port
 from pipeline.types import Group
 from tests.conftest import CORE_REDIS_BINARIES
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import WorkerThread
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 

@@ -216,8 +216,8 @@ def test_transformers_adapter_without_template_falls_back(monkeypatch):
 
 # --- the tokenizer a worker's engines need -------------------------------------------
 
-SIM = EngineModel("http://sim:1", "sim/byte-lm", "sim/byte-lm", simulated=True)
-QWEN = EngineModel("http://a:1", "Qwen/Qwen2.5-7B-Instruct", None, simulated=False)
+SIM = EngineModel("http://sim:1", "sim/byte-lm", "sim/byte-lm", reads_bytes=True)
+QWEN = EngineModel("http://a:1", "Qwen/Qwen2.5-7B-Instruct", None, reads_bytes=False)
 
 
 def test_simulators_take_bytes_unless_asked_otherwise():
@@ -227,7 +227,7 @@ def test_simulators_take_bytes_unless_asked_otherwise():
 
 def test_a_real_model_gets_its_own_tokenizer_by_default():
     assert choose_tokenizer([QWEN], None, allow_byte=False) == "Qwen/Qwen2.5-7B-Instruct"
-    with_path = EngineModel("http://b:1", "/models/q", "/models/q-tok", simulated=False)
+    with_path = EngineModel("http://b:1", "/models/q", "/models/q-tok", reads_bytes=False)
     assert choose_tokenizer([with_path], None, allow_byte=False) == "/models/q-tok"
     assert choose_tokenizer([QWEN], "/models/other", allow_byte=False) == "/models/other"
 
@@ -239,10 +239,10 @@ def test_byte_tokenizer_against_a_real_model_is_refused_unless_allowed():
 
 
 def test_engines_of_different_or_unnamed_models_need_an_explicit_tokenizer():
-    other = EngineModel("http://c:1", "meta-llama/Llama-3.1-8B", None, simulated=False)
+    other = EngineModel("http://c:1", "meta-llama/Llama-3.1-8B", None, reads_bytes=False)
     with pytest.raises(TokenizerChoiceError, match="different tokenizers"):
         choose_tokenizer([QWEN, other], None, allow_byte=False)
-    unnamed = EngineModel("http://d:1", None, None, simulated=False)
+    unnamed = EngineModel("http://d:1", None, None, reads_bytes=False)
     with pytest.raises(TokenizerChoiceError, match="http://d:1 does not say which model"):
         choose_tokenizer([unnamed], None, allow_byte=False)
     assert choose_tokenizer([QWEN, other], "org/tok", allow_byte=False) == "org/tok"

@@ -56,11 +56,12 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import aiohttp
 
+from pipeline.types import PauseMode, choices
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 # Discovery, health and similar metadata calls should not inherit the long
 # generation timeout: a hung router must not stall a weight update for 10 min.
 META_TIMEOUT_S = 10.0
@@ -446,10 +447,10 @@ class EngineClient:
     # -- pause / resume ---------------------------------------------------------------
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        if mode not in PAUSE_MODES:
+        if mode not in choices(PauseMode):
             # Validate here: an invalid mode would be answered 400 and trigger
             # the old-engine fallback, silently turning a typo into an abort.
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+            raise ValueError(f"pause mode must be one of {choices(PauseMode)}, got {mode!r}")
         if self._pause_takes_body is not False:
             try:
                 await self._request("POST", "/pause_generation", {"mode": mode})
@@ -732,8 +733,8 @@ class EngineSet:
         return results
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, None]:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode not in choices(PauseMode):
+            raise ValueError(f"pause mode must be one of {choices(PauseMode)}, got {mode!r}")
         return await self._fanout("pause_generation", lambda c: c.pause_generation(mode))
 
     async def continue_generation(self) -> dict[str, None]:

@@ -1,4 +1,4 @@
-"""Starting and stopping local worker processes (used by `rollout demo` and `rollout up`)."""
+"""Starting and stopping local worker and engine processes (used by `rollout demo` and `rollout up`)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +28,30 @@ def start_worker_process(redis_url: str, namespace: str, engine_urls: list[str],
     with log_path.open("w") as log_file:
         return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO,
                                 env=env)
+
+
+def start_torch_engine_process(port: int, log_path: Path, extra_args: list[str] | None = None) -> subprocess.Popen:
+    """`rollout torch-engine` as a child process on `port`, its output in `log_path`."""
+    args = [sys.executable, "-m", "cli", "torch-engine", "--port", str(port)]
+    with log_path.open("w") as log_file:
+        return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
+    """Until GET url/health answers 200; a clear error with the log's tail if the
+    process exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:g}s: {log_path.read_text()[-2000:]}")
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> bool:

@@ -37,9 +37,10 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 logger = logging.getLogger(__name__)
 
 HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
-#: `model_type` in the simulator's /get_model_info (workers/simulator.py): the only
-#: engine whose model reads UTF-8 bytes as token ids.
-SIMULATOR_MODEL_TYPE = "sim-byte-lm"
+#: `model_type`s in /get_model_info of the project's own engines, whose models read
+#: UTF-8 bytes as token ids: the simulator (workers/simulator.py) and the tiny PyTorch
+#: model (workers/torch_engine.py).
+BYTE_MODEL_TYPES = frozenset({"sim-byte-lm", "byte-lm"})
 #: While an engine does not answer yet (a model still loading), log this often.
 ENGINE_WAIT_LOG_S = 30.0
 
@@ -277,7 +278,7 @@ class EngineModel:
     url: str
     model_path: str | None
     tokenizer_path: str | None
-    simulated: bool
+    reads_bytes: bool  # one of the project's own engines
 
     @classmethod
     def from_model_info(cls, url: str, info: dict) -> EngineModel:
@@ -285,7 +286,7 @@ class EngineModel:
             value = info.get(key)
             return value if isinstance(value, str) and value else None
 
-        return cls(url, text("model_path"), text("tokenizer_path"), info.get("model_type") == SIMULATOR_MODEL_TYPE)
+        return cls(url, text("model_path"), text("tokenizer_path"), info.get("model_type") in BYTE_MODEL_TYPES)
 
     @property
     def tokenizer(self) -> str | None:
@@ -296,11 +297,11 @@ class EngineModel:
 def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_byte: bool) -> str | None:
     """The tokenizer name for `load_tokenizer` (None: bytes) that fits `engines`.
 
-    Simulators take bytes unless another tokenizer is requested. Real models get
-    `requested`, or without it the model's own tokenizer; the byte tokenizer against
-    a real model only with `allow_byte`.
+    The project's own engines take bytes unless another tokenizer is requested. Real
+    models get `requested`, or without it the model's own tokenizer; the byte
+    tokenizer against a real model only with `allow_byte`.
     """
-    real = [e for e in engines if not e.simulated]
+    real = [e for e in engines if not e.reads_bytes]
     if not real:
         return requested
     if requested == "byte" and not allow_byte:
