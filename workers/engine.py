@@ -481,8 +481,9 @@ async def discover_engines(url: str, session: aiohttp.ClientSession | None) -> l
 class EngineSet:
     """The engines a worker or trainer uses, given as engine and/or router URLs.
 
-    ``generate`` goes through the given URLs (round-robin when several; a router
-    balances by itself). Control calls go to every discovered engine directly and
+    ``generate`` goes through the given URLs (when several, to the one with the fewest
+    requests in flight from this set, round-robin among ties; a router balances by
+    itself). Control calls go to every discovered engine directly and
     concurrently; they return ``{engine_url: result}`` or raise
     ``EngineControlError`` naming each failing engine.
     """
@@ -507,6 +508,7 @@ class EngineSet:
         self._owns_session = session is None
         self._rr = itertools.count()
         self._gen_clients: list[EngineClient] | None = None
+        self._in_flight: list[int] = []  # generate requests per given URL, from this set
         self._by_source: dict[str, list[str]] = {}  # given URL -> engines behind it
         self._engine_clients: dict[str, EngineClient] = {}
 
@@ -568,8 +570,16 @@ class EngineSet:
         if self._gen_clients is None:
             session = self._get_session()
             self._gen_clients = [EngineClient(u, session, self.timeout_s) for u in self.urls]
-        client = self._gen_clients[next(self._rr) % len(self._gen_clients)]
-        return await client.generate(input_ids, sampling_params, rid, return_logprob)
+            self._in_flight = [0] * len(self.urls)
+        # Fewest in flight, not plain round-robin: request times vary a lot, so
+        # round-robin queues requests at one engine while another has free slots.
+        n, start = len(self._gen_clients), next(self._rr)
+        i = min(range(n), key=lambda j: (self._in_flight[j], (j - start) % n))
+        self._in_flight[i] += 1
+        try:
+            return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
+        finally:
+            self._in_flight[i] -= 1
 
     # -- control fan-out --------------------------------------------------------------
 
