@@ -58,6 +58,7 @@ class RedisServer:
     data_dir: Path
     port: int | None = None  # None: a unix socket in data_dir
     aof: bool = True
+    appendfsync: str = "everysec"  # or "always" (fsync before every reply) or "no"
     extra_config: list[str] = field(default_factory=list)
     binary: str = field(default_factory=find_redis_server)
     process: subprocess.Popen | None = None
@@ -82,7 +83,7 @@ class RedisServer:
             f"port {self.port or 0}",
             "save ''",
             f"appendonly {'yes' if self.aof else 'no'}",
-            "appendfsync everysec",
+            f"appendfsync {self.appendfsync}",
             "daemonize no",
             f"logfile {self.data_dir / 'redis.log'}",
         ]

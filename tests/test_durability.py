@@ -207,6 +207,12 @@ def _snapshot(c, q: Queue) -> dict:
     }
 
 
+def test_embedded_redis_fsyncs_as_configured(redis_factory):
+    default, always = redis_factory("default"), redis_factory("always", appendfsync="always")
+    assert connect(default.url).config_get("appendfsync") == {"appendfsync": "everysec"}
+    assert connect(always.url).config_get("appendfsync") == {"appendfsync": "always"}
+
+
 def test_redis_restarted_from_aof_keeps_everything(redis_factory, redis_binary, tmp_path):
     server = redis_factory("aof", binary=redis_binary)
     assert (server.data_dir / "redis.conf").read_text().count("appendfsync everysec") == 1
