@@ -20,7 +20,7 @@ trainer's idle fraction (waiting for its batch), engine slot utilization read fr
 the simulators (bench/sim_fleet.py), the staleness of trained groups, and where every
 generated token went (trained, left over at the end, wasted).
 
-    python bench/async_vs_sync.py             # ~10 minutes
+    python bench/async_vs_sync.py             # about 7 minutes on 2 quiet cores
     python bench/async_vs_sync.py --quick     # under 2 minutes: 2 steps per row, η = 2 only
     python bench/async_vs_sync.py --json      # one JSON object on stdout
 """
@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import platform
 import sys
 import tempfile
@@ -204,23 +205,19 @@ def run_all(settings: Settings, etas: list[int], tails: list[float]) -> dict:
             "etas": etas,
             "tail_ratios": tails,
             "targets": TARGETS,
-            "machine": f"{platform.machine()}, {_cpus()} cores, Python {platform.python_version()}",
+            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+                       f"Python {platform.python_version()}",
             "command": " ".join(["python", "bench/async_vs_sync.py"] + sys.argv[1:]),
             "elapsed_s": round(time.monotonic() - started, 1),
         },
     }
 
 
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
-
-
 def _row_dict(r: Row) -> dict:
     d = asdict(r)
-    for key in ("samples_per_s", "tokens_per_s", "trainer_idle", "update_fraction", "utilization", "window_s",
-                "mean_wait_s", "mean_train_s", "mean_update_s", "ratio_to_sync"):
+    for key in ("samples_per_s", "tokens_per_s", "trainer_idle", "update_fraction", "utilization", "free_slots",
+                "engines_paused", "engine_queue", "window_s", "mean_wait_s", "mean_train_s", "mean_update_s",
+                "ratio_to_sync"):
         if d[key] is not None:
             d[key] = round(d[key], 4)
     return d
@@ -234,7 +231,7 @@ def print_table(result: dict) -> None:
           f"{s['trainer_tokens_per_s']:g} tok/s; {s['steps']} steps measured after {s['warmup_steps']}; "
           f"pause mode {s['pause_mode']}, weight load {s['weight_update_s']:g}s; {s['machine']}")
     print()
-    print("| row | p99/median | samples/s | tokens/s | x sync | trainer idle | engine utilization "
+    print("| row | p99/median | samples/s | tokens/s | x sync | trainer idle | engine utilization (slots free, time paused) "
           "| staleness (lag: groups) | restarted | tokens wasted |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
@@ -242,7 +239,8 @@ def print_table(result: dict) -> None:
         wasted = r["tokens"]["wasted"]
         share = wasted / r["tokens"]["generated"] if r["tokens"]["generated"] else 0.0
         print(f"| {r['name']} | {r['tail_ratio']:g} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} "
-              f"| {r['ratio_to_sync']:.2f} | {r['trainer_idle']:.0%} | {r['utilization']:.0%} | {stale} "
+              f"| {r['ratio_to_sync']:.2f} | {r['trainer_idle']:.0%} | {r['utilization']:.0%} (free "
+              f"{r['free_slots']:.0%}, paused {r['engines_paused']:.0%}) | {stale} "
               f"| {r['restarted']} | {wasted} ({share:.1%}) |")
     print()
     for key, target in TARGETS.items():

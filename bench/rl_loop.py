@@ -204,6 +204,8 @@ class Row:
     trainer_idle: float  # fraction of the window the trainer waited for its batch
     update_fraction: float  # fraction of the window spent in weight updates
     utilization: float  # engine slots decoding, time-averaged, ÷ capacity
+    free_slots: float  # engine slots holding no request, time-averaged, ÷ capacity
+    engines_paused: float  # fraction of the window the engines were paused
     engine_queue: float  # requests waiting inside the engines, time-averaged
     staleness: dict[int, int]  # version lag of trained groups -> count
     restarted: int  # groups restarted as too stale during the measured steps
@@ -226,6 +228,8 @@ def make_row(name: str, system: str, eta: int | None, settings: Settings, log: T
         trainer_idle=sum(log.wait_s) / window,
         update_fraction=sum(log.update_s) / window,
         utilization=log.window.utilization,
+        free_slots=log.window.free_slots,
+        engines_paused=log.window.paused,
         engine_queue=log.window.waiting,
         staleness=dict(sorted(log.staleness.items())),
         restarted=log.restarted,

@@ -30,15 +30,30 @@ STARTUP_TIMEOUT_S = 30.0
 
 
 @dataclass
-class Window:
-    """Slot utilization of every engine between start() and stop()."""
+class Reading:
+    """One poll of one engine's GET /sim/stats."""
 
-    utilization: float  # time-averaged decoding requests ÷ slots, all engines
-    per_engine: list[float]
-    # Time-averaged requests queued inside the engines (all engines together): with
-    # slots free elsewhere, a cost of how requests are spread over the engines.
+    at: float
+    decoding: int  # running past prefill and not frozen: producing tokens
+    running: int  # holding a slot (prefilling, decoding, or frozen by an in_place pause)
+    waiting: int  # queued inside the engine for a slot
+    paused: bool
+
+
+@dataclass
+class Window:
+    """What the engines did between start_window() and stop_window(), time-averaged
+    over all engines. utilization + free_slots + the slots held but not decoding
+    (prefill, frozen while paused) = 1."""
+
+    utilization: float  # decoding requests ÷ slots
+    per_engine: list[float]  # utilization of each engine
+    free_slots: float  # slots holding no request ÷ slots
+    paused: float  # fraction of the time the engines were paused (weight updates)
+    # Requests queued inside the engines (all engines together): with slots free
+    # elsewhere, a cost of how requests are spread over the engines.
     waiting: float
-    samples: int  # polls per engine
+    polls: int  # per engine
 
 
 class SimFleet:
@@ -50,8 +65,7 @@ class SimFleet:
         self._procs: list[subprocess.Popen] = []
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
-        self._series: list[list[tuple[float, int]]] = []  # per engine: (time, decoding)
-        self._waiting: list[list[tuple[float, int]]] = []  # per engine: (time, queued)
+        self._readings: list[list[Reading]] = []  # per engine
         try:
             for i in range(count):
                 engine_config = json.dumps(asdict(replace(config, seed=config.seed + i)))
@@ -75,8 +89,7 @@ class SimFleet:
 
     def start_window(self) -> None:
         self._stop.clear()
-        self._series = [[] for _ in self.urls]
-        self._waiting = [[] for _ in self.urls]
+        self._readings = [[] for _ in self.urls]
         self._window_start = time.monotonic()
         self._sampler = threading.Thread(target=self._sample, name="sim-utilization", daemon=True)
         self._sampler.start()
@@ -85,22 +98,29 @@ class SimFleet:
         end = time.monotonic()
         self._stop.set()
         self._sampler.join()
-        per_engine = [_time_average(series, self._window_start, end) / self.slots for series in self._series]
-        waiting = sum(_time_average(series, self._window_start, end) for series in self._waiting)
-        return Window(utilization=sum(per_engine) / len(per_engine), per_engine=per_engine, waiting=waiting,
-                      samples=min(len(s) for s in self._series))
+        start, slots, n = self._window_start, self.slots, len(self.urls)
+
+        def average(value) -> list[float]:
+            return [_time_average([(r.at, value(r)) for r in readings], start, end) for readings in self._readings]
+
+        per_engine = [u / slots for u in average(lambda r: r.decoding)]
+        return Window(utilization=sum(per_engine) / n, per_engine=per_engine,
+                      free_slots=sum(average(lambda r: slots - r.running)) / (slots * n),
+                      paused=sum(average(lambda r: r.paused)) / n, waiting=sum(average(lambda r: r.waiting)),
+                      polls=min(len(r) for r in self._readings))
 
     def _sample(self) -> None:
         conns = [http.client.HTTPConnection(urlsplit(u).hostname, urlsplit(u).port, timeout=5) for u in self.urls]
         rate = self.config.decode_tokens_per_s
         try:
             while not self._stop.is_set():
-                for conn, series, waiting in zip(conns, self._series, self._waiting):
+                for conn, readings in zip(conns, self._readings):
                     conn.request("GET", "/sim/stats")
-                    load = json.loads(conn.getresponse().read())["load"]
-                    now = time.monotonic()
-                    series.append((now, round(load["gen_throughput"] / rate)))
-                    waiting.append((now, load["num_waiting_reqs"]))
+                    stats = json.loads(conn.getresponse().read())
+                    load = stats["load"]
+                    readings.append(Reading(at=time.monotonic(), decoding=round(load["gen_throughput"] / rate),
+                                            running=load["num_running_reqs"], waiting=load["num_waiting_reqs"],
+                                            paused=stats["paused"]))
                 self._stop.wait(SAMPLE_PERIOD_S)
         finally:
             for conn in conns:
@@ -139,7 +159,7 @@ def _get_json(url: str, path: str) -> dict:
         conn.close()
 
 
-def _time_average(series: list[tuple[float, int]], start: float, end: float) -> float:
+def _time_average(series: list[tuple[float, float]], start: float, end: float) -> float:
     """Average of a step function (each reading holds until the next) over [start, end],
     or from the first reading if that came later."""
     if not series:
