@@ -524,18 +524,20 @@ class EngineSet:
         return list(self._engine_clients)
 
     async def refresh(self) -> list[str]:
-        """Re-discover the engines behind every given URL.
+        """Re-discover the engines behind every given URL. A URL that answered as an
+        engine itself is not asked again: only routers gain and lose engines.
 
         A source that fails discovery keeps its previously known engines (they
         can still be reached directly while a router restarts); one never
         discovered raises EngineControlError.
         """
         session = self._get_session()
+        sources = [u for u in self.urls if self._by_source.get(u) != [u]]
         found = await asyncio.gather(
-            *(discover_engines(u, session) for u in self.urls), return_exceptions=True
+            *(discover_engines(u, session) for u in sources), return_exceptions=True
         )
         errors: dict[str, BaseException] = {}
-        for source, res in zip(self.urls, found):
+        for source, res in zip(sources, found):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
