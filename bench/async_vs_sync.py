@@ -46,8 +46,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.in_memory import InMemoryRollout  # noqa: E402
-from bench.rl_loop import (Row, Settings, Tokens, TrainedBatch, group_tokens, make_groups,  # noqa: E402
-                           make_row, run_trainer)
+from bench.rl_loop import (PAUSE_MODES, Row, Settings, Tokens, TrainedBatch, group_tokens,  # noqa: E402
+                           make_groups, make_row, run_trainer)
 from bench.sim_fleet import SimFleet  # noqa: E402
 from pipeline.audit import audit  # noqa: E402
 from pipeline.codec import decode_group  # noqa: E402
@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     p.add_argument("--trainer-speed", type=float, default=d.trainer_speed,
                    help="trainer tokens/s as a fraction of the engines' tokens/s at full load")
     p.add_argument("--weight-update-s", type=float, default=d.weight_update_s)
-    p.add_argument("--pause-mode", choices=["in_place", "retract", "abort"], default=d.pause_mode)
+    p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--etas", help="pipeline staleness bounds, must include 2 (default 0,1,2,4; --quick 2)")
     p.add_argument("--tails", default="1,3,10,30", help="p99/median ratios of the sweep (η = 2)")
