@@ -17,10 +17,16 @@ from pathlib import Path
 import click
 import redis
 
-from pipeline.connection import ConnectionFailed, connect, redact
+from pipeline.acl import Role
+from pipeline.connection import ConnectionFailed, connect, scrub
+from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
+from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
+from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
-from pipeline.redis_server import local_redis_url
+from pipeline.redis_server import Fsync, local_redis_url
+from pipeline.types import PauseMode, ReleasePolicy, choices
+from workers.local import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
@@ -49,17 +55,7 @@ class Context:
 
     def scrub(self, text: str) -> str:
         """`text` with the Redis password (if any) masked: errors never show it."""
-        if self.redis_url:
-            from urllib.parse import unquote, urlsplit
-
-            try:
-                password = urlsplit(self.redis_url).password
-            except ValueError:
-                password = None
-            text = text.replace(self.redis_url, redact(self.redis_url))
-            for secret in {password, unquote(password or "")} - {None, ""}:
-                text = text.replace(secret, "***")
-        return text
+        return scrub(text, self.redis_url) if self.redis_url else text
 
     def warn_if_empty(self, queue: Queue) -> None:
         """Control commands act on an empty namespace too (e.g. pause before the first
@@ -117,8 +113,9 @@ def _setup_logging(verbose: int) -> None:
 
 
 @click.group(cls=RolloutGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--redis-url", envvar="ROLLOUT_REDIS_URL", help="redis://, rediss:// or unix:// URL "
-              "(env ROLLOUT_REDIS_URL). Default: the local Redis of `rollout up` / `rollout demo`.")
+@click.option("--redis-url", envvar=REDIS_URL_ENV, help=f"redis://, rediss:// or unix:// URL "
+              f"(env {REDIS_URL_ENV}, which keeps a password out of `ps`). Default: the local Redis of "
+              "`rollout up` / `rollout demo`.")
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
               help="Pipeline namespace: all its keys share this hash tag (env ROLLOUT_NAMESPACE).")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
@@ -157,15 +154,28 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--seed", default=42, show_default=True, help="Shuffle seed (rollout_seed).")
 @click.option("--skip-bad", is_flag=True, help="Dead-letter bad rows instead of refusing the file.")
 @click.option("--dataset-name", help="Name of the dataset cursor. Default: the file name.")
+@click.option("--restart-cursor", is_flag=True,
+              help="Forget this dataset's cursor and push every row again, under new group ids.")
 @click.option("--max-queued", type=click.IntRange(min=1),
               help="Feeder mode: keep pushing, but wait while the prompt list holds this many.")
+@click.option("--max-prompt-bytes", default=DEFAULT_MAX_PROMPT_BYTES, show_default=True,
+              type=click.IntRange(min=1), help="Largest row (prompt, label and metadata as stored); larger is bad.")
+@click.option("--tokenizer", help="Hugging Face tokenizer path: with --context-length, refuse prompts too long.")
+@click.option("--context-length", type=click.IntRange(min=1),
+              help="The engine's context in tokens (SGLang's --context-length); needs --tokenizer.")
+@click.option("--apply-chat-template", is_flag=True, help="Count string prompts templated as a user message.")
 @click.pass_obj
 def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples, epochs, shuffle, seed,
-         skip_bad, dataset_name, max_queued) -> None:
+         skip_bad, dataset_name, restart_cursor, max_queued, max_prompt_bytes, tokenizer, context_length,
+         apply_chat_template) -> None:
     """Push prompt groups from a JSONL or Parquet FILE.
 
     The cursor lives in Redis: pushing the same dataset again resumes where the
-    last push stopped and never pushes a (dataset, epoch, row) twice.
+    last push stopped and never pushes a (dataset, epoch, row) twice. It is kept
+    with a fingerprint of the file and options: resuming with another file, seed,
+    shuffle or group size is refused (use --dataset-name or --restart-cursor).
+    A row dead-lettered by --skip-bad can be fixed in the file and sent again
+    with `rollout dead retry`.
 
     \b
     Example:
@@ -173,25 +183,55 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     """
     from rich.progress import Progress
 
-    from pipeline.producer import DatasetError, PushOptions, push_dataset, read_rows
+    from pipeline.producer import DatasetError, PushOptions, load_dataset, push_dataset
 
+    if (tokenizer is None) != (context_length is None):
+        raise click.UsageError("--tokenizer and --context-length go together: the prompt length is checked "
+                               "against the context")
     opts = PushOptions(input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                        n_samples_per_prompt=n_samples, epochs=epochs, shuffle=shuffle, seed=seed,
-                       skip_bad=skip_bad, dataset_name=dataset_name, max_queued=max_queued)
+                       skip_bad=skip_bad, dataset_name=dataset_name, max_queued=max_queued,
+                       max_prompt_bytes=max_prompt_bytes, context_length=context_length,
+                       count_tokens=_token_counter(tokenizer, apply_chat_template) if tokenizer else None,
+                       restart_cursor=restart_cursor)
     queue = obj.queue()
     try:
-        total = len(read_rows(file, opts)) * epochs
+        data = load_dataset(file, opts)
+        if not data.rows:
+            click.echo(f"warning: {file} holds no rows: nothing pushed", err=True)
+            return
         with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
-            task = progress.add_task(f"pushing {file.name}", total=total)
-            report = push_dataset(queue, file, opts, progress=lambda n: progress.advance(task, n))
+            task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
+            report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n))
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
+                                             "recorded in the cursor: run the same push again to resume")) from None
     click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
                f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
                f"({report.rows} rows x {epochs} epochs)")
+    if report.dead:
+        click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
+
+
+def _token_counter(name: str, apply_chat_template: bool):
+    """Prompt length in tokens, for the context check at push time."""
+    from workers.tokenizer import TokenizerError, encode_prompt, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(name)
+    except TokenizerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+    return lambda prompt: len(encode_prompt(tokenizer, prompt, apply_chat_template))
 
 
 # -- worker ----------------------------------------------------------------------------
+
+
+_METRICS_HOST_OPTION = click.option(
+    "--metrics-host", default=DEFAULT_METRICS_HOST, show_default=True,
+    help="Address --metrics-port listens on; 0.0.0.0 for every interface (a Prometheus on another host).")
 
 
 @main.command()
@@ -216,42 +256,109 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
-@click.option("--lease", "lease_s", default=30.0, show_default=True, type=click.FloatRange(min=1),
-              help="Seconds without a heartbeat before this worker's groups are given back.")
+@click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
+              type=click.FloatRange(min=0.05),
+              help="Seconds between heartbeats. The lease (a namespace setting, `rollout configure --lease`) "
+                   "must cover three.")
+@click.option("--request-timeout", "request_timeout_s", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one /generate call may take; then it is aborted on the engine and retried.")
+@click.option("--reward-timeout", "reward_timeout_s", default=300.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
            reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-           max_attempts, lease_s, mask_offpolicy_prefix, metrics_port, keep_response_text) -> None:
+           max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix, metrics_port,
+           metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It claims prompt groups, generates every sample through SGLang's /generate,
     scores them and publishes finished groups; on shutdown it hands back what it
-    holds. Run as many as you like, on any host.
+    holds. Run as many as you like, on any host. Given a router URL, it finds
+    the engines behind it, and looks again every 30 s (and while engines are
+    down): its capacity is --concurrency per engine found. If Redis restarts, it
+    waits for it and carries on; if it was presumed dead meanwhile (its lease
+    ran out), it drops its work and registers anew.
 
     \b
     Example:
       rollout worker --engine-url http://router:30000 --concurrency 256 --reward math_boxed
     """
-    from workers.worker import SamplingSettings, WorkerSettings, run_worker
+    from workers.sampling import SamplingError, SamplingSettings
+    from workers.tokenizer import TokenizerError
+    from workers.worker import WorkerSettings, run_worker
 
-    urls = [u for url in engine_urls for u in url.split()]
+    urls = _given_engine_urls(engine_urls)
+    if metrics_port:
+        _check_port_free(metrics_host, metrics_port, "--metrics-port")
+    try:
+        sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
+    except SamplingError as exc:
+        raise click.ClickException(f"bad sampling settings: {exc}") from None
     settings = WorkerSettings(
         redis_url=obj.url(), engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
-        lease_s=lease_s, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port,
-        keep_response_text=keep_response_text,
-        sampling=SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids)),
+        heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
+        mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
+        keep_response_text=keep_response_text, sampling=sampling,
     )
     try:
         asyncio.run(run_worker(settings))
-    except (ConnectionFailed, ValueError) as exc:
+    except (ConnectionFailed, TokenizerError, ValueError) as exc:
+        raise click.ClickException(obj.scrub(str(exc))) from None
+
+
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """A one-line error now rather than a traceback when the server binds later."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                     param_hint=option) from None
+
+
+# -- reward-worker ---------------------------------------------------------------------
+
+
+@main.command("reward-worker")
+@click.option("--allow", "allowed", multiple=True, required=True,
+              help="A reward this worker may score, as the generation workers' --reward names it; repeat for several.")
+@click.option("--queue", "queue_names", multiple=True,
+              help="rq queue to serve (the generation workers' --reward-queue); repeat for several. "
+                   "Default: rollout-rewards.")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty.")
+@click.pass_obj
+def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
+    """Score groups for generation workers started with --reward-queue.
+
+    An rq worker that runs only the project's scoring job, and only with an
+    allowed reward: any other job (another function, another reward, job
+    callbacks) fails in rq's failed-job registry with the reason, and nothing it
+    names is imported. Jobs travel as JSON, never pickle. Run as many as you like.
+
+    \b
+    Example:
+      rollout reward-worker --allow math_boxed --allow my_judges.verify:rm
+    """
+    from workers.reward_queue import run_reward_worker
+
+    queues = {"queue_names": list(queue_names)} if queue_names else {}
+    try:
+        run_reward_worker(connect(obj.url()), list(allowed), burst=burst, **queues)
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -260,7 +367,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
 
 @main.command("sim-engine")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=30000, show_default=True)
+@click.option("--port", default=30000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--max-running", default=256, show_default=True, help="Requests decoding at once; more wait.")
 @click.option("--decode-rate", default=2000.0, show_default=True, help="Tokens per second per running request.")
@@ -288,6 +395,7 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
                            length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
+    _check_port_free(host, port, "--port")
     click.echo(f"SGLang simulator on http://{host}:{port}", err=True)
     try:
         asyncio.run(serve(config, host, port))
@@ -342,8 +450,9 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
               help="Samples in flight per engine, per worker.")
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
-@click.option("--lease", "lease_s", default=10.0, show_default=True, type=click.FloatRange(min=1),
-              help="Worker lease in seconds.")
+@click.option("--lease", "lease_s", default=10.0, show_default=True,
+              type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help="The namespace's worker lease in seconds (see `rollout configure`).")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
@@ -352,13 +461,18 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
               help="Also listen on 127.0.0.1:PORT. Default: a unix socket in the data directory only.")
+@click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.EVERYSEC.value,
+              show_default=True,
+              help="When Redis's AOF reaches the disk. Either way a crash of redis-server alone loses no "
+                   "acknowledged write. everysec: a host crash can lose up to ~1 s of them; always: none, "
+                   "every write waits for the disk.")
 @click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Dashboard refresh interval in seconds.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
 def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
-       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, refresh_s, duration_s) -> None:
+       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, fsync, refresh_s, duration_s) -> None:
     """Run a local stack in the foreground with a live dashboard.
 
     Starts an embedded Redis (AOF on, registered so every other `rollout`
@@ -383,9 +497,10 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     urls = _given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,
-        redis_port=redis_port, refresh_s=refresh_s, duration_s=duration_s,
+        redis_port=redis_port, fsync=Fsync(fsync), refresh_s=refresh_s, duration_s=duration_s,
+        lease_s=lease_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
-                     "--reward", reward, "--lease", str(lease_s)],
+                     "--reward", reward],
         sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
     )
     try:
@@ -477,12 +592,20 @@ def audit_cmd(obj: Context, as_json) -> None:
     (undelivered and pending) and dead-letter streams, and what was committed,
     dropped or discarded, and checks they add up to what was pushed, with no
     group in two places. Exit code 0 when it adds up, 1 when anything is
-    missing or duplicated (or the namespace is empty).
+    missing or duplicated (or the namespace is empty). The counts come from one
+    atomic snapshot, so a busy pipeline cannot make groups look missing.
+
+    \b
+    JSON keys (stable): pushed, prompts, inflight (worker -> groups),
+    requeue, results_undelivered, results_pending, dead, dropped, committed,
+    discarded, duplicates_discarded, accounted, lost, extra, in_two_places
+    (group ids), committed_and_live (group ids), orphan_payloads,
+    missing_payloads, unregistered_inflight (worker ids), ok.
 
     \b
     Example:
       rollout --namespace exp1 audit
-      rollout audit --json | jq .missing
+      rollout audit --json | jq .lost
     """
     from pipeline.audit import audit
 
@@ -517,12 +640,16 @@ def _print_audit(report) -> None:
     if report.ok:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
-    if report.missing:
-        console.print(f"PROBLEM: {report.missing} pushed groups found nowhere" if report.missing > 0
-                      else f"PROBLEM: {-report.missing} more groups found than pushed", style="red")
-    if report.duplicates:
-        console.print(f"PROBLEM: {len(report.duplicates)} groups in two places: "
-                      f"{', '.join(report.duplicates[:10])}", style="red", markup=False)
+    if report.lost:
+        console.print(f"PROBLEM: {report.lost} pushed groups found nowhere", style="red")
+    if report.extra:
+        console.print(f"PROBLEM: {report.extra} more groups found than pushed", style="red")
+    if report.in_two_places:
+        console.print(f"PROBLEM: {len(report.in_two_places)} groups in two places: "
+                      f"{', '.join(report.in_two_places[:10])}", style="red", markup=False)
+    if report.committed_and_live:
+        console.print(f"PROBLEM: {len(report.committed_and_live)} groups committed yet still in the pipeline: "
+                      f"{', '.join(report.committed_and_live[:10])}", style="red", markup=False)
     if report.orphan_payloads:
         console.print(f"PROBLEM: {report.orphan_payloads} stored payloads of groups neither queued nor in flight",
                       style="red")
@@ -575,7 +702,7 @@ _ENGINE_URL_OPTION = click.option(
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(["abort", "retract", "in_place"]), default="abort", show_default=True,
+@click.option("--mode", type=click.Choice(choices(PauseMode)), default=PauseMode.ABORT.value, show_default=True,
               help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
@@ -594,7 +721,8 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
       rollout pause --mode abort
       rollout pause --mode in_place --engine-url http://router:30000
     """
-    from pipeline.control import Controller, set_paused
+    from pipeline.control import set_paused
+    from pipeline.controller import Controller
     from workers.engine import EngineSet
 
     given = _given_engine_urls(engine_urls)
@@ -603,7 +731,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
     urls, source = _engines_for_control(queue, given)
     if not urls:
         set_paused(queue.redis, queue.keys, True)
-        inflight = sum(queue.redis.scard(queue.keys.inflight(w)) for w in queue.live_workers())
+        inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
                    f"reports any); {inflight} groups in flight finish normally")
         return
@@ -633,7 +761,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
 @main.command()
 @click.option("--weight-version", type=click.IntRange(min=0),
               help="The trainer's new weight version. Default: unchanged.")
-@click.option("--release-policy", type=click.Choice(["continue", "restart", "drop"]), default="continue",
+@click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)), default=ReleasePolicy.CONTINUE.value,
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
 @click.pass_obj
@@ -648,20 +776,18 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
       rollout resume --weight-version 12
       rollout resume --weight-version 12 --engine-url http://router:30000
     """
-    from pipeline.control import Controller
+    from pipeline.controller import Controller
     from workers.engine import EngineSet
 
     given = _given_engine_urls(engine_urls)
     queue = obj.queue()
     obj.warn_if_empty(queue)
     urls, source = _engines_for_control(queue, given)
-    wait_claim = 5.0 if queue.live_workers() else 0.0
 
     async def go():
         engines = EngineSet(urls) if urls else None
         try:
-            report = await Controller(queue, engines, release_policy=release_policy).resume(
-                weight_version, first_claim_timeout_s=wait_claim)
+            report = await Controller(queue, engines, release_policy=release_policy).resume(weight_version)
             return report, (engines.engines if engines else [])
         finally:
             if engines is not None:
@@ -674,11 +800,66 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
                                    f"{obj.scrub(str(exc))}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    first = "" if report.first_claim_s is None else f"; first claim after {report.first_claim_s:.3f}s"
     where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
              "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
     click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
-               f"{first}; {where}")
+               f"; {where}")
+
+
+@main.command()
+@click.option("--max-staleness", type=int,
+              help="η: no group whose oldest token lags the trainer's weight version by more is trained; "
+                   "admission is paced to (η + version + 1) · B groups. Negative: no bound.")
+@click.option("--batch-size", type=int, help="B, the groups per training step that pacing counts with "
+                                              "(next_batch must ask for exactly this many). Negative: unset.")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help=f"Seconds a worker may go without a heartbeat before any worker or the trainer gives its "
+                   f"groups back (at least {HEARTBEATS_PER_LEASE} heartbeats of {DEFAULT_HEARTBEAT_S:g}s).")
+@click.option("--max-claims", type=click.IntRange(min=1),
+              help="Claims of one group without it finishing (a worker died holding it) before it is "
+                   "dead-lettered.")
+@click.option("--max-ready", type=int, help="Results waiting for the trainer at which workers stop claiming. "
+                                             "Negative: back to the default.")
+@click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)),
+              help="What happens to aborted groups when admission reopens.")
+@click.option("--json", "as_json", is_flag=True, help="Print the settings as one JSON object.")
+@click.pass_obj
+def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy,
+              as_json) -> None:
+    """Show or change the namespace's settings (every worker and trainer follows them).
+
+    Without options, prints the current settings. The staleness bound needs
+    both --max-staleness and --batch-size, and the trainer must bump the weight
+    version (`rollout resume --weight-version`, Controller.resume) once per
+    batch, or admission stops when the budget is spent.
+
+    \b
+    JSON keys: paused, weight_version, max_staleness, batch_size, max_ready, lease_s,
+    max_claims, release_policy, admitted, committed, staleness_limit.
+
+    \b
+    Example:
+      rollout configure --max-staleness 1 --batch-size 64
+      rollout configure --lease 20 --max-claims 5
+    """
+    from pipeline.control import configure as set_settings
+
+    queue = obj.queue()
+    try:
+        state = set_settings(queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
+                             max_ready=max_ready, lease_s=lease_s, max_claims=max_claims,
+                             release_policy=release_policy)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(state.to_dict()))
+        return
+    bound = ("none" if state.staleness_limit is None else
+             f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
+             f"admitted at version {state.weight_version}")
+    click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
+               f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
+               f"{'paused' if state.paused else 'admitting'}")
 
 
 # -- dead letters ----------------------------------------------------------------------
@@ -733,7 +914,7 @@ def dead_list(obj: Context, limit, as_json) -> None:
     for l in letters:
         g = l.group
         rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                     ("[cannot retry] " if l.not_retriable else "") + (l.error or "-")))
+                     _retry_mark(l) + (l.error or "-")))
     # Fixed columns as wide as their contents (group ids capped); the error takes the rest.
     widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
     widths[1] = min(widths[1], 24)
@@ -748,6 +929,12 @@ def dead_list(obj: Context, limit, as_json) -> None:
     console.print(table)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
     console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
+
+
+def _retry_mark(letter) -> str:
+    if letter.not_retriable:
+        return "[cannot retry] "
+    return "[bad row] " if letter.bad_row else ""
 
 
 def _age(seconds) -> str:
@@ -785,6 +972,8 @@ def dead_show(obj: Context, ident, as_json) -> None:
                  f"  error      {l.error or '-'}"]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
+        elif l.bad_row:
+            lines.append(f"  retry      after fixing the row in its file: rollout dead retry {l.entry_id}")
         else:
             lines.append(f"  retry      yes: rollout dead retry {l.entry_id}")
         if l.group is None:
@@ -810,9 +999,10 @@ def dead_show(obj: Context, ident, as_json) -> None:
 def dead_retry(obj: Context, idents, all_, restart) -> None:
     """Send dead letters back to the head of the prompt list.
 
-    Their attempt counts are reset and their errors cleared. Bad dataset rows and
-    undecodable payloads cannot be retried: given by id, nothing is done and the
-    error names them; with --all they are skipped and listed.
+    Their attempt counts are reset and their errors cleared. A bad dataset row is
+    read again from its file (fix it there first). Undecodable payloads and rows
+    still bad cannot be retried: given by id, nothing is done and the error names
+    them; with --all they are skipped and listed.
 
     \b
     Example:
@@ -865,9 +1055,11 @@ def dead_drop(obj: Context, idents, all_) -> None:
               help="Seconds to wait for each batch; on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
-@click.option("--metrics-port", type=int, help="Serve the trainer-side Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535),
+              help="Serve the trainer-side Prometheus metrics on this port.")
+@_METRICS_HOST_OPTION
 @click.pass_obj
-def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port) -> None:
+def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metrics_port, metrics_host) -> None:
     """A stand-in trainer: take K exact batches and commit them.
 
     For each batch it prints the group ids, sample statuses, rewards, weight
@@ -881,13 +1073,14 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     """
     from rich.progress import Progress
 
-    from pipeline.consumer import BatchTimeout, Consumer
-
     from pipeline import metrics as prom
+    from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
+    from pipeline.retry import RedisUnavailable
 
-    queue = obj.queue()
+    queue = obj.nonempty_queue()  # a typo must not create a namespace's keys
     if metrics_port:
-        prom.serve_metrics(metrics_port)
+        _check_port_free(metrics_host, metrics_port, "--metrics-port")
+        prom.serve_metrics(metrics_port, metrics_host)
     reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()
@@ -897,9 +1090,12 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
         for step in range(steps):
             try:
                 batch = reader.next_batch(batch_size, timeout=timeout_s)
-            except BatchTimeout as exc:
+                reader.commit(batch)
+            except (BatchTimeout, RedisUnavailable) as exc:
                 raise click.ClickException(f"after {done} of {steps} batches: {exc}") from None
-            reader.commit(batch)
+            except SessionFenced as exc:
+                raise click.ClickException(f"after {done} of {steps} batches, another trainer took over this "
+                                           f"namespace (the batch in hand is theirs now): {exc}") from None
             done += 1
             if metrics_port:
                 for place, depth in queue.depths().items():
@@ -943,7 +1139,7 @@ def _batch_record(step: int, batch) -> dict:
         "dropped": m.dropped,
         "restarted": m.restarted,
         "dead": m.dead,
-        "duplicates": m.duplicates,
+        "duplicates_discarded": m.duplicates,
     }
 
 
@@ -957,7 +1153,7 @@ def _print_batch(console, row: dict, steps: int) -> None:
     head = (f"step {row['step'] + 1}/{steps}  {len(row['groups'])} groups  wait {row['wait_s']:.2f}s  "
             f"version {row['weight_version']}  mean reward {reward}  lag:groups {lags}")
     extra = [f"{n} {what}" for what, n in (("restarted", row["restarted"]), ("dead-lettered", row["dead"]),
-                                           ("duplicates", row["duplicates"])) if n]
+                                           ("duplicates discarded", row["duplicates_discarded"])) if n]
     extra += [f"{n} dropped ({reason})" for reason, n in row["dropped"].items()]
     console.print(head + ("; " + ", ".join(extra) if extra else ""), markup=False, soft_wrap=True)
     table = Table(box=None, padding=(0, 1), header_style="bold")
@@ -972,6 +1168,53 @@ def _print_batch(console, row: dict, steps: int) -> None:
                            for r in g["rewards"])
         table.add_row(g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"]))
     console.print(table)
+
+
+# -- acl -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--role", required=True, type=click.Choice([r.value for r in Role]),
+              help="worker: generate; trainer: push, consume, pause/resume; admin: also status, audit, "
+                   "dead letters, purge.")
+@click.option("--namespace", "role_namespace", help="The namespace the user may use. Default: --namespace.")
+@click.option("--user", help="User name. Default: NAMESPACE-ROLE.")
+@click.option("--password", envvar="ROLLOUT_ACL_PASSWORD",
+              help="The user's password (env ROLLOUT_ACL_PASSWORD). Default: a new random one, shown once "
+                   "on stderr. The line carries only its SHA-256.")
+@click.pass_obj
+def acl(obj: Context, role, role_namespace, user, password) -> None:
+    """Print the ACL SETUSER line of a least-privilege Redis user for one role.
+
+    The user may touch only the namespace's keys ({NS}:*) and its events
+    channel, run only the commands the role sends (those inside the Lua scripts
+    included), and take entries out of only the streams the role settles (a
+    worker cannot settle the trainer's results). Connects to nothing.
+
+    \b
+    Example:
+      rollout acl --role worker --namespace exp1 | redis-cli -h redis-host
+      ROLLOUT_ACL_PASSWORD=... rollout acl --role trainer --namespace exp1
+    """
+    import secrets
+
+    from pipeline.acl import default_user, setuser_line
+
+    namespace = role_namespace or obj.namespace
+    try:
+        check_namespace(namespace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--namespace") from None
+    role = Role(role)
+    user = user or default_user(role, namespace)
+    if not user.isprintable() or any(c in user for c in " ()\"'"):
+        raise click.BadParameter(f"{user!r} cannot be a Redis user name: no spaces, quotes or parentheses",
+                                 param_hint="--user")
+    if not password:
+        password = secrets.token_urlsafe(24)
+        click.echo(f"password for Redis user {user!r} (shown once): {password}\n"
+                   f"connect as redis://{user}:{password}@HOST:PORT", err=True)
+    click.echo(setuser_line(role, namespace, user, password))
 
 
 # -- purge -----------------------------------------------------------------------------

@@ -53,7 +53,8 @@ from pipeline.audit import audit  # noqa: E402
 from pipeline.codec import decode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
-from pipeline.control import Controller, configure  # noqa: E402
+from pipeline.control import configure  # noqa: E402
+from pipeline.controller import Controller  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
 from workers.engine import EngineSet  # noqa: E402
@@ -98,10 +99,8 @@ class PipelineRollout:
         return TrainedBatch(batch.groups, lags, batch.metrics.restarted)
 
     async def weight_update(self, version: int) -> None:
-        # Controller.update_weights_from_disk, but without resume()'s wait for a first claim.
-        await self.controller.pause(self.settings.pause_mode)
-        await self.engines.update_weights_from_disk(f"/checkpoints/step-{version}", weight_version=str(version))
-        await self.controller.resume(version, first_claim_timeout_s=0)
+        await self.controller.update_weights_from_disk(f"/checkpoints/step-{version}", version,
+                                                       mode=self.settings.pause_mode)
 
     async def finish(self) -> tuple[Tokens, str]:
         """Abort what is in flight (partial output goes to the requeue stream), read how

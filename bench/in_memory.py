@@ -21,7 +21,8 @@ from pipeline.types import Group, Sample, Status
 from workers.engine import EngineSet
 from workers.rewards import Reward
 from workers.tokenizer import ByteTokenizer, encode_prompt
-from workers.worker import FINISH_STATUS, SamplingSettings
+from workers.sampling import SamplingSettings
+from workers.worker import FINISH_STATUS
 
 from .rl_loop import Settings, TrainedBatch, Tokens, group_tokens, make_group
 

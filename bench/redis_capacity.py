@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
 from pipeline.control import configure  # noqa: E402
 from pipeline.queue import Place, Queue  # noqa: E402
-from pipeline.redis_server import RedisServer, free_port  # noqa: E402
+from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import Group  # noqa: E402
 
 NAMESPACE = "capacity"
@@ -95,7 +96,7 @@ def feeder(args: argparse.Namespace, queue: Queue, content) -> dict:
 def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
     """Claims up to --claim groups at a time and publishes each finished, paced to
     --rate groups/s (0: as fast as it can). Records when each publish started."""
-    name = f"w{args.index}"
+    name = f"w{args.index}-{uuid.uuid4().hex[:6]}"
     template = Group.fresh(TEMPLATE_GID, content.prompt, N_SAMPLES)
     fill(template, content, name)
     payload = encode_group(template, with_response_text=False)
@@ -103,12 +104,13 @@ def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
     published: dict[str, float] = {}
     interval = 1.0 / args.rate if args.rate else 0.0
     next_at = time.monotonic()
-    last_beat = 0.0
+    queue.register(name)
+    last_beat = time.monotonic()
     while not queue.redis.exists(stop_key(args.namespace)):
         if time.monotonic() - last_beat > 1.0:
             queue.heartbeat(name, "{}")
             last_beat = time.monotonic()
-        claim = queue.claim(name, args.claim)
+        claim = queue.claim(name, uuid.uuid4().hex, args.claim)
         if not claim.groups:
             time.sleep(0.001)
             continue
@@ -118,7 +120,7 @@ def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
                 time.sleep(max(0.0, next_at - time.monotonic()))
             data = payload.replace(TEMPLATE_GID.encode(), claimed.group_id.encode())
             published[claimed.group_id] = time.monotonic()
-            queue.publish(name, claimed.group_id, data, Place.RESULTS)
+            queue.publish(name, claimed.group_id, claimed.token, data, Place.RESULTS)
     queue.leave(name)
     return {"published": published}
 
@@ -199,7 +201,7 @@ class Settings:
     max_workers: int = 4
     claim: int = 8  # groups per claim, as a worker with 64 free slots would take
     batch: int = 32  # B
-    fsync: tuple[str, ...] = ("everysec", "always")
+    fsync: tuple[Fsync, ...] = (Fsync.EVERYSEC, Fsync.ALWAYS)
     loads: tuple[float, ...] = (0.5, 0.9)
     engine_tokens_per_s: float = ENGINE_TOKENS_PER_S
 
@@ -266,9 +268,9 @@ class Bench:
                  phase.server_us_per_group, phase.latency_ms)
         return phase
 
-    def fsync_mode(self, fsync: str) -> dict:
+    def fsync_mode(self, fsync: Fsync) -> dict:
         s = self.settings
-        server = RedisServer(self.workdir / f"redis-{fsync}", port=free_port(), appendfsync=fsync)
+        server = RedisServer(self.workdir / f"redis-{fsync.value}", port=free_port(), fsync=fsync)
         server.start()
         try:
             unpaced: list[Phase] = []
@@ -286,7 +288,7 @@ class Bench:
         us = best.server_us_per_group
         per_core = 1e6 / us
         return {
-            "fsync": fsync,
+            "fsync": fsync.value,
             "server_us_per_group": round(us, 1),
             "server_us_per_token": round(us / TOKENS_PER_GROUP, 4),
             "groups_per_s_saturated": round(per_core),
@@ -299,8 +301,8 @@ class Bench:
         }
 
     def run(self) -> dict:
-        modes = {fsync: self.fsync_mode(fsync) for fsync in self.settings.fsync}
-        main = modes[self.settings.fsync[0]]
+        modes = {fsync.value: self.fsync_mode(fsync) for fsync in self.settings.fsync}
+        main = modes[self.settings.fsync[0].value]
         worst_load = f"{int(100 * max(self.settings.loads))}%"
         return {
             "server_us_per_group": main["server_us_per_group"],

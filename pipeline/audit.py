@@ -1,28 +1,33 @@
 """The conservation audit: every pushed group is in exactly one place.
 
-Places: the prompt list, one worker's in-flight set, the requeue stream, the results
+Places: the prompt list, one worker's in-flight hash, the requeue stream, the results
 stream (undelivered or pending), the dead-letter stream, or settled (committed,
-dropped by a filter or the staleness check, discarded from dead letters). The audit
-counts each, lists group ids found in two places at once, and checks the counts add
-up to what was pushed. It reads whole streams, so it is an operator's tool, not a
-hot-path call.
+dropped by a filter or the staleness check, discarded from dead letters). The counts
+come from one atomic snapshot (lua/audit.lua), so the audit is exact on a busy
+pipeline; result payload keys are checked in a second atomic step (lua/check_results.lua).
 """
 from __future__ import annotations
 
-from collections import Counter
+import json
 from dataclasses import asdict, dataclass, field
 
-import redis
-
+from . import scripts
 from .keys import CONSUMER_GROUP
-from .queue import Queue, _text
+from .queue import Queue, text
+
+#: The keys of AuditReport.to_dict(), documented in docs/cli.md (`rollout audit --json`).
+AUDIT_JSON_KEYS = (
+    "pushed", "prompts", "inflight", "requeue", "results_undelivered", "results_pending", "dead", "dropped",
+    "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra", "in_two_places",
+    "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight", "ok",
+)
 
 
 @dataclass
 class AuditReport:
     pushed: int
     prompts: int
-    inflight: dict[str, int]
+    inflight: dict[str, int]  # worker -> groups it holds
     requeue: int
     results_undelivered: int
     results_pending: int
@@ -30,9 +35,12 @@ class AuditReport:
     dropped: int
     committed: int
     discarded: int
-    duplicates: list[str] = field(default_factory=list)  # group ids in more than one place
-    orphan_payloads: int = 0  # stored payloads of groups neither queued nor in flight
-    missing_payloads: int = 0  # queued or in-flight group ids with no payload
+    duplicates_discarded: int = 0  # second copies of a group the trainer threw away (not pushed groups)
+    in_two_places: list[str] = field(default_factory=list)  # group ids found in more than one place
+    committed_and_live: list[str] = field(default_factory=list)  # committed, yet still somewhere
+    orphan_payloads: int = 0  # stored payloads of groups in no place
+    missing_payloads: int = 0  # groups in a place with no payload
+    unregistered_inflight: list[str] = field(default_factory=list)  # in-flight hashes of unregistered workers
 
     @property
     def accounted(self) -> int:
@@ -40,32 +48,44 @@ class AuditReport:
                 + self.results_pending + self.dead + self.dropped + self.committed + self.discarded)
 
     @property
-    def missing(self) -> int:
-        """Pushed but found nowhere (negative: found more than pushed)."""
-        return self.pushed - self.accounted
+    def lost(self) -> int:
+        """Pushed but found nowhere."""
+        return max(0, self.pushed - self.accounted)
+
+    @property
+    def extra(self) -> int:
+        """Found more often than pushed."""
+        return max(0, self.accounted - self.pushed)
 
     @property
     def ok(self) -> bool:
-        return (self.missing == 0 and not self.duplicates and not self.orphan_payloads
-                and not self.missing_payloads)
+        return not (self.lost or self.extra or self.in_two_places or self.committed_and_live
+                    or self.orphan_payloads or self.missing_payloads)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(accounted=self.accounted, missing=self.missing, ok=self.ok)
-        return d
+        d.update(accounted=self.accounted, lost=self.lost, extra=self.extra, ok=self.ok)
+        return {k: d[k] for k in AUDIT_JSON_KEYS}
 
     def summary(self) -> str:
         inflight = sum(self.inflight.values())
         line = (f"pushed {self.pushed} = prompts {self.prompts} + in flight {inflight} + requeue {self.requeue}"
                 f" + results {self.results_undelivered}+{self.results_pending} pending + dead {self.dead}"
                 f" + dropped {self.dropped} + committed {self.committed} + discarded {self.discarded}")
+        if self.duplicates_discarded:
+            line += f" ({self.duplicates_discarded} duplicate copies discarded)"
         if self.ok:
             return line + ": OK"
         problems = []
-        if self.missing:
-            problems.append(f"{self.missing} missing" if self.missing > 0 else f"{-self.missing} extra")
-        if self.duplicates:
-            problems.append(f"{len(self.duplicates)} in two places: {', '.join(self.duplicates[:5])}")
+        if self.lost:
+            problems.append(f"{self.lost} lost")
+        if self.extra:
+            problems.append(f"{self.extra} extra")
+        if self.in_two_places:
+            problems.append(f"{len(self.in_two_places)} in two places: {', '.join(self.in_two_places[:5])}")
+        if self.committed_and_live:
+            problems.append(f"{len(self.committed_and_live)} committed yet still queued: "
+                            f"{', '.join(self.committed_and_live[:5])}")
         if self.orphan_payloads:
             problems.append(f"{self.orphan_payloads} orphan payloads")
         if self.missing_payloads:
@@ -73,62 +93,64 @@ class AuditReport:
         return line + ": PROBLEM: " + "; ".join(problems)
 
 
-def audit(queue: Queue) -> AuditReport:
+def _snapshot(queue: Queue) -> dict:
+    """lua/audit.lua with the in-flight key of every worker, retried while workers
+    register between listing them and the script."""
     r, k = queue.redis, queue.keys
-    places: Counter[str] = Counter()
+    script = scripts.load(r, "audit")["audit"]
+    prefix = len(k.inflight(""))
+    while True:
+        workers = {text(w) for w in r.zrange(k.workers, 0, -1)}
+        workers |= {text(key)[prefix:] for key in r.scan_iter(match=k.inflight_pattern, count=1000)}
+        ordered = sorted(workers)
+        reply = script(keys=[k.prompts, k.payloads, k.workers, k.requeue, k.results, k.dead, k.stats, k.committed,
+                             *(k.inflight(w) for w in ordered)],
+                       args=[CONSUMER_GROUP, *ordered])
+        if text(reply) != "retry":
+            return json.loads(reply)
 
-    prompts = [_text(g) for g in r.lrange(k.prompts, 0, -1)]
-    places.update(set(prompts))
-    # Workers are registered in the workers set; also find in-flight sets of workers
-    # that are not (they should not exist, but an audit looks everywhere).
-    workers = {_text(w) for w in r.zrange(k.workers, 0, -1)}
-    workers |= {_text(key).split(":inflight:", 1)[1] for key in r.scan_iter(match=k.inflight_pattern, count=1000)}
-    inflight: dict[str, int] = {}
-    inflight_ids: list[str] = []
-    for w in sorted(workers):
-        ids = [_text(g) for g in r.smembers(k.inflight(w))]
-        if ids:
-            inflight[w] = len(ids)
-            inflight_ids += ids
-    places.update(inflight_ids)
 
-    def stream_ids(stream: str) -> list[str]:
-        return [e.group_id for e in queue.iter_stream(stream, with_data=False)]
+def _check_result_payloads(queue: Queue, rows: list) -> tuple[int, int]:
+    """(entries whose payload key is missing, payload keys no entry names)."""
+    r, k = queue.redis, queue.keys
+    candidates = list(r.scan_iter(match=k.result_pattern, count=1000))
+    if not rows and not candidates:
+        return 0, 0
+    script = scripts.load(r, "check_results")["check_results"]
+    prefix = k.result("", "")[:-1]  # "{ns}:result:"
+    missing, orphans = script(keys=[k.results, *(k.result(gid, tok) for _, gid, tok in rows), *candidates],
+                              args=[len(rows), *(eid for eid, _, _ in rows), prefix])
+    return int(missing), int(orphans)
 
-    requeue_ids = stream_ids(k.requeue)
-    results_ids = stream_ids(k.results)
-    dead_ids = stream_ids(k.dead)
-    for ids in (requeue_ids, results_ids, dead_ids):
-        places.update(ids)
-    pending = 0
+
+def _counter(value: str) -> int:
     try:
-        pending = int(r.xpending(k.results, CONSUMER_GROUP)["pending"])
-    except redis.ResponseError:  # no consumer group yet: nothing is pending
-        pending = 0
-    # Group ids that repeat within a list count as duplicates too.
-    duplicates = sorted({g for g, c in places.items() if c > 1}
-                        | {g for g, c in Counter(prompts).items() if c > 1}
-                        | {g for ids in (requeue_ids, results_ids, dead_ids) for g, c in Counter(ids).items() if c > 1})
-    committed_live = r.zmscore(k.committed, list(places)) if places else []
-    duplicates += sorted(g for g, score in zip(places, committed_live) if score is not None and g not in duplicates)
+        return int(value)
+    except ValueError:  # a foreign value: Queue.stats() logs it; the audit reads it as 0
+        return 0
 
-    live = set(prompts) | set(inflight_ids)
-    stored = {_text(g) for g in r.hkeys(k.payloads)}
-    prefix = len(k.result(""))
-    result_payloads = {_text(key)[prefix:] for key in r.scan_iter(match=k.result_pattern, count=1000)}
-    stats = queue.stats()
+
+def audit(queue: Queue) -> AuditReport:
+    snap = _snapshot(queue)
+    # cjson turns empty tables into {} whatever they held: `or` covers the lists.
+    stats = {key: _counter(v) for key, v in (snap["stats"] or {}).items()}
+    inflight = snap["inflight"] or {}
+    missing_results, orphan_results = _check_result_payloads(queue, snap["result_rows"] or [])
     return AuditReport(
         pushed=stats.get("pushed", 0),
-        prompts=len(prompts),
-        inflight=inflight,
-        requeue=len(requeue_ids),
-        results_undelivered=len(results_ids) - pending,
-        results_pending=pending,
-        dead=len(dead_ids),
+        prompts=snap["prompts"],
+        inflight={w: int(n) for w, n in sorted(inflight.items())},
+        requeue=snap["requeue"],
+        results_undelivered=snap["results"] - snap["pending"],
+        results_pending=snap["pending"],
+        dead=snap["dead"],
         dropped=stats.get("dropped", 0),
         committed=stats.get("committed", 0),
         discarded=stats.get("discarded", 0),
-        duplicates=duplicates,
-        orphan_payloads=len(stored - live) + len(result_payloads - set(results_ids)),
-        missing_payloads=len(live - stored) + len(set(results_ids) - result_payloads),
+        duplicates_discarded=stats.get("duplicates", 0),
+        in_two_places=sorted(snap["in_two_places"] or []),
+        committed_and_live=sorted(snap["committed_too"] or []),
+        orphan_payloads=snap["orphan_payloads"] + orphan_results,
+        missing_payloads=snap["missing_payloads"] + missing_results,
+        unregistered_inflight=sorted(snap["unregistered"] or []),
     )

@@ -30,17 +30,25 @@ class DecodeError(ValueError):
     """A stored entry is not a valid group of this schema."""
 
 
+class EncodeError(ValueError):
+    """A group breaks the schema and cannot be stored; the message names the field."""
+
+
 def _pack_array(typecode: str, values: list) -> bytes:
     if not values:
         return b""
     try:
         # struct is about twice as fast as array() from a list, and explicitly little-endian.
         return struct.pack(f"<{len(values)}{typecode}", *values)
-    except (struct.error, OverflowError):  # e.g. a finite float beyond float32: array stores inf
+    except (struct.error, OverflowError):
+        pass
+    try:  # e.g. a finite float beyond float32: array stores inf
         arr = array(typecode, values)
-        if _BIG_ENDIAN:
-            arr.byteswap()
-        return arr.tobytes()
+    except (TypeError, OverflowError) as exc:  # a token id beyond int32, a string among numbers
+        raise EncodeError(f"{'token ids' if typecode == 'i' else 'log-probs'}: {exc}") from None
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def _unpack_array(typecode: str, data: Any, what: str) -> list:
@@ -122,6 +130,9 @@ class PackedSample(Sample):
 
 
 def _encode_sample(s: Sample, prompt_ids: list[int], shared_prompt: bool, with_text: bool) -> dict:
+    if s.loss_mask is not None and len(s.loss_mask) != s.response_length:  # slime: one per response token
+        raise EncodeError(f"sample {s.index}: loss_mask has {len(s.loss_mask)} entries for "
+                          f"{s.response_length} response tokens")
     n_prompt = len(prompt_ids)
     tokens = s.tokens
     shares_prompt = n_prompt > 0 and tokens[:n_prompt] == prompt_ids
@@ -149,7 +160,17 @@ def _encode_sample(s: Sample, prompt_ids: list[int], shared_prompt: bool, with_t
 
 def encode_group(group: Group, with_response_text: bool = True) -> bytes:
     """`with_response_text=False` leaves the response texts out (the trainer trains on
-    tokens; the text can be decoded from them), saving ~1.8 bytes per token."""
+    tokens; the text can be decoded from them), saving ~1.8 bytes per token.
+    Raises EncodeError, naming the field, for a group that breaks the schema."""
+    try:
+        return _encode_group(group, with_response_text)
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack: a value it cannot pack
+        if isinstance(exc, EncodeError):
+            raise
+        raise EncodeError(f"group {group.group_id}: {type(exc).__name__}: {exc}") from None
+
+
+def _encode_group(group: Group, with_response_text: bool) -> bytes:
     prompts = [s.prompt for s in group.samples]
     shared = bool(prompts) and all(p == prompts[0] for p in prompts)
     return msgpack.packb(
@@ -227,15 +248,16 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
             text = zlib.decompress(text)
         except zlib.error as exc:
             raise DecodeError(f"{what}: response text does not decompress: {exc}") from None
-    lp = m["lp"]
-    if lp is not None:
-        _check_packed(lp, f"{what} log-probs")
     status = _STATUS.get(m["st"])
     if status is None:
         raise DecodeError(f"{what}: unknown status {m['st']!r}")
     response_length = m["rl"]
     if not 0 <= response_length <= n_tokens:
         raise DecodeError(f"{what}: response_length {response_length} outside 0..{n_tokens}")
+    lp = m["lp"]
+    if lp is not None and len(_check_packed(lp, f"{what} log-probs")) // 4 != response_length:
+        # slime: one rollout log-prob per response token.
+        raise DecodeError(f"{what}: {len(lp) // 4} log-probs for {response_length} response tokens")
     wv = m["wv"]
     if not all(type(v) is str for v in wv):
         raise DecodeError(f"{what}: weight_versions must be strings")

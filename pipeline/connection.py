@@ -1,11 +1,23 @@
-"""Connecting to Redis: one function, protocol pinned, Cluster detected."""
+"""Connecting to Redis: one function, URL checked, protocol pinned, Cluster detected.
+
+A URL is checked before anything is sent, so a typo is one clear line, not a
+traceback from deep in redis-py; and the userinfo part (a password, or a
+password typed where the user name goes) is never printed: `redact` finds it
+without trusting the URL parser, which splits at a `#`, `/` or `?` inside it.
+"""
 from __future__ import annotations
 
+import inspect
 import logging
-from urllib.parse import urlsplit, urlunsplit
+from functools import cache
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 import redis
 from redis.cluster import RedisCluster
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, UnixDomainSocketConnection
+
+from .acl import ExplainingRedis
+from .tls import check_tls_options
 
 log = logging.getLogger(__name__)
 
@@ -13,6 +25,11 @@ log = logging.getLogger(__name__)
 # RESP3 turns several into maps. Pin it rather than inherit a client default.
 PROTOCOL = 2
 SOCKET_TIMEOUT_S = 30.0
+#: The first round trip waits this long: a rediss:// URL against a server without
+#: TLS gets no answer at all, and the full socket timeout would hide why.
+PROBE_TIMEOUT_S = 5.0
+SCHEMES = ("redis", "rediss", "unix")
+_CONNECTION_CLASSES = {"redis": redis.Connection, "rediss": SSLConnection, "unix": UnixDomainSocketConnection}
 
 
 class ConnectionFailed(RuntimeError):
@@ -20,37 +37,105 @@ class ConnectionFailed(RuntimeError):
 
 
 def redact(url: str) -> str:
-    """The URL with any password replaced, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL without its userinfo (everything up to the last '@' after the
+    scheme), for logs and error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
-def connect(url: str, socket_timeout: float = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
+def scrub(text: str, url: str) -> str:
+    """`text` (an error message, say) with `url` redacted and every piece of its
+    userinfo, as typed or percent-decoded, masked wherever it appears."""
+    text = text.replace(url, redact(url))
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    pieces = {p for part in userinfo.split(":") for p in (part, unquote(part)) if len(p) > 2}
+    for piece in sorted(pieces, key=len, reverse=True):
+        text = text.replace(piece, "***")
+    return text
+
+
+@cache
+def _query_parameters(scheme: str) -> frozenset[str]:
+    """Query parameters redis-py passes on for this scheme: its URL parsers plus the
+    keyword arguments of the connection class (an unknown one is a TypeError later)."""
+    names = set(URL_QUERY_ARGUMENT_PARSERS)
+    for cls in _CONNECTION_CLASSES[scheme].__mro__:
+        if "__init__" in vars(cls):
+            names |= {p.name for p in inspect.signature(cls.__init__).parameters.values()
+                      if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(names - {"self"})
+
+
+def check_url(url: str) -> SplitResult:
+    """The parsed URL, or ConnectionFailed saying what is wrong with it (never
+    echoing the userinfo, and never a parser's message, which may quote it)."""
+    shown = redact(url)
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ConnectionFailed(f"unsupported Redis URL {shown!r}: use redis://, rediss:// or unix://")
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ConnectionFailed(f"malformed host in Redis URL {shown!r}: not a host name or a bracketed IPv6 "
+                               "address (redis://[::1]:6379)") from None
+    if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+        raise ConnectionFailed(f"malformed Redis URL {shown!r}: the password holds '/', '?' or '#'; "
+                               "percent-encode them (%2F, %3F, %23)")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ConnectionFailed(f"malformed Redis URL {shown!r}: the port must be a number from 1 to 65535")
+    if scheme == "unix" and not parts.path:
+        raise ConnectionFailed(f"malformed Redis URL {shown!r}: a unix:// URL needs a socket path")
+    try:  # before the generic check: "needs rediss://" says more than "unknown query parameter"
+        check_tls_options(url)
+    except ValueError as exc:
+        raise ConnectionFailed(f"bad Redis URL {shown}: {exc}") from None
+    unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+                     - _query_parameters(scheme))
+    if unknown:
+        raise ConnectionFailed(f"unknown query parameter {', '.join(map(repr, unknown))} in Redis URL {shown!r} "
+                               f"(known: {', '.join(sorted(URL_QUERY_ARGUMENT_PARSERS))}, ...)")
+    return parts
+
+
+def _failure(url: str, exc: Exception) -> ConnectionFailed:
+    shown = redact(url)
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return ConnectionFailed(f"permission denied at Redis {shown}: {exc} (grant the user that command)")
+    if isinstance(exc, redis.AuthenticationError):
+        return ConnectionFailed(f"cannot reach Redis at {shown}: it refused the credentials: {exc}")
+    if url.startswith("rediss://") and (isinstance(exc, redis.TimeoutError) or "SSL" in str(exc)):
+        return ConnectionFailed(f"cannot reach Redis at {shown} over TLS: the server may not speak TLS "
+                                f"(use redis:// for a plain server): {exc}")
+    return ConnectionFailed(f"cannot reach Redis at {shown}: {exc}")
+
+
+def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
     """A client for `url` (redis://, rediss://, unix://). Returns a cluster client
     when the server runs in cluster mode. Raises ConnectionFailed with the reason."""
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        raise ConnectionFailed(f"unsupported Redis URL {redact(url)!r}: use redis://, rediss:// or unix://")
+    check_url(url)
+    probe_timeout = PROBE_TIMEOUT_S if socket_timeout is None else min(socket_timeout, PROBE_TIMEOUT_S)
     try:
-        client = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                      socket_connect_timeout=5, health_check_interval=30)
-        cluster_enabled = client.info("cluster").get("cluster_enabled") == 1
-    except (redis.RedisError, ValueError, OSError) as exc:
-        raise ConnectionFailed(f"cannot reach Redis at {redact(url)}: {exc}") from None
-    if not cluster_enabled:
-        return client
-    client.close()
-    try:
+        probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=probe_timeout,
+                                     socket_connect_timeout=PROBE_TIMEOUT_S)
+        try:
+            cluster_enabled = probe.info("cluster").get("cluster_enabled") == 1
+        finally:
+            probe.close()
+        if not cluster_enabled:
+            return ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                            socket_connect_timeout=5, health_check_interval=30)
         return RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
                                      socket_connect_timeout=5)
-    except (redis.RedisError, ValueError, OSError) as exc:
-        raise ConnectionFailed(f"cannot reach Redis Cluster at {redact(url)}: {exc}") from None
+    except (redis.RedisError, ValueError, TypeError, OSError) as exc:
+        raise _failure(url, exc) from None
 
 
 def socket_timeout_of(client: redis.Redis | RedisCluster) -> float | None:

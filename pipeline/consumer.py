@@ -1,14 +1,23 @@
 """The trainer's side: exact-size batches from the results stream.
 
-`next_batch(n)` loops `XREADGROUP COUNT n-have BLOCK`, so it never takes more than
-it needs: the surplus stays undelivered for the next step. Entries that were
-delivered to this consumer but not committed (the trainer died mid-step) are read
-again first. `commit()` acknowledges and deletes in one script.
+A trainer session has a generation. Starting one (the first `next_batch`) fences every
+earlier session, here or in another process: their reads and commits are refused
+from then on, and the new session takes over, oldest first, every entry they had
+been delivered and not committed. Reads and commits check the generation inside
+their scripts, and a commit settles only entries delivered to this session, so two
+trainers on one namespace never train the same group twice: the older one gets
+`SessionFenced` naming the newer one.
+
+`next_batch(n)` reads `COUNT n-have` at a time, so it never takes more than it needs:
+the surplus stays undelivered. `commit()` acknowledges and deletes in one script;
+`release()` hands back a batch whose step failed. Redis outages are waited out.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,17 +26,25 @@ from typing import Any
 import redis
 
 from . import metrics as prom
+from . import scripts
 from .codec import encode_group
 from .connection import socket_timeout_of
 from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
-from .queue import DEFAULT_LEASE_S, Queue, Settle, StreamEntry, reset_group
+from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
+from .retry import Reconnect
 from .types import Group
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESTARTS = 3
+#: Deliveries of one results entry to the trainer without a commit (sessions that died
+#: holding it, releases) before it is dead-lettered: a group that crashes the trainer
+#: must not crash it forever.
+DEFAULT_MAX_DELIVERIES = 5
+
+__all__ = ["Batch", "BatchMetrics", "BatchTimeout", "Consumer", "SessionFenced"]
 
 
 class BatchTimeout(TimeoutError):
@@ -39,8 +56,9 @@ class BatchMetrics:
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> count
     restarted: int = 0  # too stale, sent back to the prompt list
-    dead: int = 0  # malformed, or too stale too often
-    duplicates: int = 0
+    dead: int = 0  # malformed, too stale too often, filter raised, delivered too often
+    duplicates: int = 0  # second copies of a group, discarded
+    ahead: int = 0  # groups with tokens from a weight version newer than the trainer's
     wait_s: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)  # lag in versions -> groups
 
@@ -53,125 +71,188 @@ class BatchMetrics:
 @dataclass
 class Batch:
     groups: list[Group]
-    entry_ids: list[str]
+    entries: list[StreamEntry]
     weight_version: int
     metrics: BatchMetrics
+    batch_id: str = ""  # "<session>/<n>", recorded in each group's history at commit
+
+    @property
+    def entry_ids(self) -> list[str]:
+        return [e.entry_id for e in self.entries]
 
     def __len__(self) -> int:
         return len(self.groups)
 
 
+@dataclass
+class _Held:
+    entry: StreamEntry
+    group: Group
+
+
 class Consumer:
-    """Reads exact batches for one trainer. Use one consumer name per trainer; a new
-    session under the same name first gets back what the last one left uncommitted."""
+    """Reads exact batches for one trainer. One session per Consumer, started by the
+    first next_batch; a new session (this process restarted, or another trainer)
+    gets back first what earlier ones left uncommitted."""
 
     def __init__(self, client: redis.Redis, namespace: str, consumer: str = "trainer",
-                 lease_s: float = DEFAULT_LEASE_S, filter: FilterFn | str | None = None,
-                 filter_args: Any = None, stale_policy: str = "restart",
-                 max_restarts: int = DEFAULT_MAX_RESTARTS, block_s: float = 1.0):
+                 filter: FilterFn | str | None = None, filter_args: Any = None, stale_policy: str = "restart",
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+                 block_s: float = 1.0):
         if stale_policy not in ("restart", "drop"):
             raise ValueError(f"unknown stale_policy {stale_policy!r}: use restart or drop")
-        self.queue = Queue(client, namespace, lease_s=lease_s)
+        self.queue = Queue(client, namespace)
         self.redis = client
         self.keys = self.queue.keys
-        self.consumer = consumer
+        self.name = consumer
         self.filter = load_filter(filter) if isinstance(filter, str) else filter
         self.filter_args = filter_args
         self.stale_policy = stale_policy
         self.max_restarts = max_restarts
+        self.max_deliveries = max_deliveries
         # Stay under the socket timeout, or a long BLOCK reads as a dead connection.
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
-        self._held: list[tuple[StreamEntry, Group]] = []  # delivered to us, not yet in a batch
-        self._uncommitted: dict[str, str] = {}  # entry id -> group id, handed out in a batch
-        self._recovered = False
+        self.session: TrainerSession | None = None
+        self.reconnect = Reconnect(f"trainer {consumer}")
+        self._scripts = scripts.load(client, "session", "read", "redeliver")
+        self._held: list[_Held] = []  # delivered to this session, not yet in a batch
+        self._uncommitted: dict[str, StreamEntry] = {}  # entry id -> entry, handed out in a batch
         self._held_version: int | None = None  # weight version _held was last screened at
-        self.queue.ensure_consumer_group()
+        self._batches = 0
+        self._last_reap = 0.0
 
-    # -- reading ---------------------------------------------------------------------
+    # -- the session -------------------------------------------------------------------
 
-    def _read(self, start: str, count: int, block_ms: int | None) -> list[StreamEntry]:
-        reply = self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {self.keys.results: start},
-                                      count=count, block=block_ms)
-        if not reply:
-            return []
-        _stream, rows = reply[0]
-        # Pending entries deleted meanwhile come back with empty fields: entries() skips them.
+    def _start_session(self, deadline: float | None) -> None:
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
+        generation, consumer, taken = self._call(
+            self._scripts["session"], keys=[self.keys.trainer, self.keys.results],
+            args=[CONSUMER_GROUP, self.name, info], deadline=deadline)
+        self.session = TrainerSession(text(consumer), int(generation))
+        self.reconnect.what = f"trainer session {self.session.consumer}"
+        if int(taken):
+            log.info("trainer session %s: took over %d entries delivered to earlier sessions and not committed",
+                     self.session.consumer, int(taken))
+
+    def _own_pending(self, deadline: float | None) -> list[tuple[StreamEntry, int]]:
+        """Every entry pending for this session, oldest first, with its delivery count."""
+        out: list[tuple[StreamEntry, int]] = []
+        start = "-"
+        while True:
+            rows = self._call(self.redis.xpending_range, self.keys.results, CONSUMER_GROUP, min=start, max="+",
+                              count=500, consumername=self.session.consumer, deadline=deadline)
+            if not rows:
+                return out
+            counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}
+            ids = list(counts)
+            fetched = self._call(self._fetch, ids, deadline=deadline)
+            out += [(e, counts[e.entry_id]) for e in fetched]
+            if len(rows) < 500:
+                return out
+            start = "(" + ids[-1]
+
+    def _fetch(self, ids: list[str]) -> list[StreamEntry]:
+        pipe = self.redis.pipeline(transaction=False)
+        for eid in ids:
+            pipe.xrange(self.keys.results, eid, eid)
+        rows = [r[0] for r in pipe.execute() if r]
         return self.queue.entries(self.keys.results, rows)
 
-    def _recover(self) -> list[StreamEntry]:
-        """Everything pending in the consumer group becomes ours: this consumer's own
-        uncommitted entries and those of an earlier trainer under another name."""
-        start = "0-0"
-        while True:
-            # Not JUSTID: redis-py drops the next cursor from JUSTID replies.
-            next_start, _claimed, *_ = self.redis.xautoclaim(
-                self.keys.results, CONSUMER_GROUP, self.consumer, min_idle_time=0, start_id=start, count=100)
-            next_start = next_start.decode() if isinstance(next_start, bytes) else next_start
-            if next_start == "0-0":
-                break
-            start = next_start
-        entries, start = [], "0"
-        while True:
-            page = self._read(start, 500, None)
-            if not page:
-                return entries
-            entries += page
-            start = page[-1].entry_id
+    def _call(self, fn, *args, deadline: float | None = None, **kwargs):
+        """A Redis call, retried through outages; a fenced session's script call raises
+        SessionFenced."""
+        try:
+            return self.reconnect.call(fn, *args, deadline=deadline, **kwargs)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("FENCED"):
+                raise SessionFenced(str(exc)[len("FENCED "):]) from None
+            raise
 
-    def _screen(self, entries: list[StreamEntry], control: ControlState, metrics: BatchMetrics) -> None:
-        """Keep what may be trained on; settle the rest (malformed, duplicate, stale, filtered)."""
+    # -- screening -----------------------------------------------------------------------
+
+    def _settle(self, items: list[Settle], deadline: float | None = None) -> tuple[int, int]:
+        return self._call(self.queue.settle, self.keys.results, items, self.session, deadline=deadline)
+
+    def _screen(self, entries: list[tuple[StreamEntry, int]], control: ControlState, metrics: BatchMetrics,
+                deadline: float | None) -> None:
+        """Keep what may be trained on; settle the rest (malformed, duplicate, stale,
+        filtered, delivered too often). `entries` come with their delivery counts."""
+        if not entries:
+            return
         settle: list[Settle] = []
-        scores = self.redis.zmscore(self.keys.committed, [e.group_id or "?" for e in entries]) if entries else []
-        held_ids = {g.group_id for _, g in self._held} | set(self._uncommitted.values())
-        for entry, committed_at in zip(entries, scores):
+        scores = self._call(self.redis.zmscore, self.keys.committed, [e.group_id or "?" for e, _ in entries],
+                            deadline=deadline)
+        held_ids = {h.group.group_id for h in self._held} | {e.group_id for e in self._uncommitted.values()}
+        for (entry, deliveries), committed_at in zip(entries, scores):
             if committed_at is not None or entry.group_id in held_ids:
                 log.warning("group %s: already trained on or held; dropping duplicate entry %s",
                             entry.group_id, entry.entry_id)
-                settle.append(Settle("duplicate", entry.entry_id, entry.group_id))
+                settle.append(Settle("duplicate", entry.entry_id, entry.group_id, token=entry.token))
                 metrics.duplicates += 1
                 continue
             group, dead = entry.decode_or_dead("results")
             if dead:
+                dead.token = entry.token
                 settle.append(dead)
                 metrics.dead += 1
                 continue
+            if deliveries > self.max_deliveries:
+                error = (f"delivered {deliveries} times to the trainer without a commit (it may crash the "
+                         f"trainer's step); `rollout dead retry` sends it back")
+                log.error("group %s: %s; dead-lettering it", group.group_id, error)
+                settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
+                metrics.dead += 1
+                continue
             lag = control.weight_version - (group.oldest_version() or 0)
+            if lag < 0:
+                metrics.ahead += 1
             if control.max_staleness is not None and lag > control.max_staleness:
                 settle.append(self._stale(entry, group, lag, control, metrics))
                 continue
             if self.filter is not None:
-                keep, reason = apply_filter(self.filter, self.filter_args, group)
+                try:
+                    keep, reason = apply_filter(self.filter, self.filter_args, group)
+                except Exception as exc:  # the trainer's own code: one bad group must not stop training
+                    error = f"filter raised {type(exc).__name__}: {exc}"
+                    log.exception("group %s: %s; dead-lettering it", group.group_id, error)
+                    settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
+                    metrics.dead += 1
+                    continue
                 if not keep:
-                    settle.append(Settle("drop", entry.entry_id, group.group_id, reason))
+                    settle.append(Settle("drop", entry.entry_id, group.group_id, reason, token=entry.token))
                     metrics.dropped[reason] = metrics.dropped.get(reason, 0) + 1
                     continue
             held_ids.add(group.group_id)
-            self._held.append((entry, group))
-        self.queue.settle(self.keys.results, settle, CONSUMER_GROUP)
+            self._held.append(_Held(entry, group))
+        if metrics.ahead:
+            log.warning("%d groups carry weight versions newer than the trainer's %d: bump the queue's version "
+                        "with every weight update (Controller.resume(weight_version=...))", metrics.ahead,
+                        control.weight_version)
+        self._settle(settle, deadline)
 
     def _stale(self, entry: StreamEntry, group: Group, lag: int, control: ControlState,
                metrics: BatchMetrics) -> Settle:
         reason = f"stale: {lag} versions behind (max {control.max_staleness})"
         if self.stale_policy == "drop":
             metrics.dropped["stale"] = metrics.dropped.get("stale", 0) + 1
-            return Settle("drop", entry.entry_id, group.group_id, reason)
+            return Settle("drop", entry.entry_id, group.group_id, reason, token=entry.token)
         if group.restarts >= self.max_restarts:
             log.error("group %s: %s after %d restarts; dead-lettering it", group.group_id, reason, group.restarts)
             metrics.dead += 1
             group.error = f"{reason}; restarted {group.restarts} times"
-            return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group))
+            return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token)
         log.info("group %s: %s; restarting it from its prompt", group.group_id, reason)
         metrics.restarted += 1
-        reset_group(group)
+        group.reset()
         group.restarts += 1
         # Generated again from the prompt, under at least the current version. (None would
         # let claim fill in the first admission's version from the admitted hash, and a
         # group whose samples carry no weight versions would be judged stale forever.)
         group.admitted_version = control.weight_version
-        return Settle("prompt", entry.entry_id, group.group_id, payload=encode_group(group))
+        return Settle("prompt", entry.entry_id, group.group_id, "stale restart", encode_group(group), entry.token)
 
-    def _recheck_held(self, control: ControlState, metrics: BatchMetrics) -> None:
+    def _recheck_held(self, control: ControlState, metrics: BatchMetrics, deadline: float | None) -> None:
         """Held groups were screened at an earlier weight version (a recovered surplus, or
         groups read before a timeout): if the version moved on, check staleness again
         before delivering them."""
@@ -181,65 +262,147 @@ class Consumer:
         if control.max_staleness is None or not self._held:
             return
         keep, settle = [], []
-        for entry, group in self._held:
-            lag = control.weight_version - (group.oldest_version() or 0)
+        for h in self._held:
+            lag = control.weight_version - (h.group.oldest_version() or 0)
             if lag > control.max_staleness:
-                settle.append(self._stale(entry, group, lag, control, metrics))
+                settle.append(self._stale(h.entry, h.group, lag, control, metrics))
             else:
-                keep.append((entry, group))
+                keep.append(h)
         if settle:
             self._held = keep
-            self.queue.settle(self.keys.results, settle, CONSUMER_GROUP)
+            self._settle(settle, deadline)
+
+    # -- batches -------------------------------------------------------------------------
+
+    def _check_batch_size(self, n: int, control: ControlState) -> None:
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        if control.max_staleness is not None and control.batch_size and n != control.batch_size:
+            raise ValueError(
+                f"next_batch({n}) but the namespace paces admission for batches of {control.batch_size} "
+                f"(max_staleness {control.max_staleness}: (η + version + 1) · B groups admitted); ask for "
+                f"{control.batch_size} groups, or `rollout configure --batch-size {n}`")
+
+    def _read(self, count: int, deadline: float | None) -> tuple[list[StreamEntry], str, int]:
+        newest, pending, *rows = self._call(
+            self._scripts["read"], keys=[self.keys.results, self.keys.trainer],
+            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, count], deadline=deadline)
+        rows = [(eid, dict(zip(flat[::2], flat[1::2]))) for eid, flat in rows]
+        return self._call(self.queue.entries, self.keys.results, rows, deadline=deadline), text(newest), int(pending)
+
+    def _wait_for_new(self, newest: str, block_s: float, deadline: float | None) -> None:
+        """Block until an entry newer than `newest` arrives, or `block_s` passes. A plain
+        XREAD: it delivers nothing, the read script does that under the fence."""
+        self._call(self.redis.xread, {self.keys.results: newest}, count=1, block=max(1, int(block_s * 1000)),
+                   deadline=deadline)
+
+    def _reap(self, control: ControlState) -> None:
+        """The trainer reaps dead workers too, so their groups come back even when no
+        worker is left alive to do it."""
+        if time.monotonic() - self._last_reap >= control.lease_s / 4:
+            self._last_reap = time.monotonic()
+            self.queue.reap_expired()
 
     def next_batch(self, n: int, timeout: float | None = None) -> Batch:
         """Exactly `n` groups, or BatchTimeout after `timeout` seconds (None: wait forever).
-        Groups read before a timeout stay with this consumer for the next call."""
-        if n <= 0:
-            raise ValueError(f"batch size must be positive, got {n}")
+        Groups read before a timeout stay with this session for the next call. Raises
+        SessionFenced when a newer trainer session took over."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         metrics = BatchMetrics()
-        control = read_control(self.redis, self.keys)
-        if not self._recovered:
-            self._screen(self._recover(), control, metrics)
-            self._recovered = True
+        control = self._call(read_control, self.redis, self.keys, deadline=deadline)
+        self._check_batch_size(n, control)
+        if self.session is None:
+            self._start_session(deadline)
+            self._screen(self._own_pending(deadline), control, metrics, deadline)
             self._held_version = control.weight_version
-        self._recheck_held(control, metrics)
+        self._recheck_held(control, metrics, deadline)
         while len(self._held) < n:
             remaining = None if deadline is None else deadline - time.monotonic()
             # Out of time: one last look without blocking, so groups that are already
-            # there are taken (timeout=0 polls) rather than reported missing.
+            # there are taken rather than reported missing.
             expired = remaining is not None and remaining <= 0
-            block = self.block_s if remaining is None else max(0.001, min(self.block_s, remaining))
-            entries = self._read(">", n - len(self._held), None if expired else int(block * 1000))
-            if entries:
-                control = read_control(self.redis, self.keys)
-                self._recheck_held(control, metrics)
-                self._screen(entries, control, metrics)
-            if expired and len(self._held) < n:
+            entries, newest, pending = self._read(n - len(self._held), deadline)
+            delivered = [(e, 1) for e in entries]
+            if pending > len(self._held) + len(self._uncommitted) + len(entries):
+                delivered += self._lost(entries, deadline)
+            if delivered:
+                control = self._call(read_control, self.redis, self.keys, deadline=deadline)
+                self._recheck_held(control, metrics, deadline)
+                self._screen(delivered, control, metrics, deadline)
+            if len(self._held) >= n:
+                break
+            if expired:
                 raise BatchTimeout(self.diagnose(n, len(self._held), timeout))
+            if delivered:
+                continue
+            self._reap(control)
+            block = self.block_s if remaining is None else max(0.001, min(self.block_s, remaining))
+            self._wait_for_new(newest, block, deadline)
         taken, self._held = self._held[:n], self._held[n:]
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started
         prom.TRAINER_WAIT.observe(metrics.wait_s)
         for reason, count in metrics.dropped.items():
             prom.FILTER_DROPS.labels(reason).inc(count)
-        for entry, group in taken:
-            self._uncommitted[entry.entry_id] = group.group_id
-            lag = control.weight_version - (group.oldest_version() or 0)
+        for h in taken:
+            self._uncommitted[h.entry.entry_id] = h.entry
+            lag = control.weight_version - (h.group.oldest_version() or 0)
             metrics.staleness[lag] = metrics.staleness.get(lag, 0) + 1
             prom.STALENESS.observe(lag)
-        return Batch([g for _, g in taken], [e.entry_id for e, _ in taken], control.weight_version, metrics)
+        self._batches += 1
+        return Batch([h.group for h in taken], [h.entry for h in taken], control.weight_version, metrics,
+                     f"{self.session.consumer}/{self._batches}")
 
-    def commit(self, batch: Batch) -> int:
-        """Acknowledge and delete a batch after the training step succeeded."""
-        items = [Settle("commit", eid, g.group_id) for eid, g in zip(batch.entry_ids, batch.groups)]
-        done = self.queue.settle(self.keys.results, items, CONSUMER_GROUP)
-        for eid in batch.entry_ids:
-            self._uncommitted.pop(eid, None)
-        if done != len(items):
-            log.warning("commit: %d of %d entries were already settled", len(items) - done, len(items))
-        return done
+    def _lost(self, entries: list[StreamEntry], deadline: float | None) -> list[tuple[StreamEntry, int]]:
+        """More entries are pending for this session than it knows of: a read whose reply
+        was lost delivered them. They are in the session's own pending list."""
+        known = {h.entry.entry_id for h in self._held} | set(self._uncommitted) | {e.entry_id for e in entries}
+        lost = [(e, count) for e, count in self._own_pending(deadline) if e.entry_id not in known]
+        if lost:
+            log.warning("trainer session %s: %d entries were delivered by a read whose reply was lost; "
+                        "taking them now", self.session.consumer, len(lost))
+        return lost
+
+    def commit(self, batch: Batch, timeout: float | None = 300.0) -> int:
+        """Acknowledge and delete a batch after the training step succeeded. Raises
+        SessionFenced if a newer trainer session took over (it trains these groups)."""
+        if self.session is None:
+            raise ValueError("commit: this consumer has not delivered any batch")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        items = [Settle("commit", e.entry_id, g.group_id, batch.batch_id, token=e.token)
+                 for e, g in zip(batch.entries, batch.groups)]
+        settled, already = self._settle(items, deadline)
+        for e in batch.entries:
+            self._uncommitted.pop(e.entry_id, None)
+        if settled + already != len(items):
+            raise RuntimeError(f"commit of batch {batch.batch_id}: {len(items) - settled - already} of "
+                               f"{len(items)} entries are no longer this session's (settled elsewhere)")
+        return settled + already
+
+    def release(self, batch: Batch, error: str = "") -> None:
+        """Hand back a batch whose training step failed: its groups come first in the
+        next batches of this session (or of the next session, if this one dies). Each
+        release counts as a delivery; an entry past max_deliveries is dead-lettered."""
+        if self.session is None:
+            raise ValueError("release: this consumer has not delivered any batch")
+        ids = [e.entry_id for e in batch.entries if e.entry_id in self._uncommitted]
+        for eid in ids:
+            del self._uncommitted[eid]
+        if not ids:
+            return
+        log.warning("trainer session %s: batch %s handed back%s", self.session.consumer, batch.batch_id,
+                    f" ({error})" if error else "")
+        # Claimed again by this session, which counts the delivery: a batch that keeps
+        # failing ends in dead letters instead of failing the trainer forever.
+        counts = self._call(self._scripts["redeliver"], keys=[self.keys.results, self.keys.trainer],
+                            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, *ids])
+        by_id = {e.entry_id: e for e in batch.entries}
+        released = [(by_id[eid], int(c)) for eid, c in zip(ids, counts) if int(c)]
+        held, self._held = self._held, []
+        control = self._call(read_control, self.redis, self.keys)
+        self._screen(released, control, BatchMetrics(), None)
+        self._held += held
 
     # -- diagnosis -------------------------------------------------------------------
 
@@ -247,29 +410,27 @@ class Consumer:
         """Why no batch: one line a person at 3 a.m. can act on."""
         k = self.keys
         control = read_control(self.redis, k)
-        workers = self.queue.live_workers()
+        workers = self.queue.workers()
+        live = [w for w, left in workers.items() if left >= 0]
         prompts = self.redis.llen(k.prompts)
         requeue = self.redis.xlen(k.requeue)
         dead = self.redis.xlen(k.dead)
         reasons = []
         if control.paused:
             reasons.append("admission is paused (run `rollout resume`)")
-        if not workers:
-            last = self.redis.zrevrange(k.workers, 0, 0, withscores=True)
-            if last:
-                seconds, micros = self.redis.time()
-                ago = (seconds * 1000 + micros // 1000 - last[0][1]) / 1000
-                reasons.append(f"no live workers (last heartbeat {ago:.0f}s ago)")
+        if not live:
+            if workers:
+                reasons.append(f"no live workers ({len(workers)} registered, lease expired)")
             else:
-                reasons.append("no live workers (none has ever registered)")
+                reasons.append("no live workers (none registered)")
         else:
             states = Counter()
-            for raw in self.redis.hmget(k.worker_info, list(workers)):
+            for raw in self.redis.hmget(k.worker_info, live):
                 try:
                     states[json.loads(raw).get("state", "unknown") if raw else "unknown"] += 1
                 except (ValueError, AttributeError):
                     states["unknown"] += 1
-            reasons.append(f"{len(workers)} live workers (" + ", ".join(f"{c} {s}" for s, c in states.items()) + ")")
+            reasons.append(f"{len(live)} live workers (" + ", ".join(f"{c} {s}" for s, c in states.items()) + ")")
         if prompts == 0:
             reasons.append("the prompt list is empty (push more with `rollout push`)")
         else:
@@ -278,10 +439,12 @@ class Consumer:
             reasons.append(f"{requeue} aborted groups wait in the requeue stream")
         if dead:
             reasons.append(f"{dead} dead letters")
-        if control.max_staleness is not None and control.batch_size:
-            budget = (control.max_staleness + control.weight_version + 1) * control.batch_size
-            if control.admitted >= budget:
-                reasons.append(f"the staleness budget is spent ({control.admitted}/{budget} admitted at "
-                               f"version {control.weight_version}; bump the weight version)")
+        limit = control.staleness_limit
+        if limit is not None and control.admitted >= limit:
+            reasons.append(
+                f"the staleness budget is spent ({control.admitted}/{limit} admitted at version "
+                f"{control.weight_version}, {control.committed} committed): admission reopens when the weight "
+                f"version moves on, one bump per {control.batch_size} committed groups "
+                f"(Controller.resume(weight_version=...) after each step)")
         waited = "" if timeout is None else f" after {timeout:g}s"
         return f"next_batch({n}) timed out{waited} with {have} of {n} groups: " + "; ".join(reasons)

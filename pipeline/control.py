@@ -1,21 +1,39 @@
-"""Pipeline-wide settings and state kept in the `control` hash."""
+"""The `control` hash: pipeline-wide settings and state, read by the scripts that act
+on them (claim.lua reads `paused` in the same step that admits).
+
+Settings (`rollout configure`): the lease, max_claims, max_ready, and the staleness
+bound (max_staleness η with the batch size B it paces against). State: `paused`, the
+trainer's `weight_version`, the release policy of aborted groups.
+"""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from .keys import Keys
-
-if TYPE_CHECKING:
-    from .queue import Queue
+from .types import ReleasePolicy, choices
 
 log = logging.getLogger(__name__)
+
+#: A worker whose lease deadline passed is presumed dead: any worker (or the trainer)
+#: returns its groups to the prompt list. Workers extend it with every heartbeat.
+DEFAULT_LEASE_S = 30.0
+#: How often a worker heartbeats by default; a lease must cover at least three.
+DEFAULT_HEARTBEAT_S = 2.0
+HEARTBEATS_PER_LEASE = 3
+#: Claims of one group without it finishing (each reap counts) before it is dead-lettered.
+DEFAULT_MAX_CLAIMS = 5
+#: Results waiting for the trainer at which workers stop claiming.
+DEFAULT_MAX_READY = 4096
+
+
+def staleness_limit(max_staleness: int, weight_version: int, batch_size: int) -> int:
+    """AReaL's admission pacing: groups admitted so far (committed + in the pipeline)
+    may not exceed (η + version + 1) · B. lua/_prelude.lua has the same formula."""
+    return (max_staleness + weight_version + 1) * batch_size
 
 
 @dataclass
@@ -24,54 +42,122 @@ class ControlState:
     weight_version: int = 0
     max_staleness: int | None = None  # η; None: no staleness bound
     batch_size: int | None = None  # B, for admission pacing
-    max_ready: int | None = None  # results backlog at which workers stop claiming
+    max_ready: int = DEFAULT_MAX_READY
+    lease_s: float = DEFAULT_LEASE_S
+    max_claims: int = DEFAULT_MAX_CLAIMS
+    release_policy: ReleasePolicy = ReleasePolicy.CONTINUE
     # Groups counting against the staleness budget: committed, plus admitted (first
-    # claimed) and not settled yet. Dropped and discarded groups give their slot back.
+    # claimed) and not settled yet. Dropped and dead groups give their slot back.
     admitted: int = 0
-    release_policy: str = "continue"  # what happens to aborted groups on release
+    committed: int = 0
+
+    @property
+    def staleness_limit(self) -> int | None:
+        if self.max_staleness is None or not self.batch_size:
+            return None
+        return staleness_limit(self.max_staleness, self.weight_version, self.batch_size)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(release_policy=self.release_policy.value, staleness_limit=self.staleness_limit)
+        return d
 
 
-RELEASE_POLICIES = ("continue", "restart", "drop")
+_FIELDS = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "lease_ms", "max_claims",
+           "release_policy")
 
 
-def _int(value: bytes | None) -> int | None:
-    return None if value is None else int(value)
+_warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
+
+
+def _number(raw: bytes | None, name: str, keys: Keys) -> int | None:
+    """A stored integer, or None (unset). A foreign value is reported (once) and read as
+    unset: one bad field must not stop status, the trainer or the workers."""
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        if (name, raw) not in _warned:
+            _warned.add((name, raw))
+            log.error("%s field %r holds %r, not an integer; ignoring it (fix with `rollout configure`)",
+                      keys.control, name, raw[:40])
+        return None
 
 
 def read_control(client: redis.Redis, keys: Keys) -> ControlState:
-    fields = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "release_policy")
     pipe = client.pipeline(transaction=True)
-    pipe.hmget(keys.control, fields)
+    pipe.hmget(keys.control, _FIELDS)
     pipe.hget(keys.stats, "committed")
     pipe.hlen(keys.admitted)
-    (paused, version, eta, batch, ready, policy), committed, live = pipe.execute()
+    (paused, version, eta, batch, ready, lease_ms, max_claims, policy), committed, live = pipe.execute()
+    committed = _number(committed, "stats.committed", keys) or 0
+    lease_ms = _number(lease_ms, "lease_ms", keys)
+    try:
+        release_policy = ReleasePolicy(policy.decode()) if policy else ReleasePolicy.CONTINUE
+    except (ValueError, UnicodeDecodeError):
+        log.error("%s release_policy %r is unknown; using continue", keys.control, policy[:40])
+        release_policy = ReleasePolicy.CONTINUE
+    ready = _number(ready, "max_ready", keys)
+    claims = _number(max_claims, "max_claims", keys)
     return ControlState(
         paused=paused == b"1",
-        weight_version=_int(version) or 0,
-        max_staleness=_int(eta),
-        batch_size=_int(batch),
-        max_ready=_int(ready),
-        admitted=(_int(committed) or 0) + live,  # as lua/claim.lua counts it
-        release_policy=policy.decode() if policy else "continue",
+        weight_version=_number(version, "weight_version", keys) or 0,
+        max_staleness=_number(eta, "max_staleness", keys),
+        batch_size=_number(batch, "batch_size", keys),
+        max_ready=DEFAULT_MAX_READY if ready is None else ready,
+        lease_s=DEFAULT_LEASE_S if lease_ms is None else lease_ms / 1000,
+        max_claims=DEFAULT_MAX_CLAIMS if claims is None else claims,
+        release_policy=release_policy,
+        admitted=committed + live,  # as lua/claim.lua counts it
+        committed=committed,
     )
 
 
 def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = None,
-              batch_size: int | None = None, max_ready: int | None = None) -> None:
-    """Set the limits the claim script enforces. A value of None leaves it unchanged;
-    a negative value removes the limit."""
+              batch_size: int | None = None, max_ready: int | None = None, lease_s: float | None = None,
+              max_claims: int | None = None, release_policy: ReleasePolicy | str | None = None) -> ControlState:
+    """Set pipeline-wide settings. None leaves a setting unchanged; a negative
+    max_staleness, batch_size or max_ready removes it (back to the default)."""
+    updates: dict[str, int | str] = {}
+    removals: list[str] = []
     for name, value in (("max_staleness", max_staleness), ("batch_size", batch_size), ("max_ready", max_ready)):
         if value is None:
             continue
         if value < 0:
-            client.hdel(keys.control, name)
+            removals.append(name)
+        elif name == "batch_size" and value == 0:
+            raise ValueError("batch_size must be at least 1 (or negative to remove it)")
         else:
-            client.hset(keys.control, name, value)
+            updates[name] = int(value)
+    if lease_s is not None:
+        if lease_s <= 0:
+            raise ValueError(f"lease must be positive, got {lease_s:g}s")
+        updates["lease_ms"] = int(lease_s * 1000)
+    if max_claims is not None:
+        if max_claims < 1:
+            raise ValueError(f"max_claims must be at least 1, got {max_claims}")
+        updates["max_claims"] = int(max_claims)
+    if release_policy is not None:
+        try:
+            updates["release_policy"] = ReleasePolicy(release_policy).value
+        except ValueError:
+            raise ValueError(f"unknown release policy {release_policy!r}: use one of "
+                             f"{', '.join(choices(ReleasePolicy))}") from None
+    pipe = client.pipeline(transaction=True)
+    if updates:
+        pipe.hset(keys.control, mapping=updates)
+    if removals:
+        pipe.hdel(keys.control, *removals)
+    pipe.execute()
+    state = read_control(client, keys)
+    _announce(client, keys, state)
+    return state
 
 
 def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
     # Workers subscribed to the events channel react at once instead of at their next poll.
-    client.publish(keys.events, json.dumps(asdict(state)))
+    client.publish(keys.events, json.dumps(state.to_dict()))
 
 
 def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
@@ -82,133 +168,3 @@ def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
 def set_weight_version(client: redis.Redis, keys: Keys, version: int) -> None:
     client.hset(keys.control, "weight_version", version)
     _announce(client, keys, read_control(client, keys))
-
-
-# -- the weight-update protocol (trainer side) -------------------------------------------
-
-
-class EngineControl(Protocol):
-    """What the controller needs from the engines; workers.engine.EngineSet is one.
-    (pipeline/ owns Redis state and never imports the HTTP client.)"""
-
-    async def pause_generation(self, mode: str = "abort") -> Any: ...
-
-    async def continue_generation(self) -> Any: ...
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all_requests: bool = False) -> Any: ...
-
-
-class WeightUpdateError(RuntimeError):
-    """A weight update failed; the pipeline stays paused. The message names the engines."""
-
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass
-class PauseReport:
-    mode: str
-    quiesce_s: float  # pause() to every in-flight group settled (abort) or frozen
-    requeued: int  # groups in the requeue stream after the pause
-    # abort mode: groups still held by workers when pause() returned. Their requests
-    # reached the engines after the engines paused (claimed just before admission
-    # stopped), so the abort never saw them: they wait at the engine, generate nothing,
-    # and start under the new weights on resume.
-    still_inflight: int = 0
-
-
-@dataclass
-class ResumeReport:
-    weight_version: int
-    released: int  # aborted groups put back at the head of the prompt list
-    first_claim_s: float | None  # resume() to the first claim by any worker (None: none seen)
-
-
-class Controller:
-    """pause → (update weights) → resume, for one pipeline and its engines."""
-
-    def __init__(self, queue: "Queue", engines: EngineControl | None = None, release_policy: str = "continue",
-                 settle_s: float = 0.25):
-        self.queue = queue
-        self.redis = queue.redis
-        self.keys = queue.keys
-        self.engines = engines
-        if release_policy not in RELEASE_POLICIES:
-            raise ValueError(f"unknown release policy {release_policy!r}: use one of {', '.join(RELEASE_POLICIES)}")
-        self.release_policy = release_policy
-        # abort mode: stop waiting for in-flight groups once their number has not moved
-        # for this long after the engines paused (see PauseReport.still_inflight).
-        self.settle_s = settle_s
-
-    def _inflight(self) -> int:
-        workers = [w.decode() for w in self.redis.zrange(self.keys.workers, 0, -1)]
-        return sum(self.redis.scard(self.keys.inflight(w)) for w in workers)
-
-    async def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> PauseReport:
-        """Stop admission, then pause every engine. With `abort`, wait until the
-        workers have requeued every interrupted group."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"unknown pause mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
-        started = time.monotonic()
-        set_paused(self.redis, self.keys, True)
-        if self.engines is not None:
-            await self.engines.pause_generation(mode)
-        remaining = 0
-        if mode == "abort":
-            # Aborted requests return at once and their groups are requeued within
-            # milliseconds. A group claimed just before admission stopped may send its
-            # requests after the engines paused: they block at the engine (SGLang holds
-            # new /generate calls while paused, where abort cannot reach them) and would
-            # never settle. So: wait until nothing is in flight, or until the count has
-            # stopped moving for settle_s.
-            deadline = started + timeout_s
-            remaining, last_change = self._inflight(), time.monotonic()
-            while remaining > 0:
-                await asyncio.sleep(0.005)
-                now, count = time.monotonic(), self._inflight()
-                if count != remaining:
-                    remaining, last_change = count, now
-                elif now - last_change >= self.settle_s:
-                    log.info("pause: %d groups still in flight %.2fs after the engines paused; their "
-                             "requests arrived after the pause and wait for resume", remaining, self.settle_s)
-                    break
-                if now > deadline:
-                    raise TimeoutError(f"pause: {remaining} groups still in flight after {timeout_s:g}s")
-        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue), remaining)
-
-    async def resume(self, weight_version: int | None = None, first_claim_timeout_s: float = 5.0) -> ResumeReport:
-        """Record the new version, continue the engines, release aborted groups to the
-        head of the prompt list, reopen admission."""
-        if weight_version is not None:
-            set_weight_version(self.redis, self.keys, weight_version)
-        if self.engines is not None:
-            await self.engines.continue_generation()
-        # Recorded so the workers' own releases (of groups aborted later) follow it too.
-        self.redis.hset(self.keys.control, "release_policy", self.release_policy)
-        released = self.queue.release(self.release_policy)
-        claims_before = int(self.redis.hget(self.keys.stats, "claims") or 0)
-        started = time.monotonic()
-        set_paused(self.redis, self.keys, False)
-        first_claim = None
-        if self.redis.llen(self.keys.prompts):
-            while time.monotonic() - started < first_claim_timeout_s:
-                if int(self.redis.hget(self.keys.stats, "claims") or 0) > claims_before:
-                    first_claim = time.monotonic() - started
-                    break
-                await asyncio.sleep(0.002)
-        return ResumeReport(read_control(self.redis, self.keys).weight_version, released, first_claim)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int,
-                                       mode: str = "abort") -> tuple[PauseReport, ResumeReport]:
-        """pause → every engine loads `model_path` as `weight_version` → resume. If an
-        engine fails, the pipeline stays paused and the error names it."""
-        if self.engines is None:
-            raise WeightUpdateError("no engines configured for this controller")
-        pause = await self.pause(mode)
-        try:
-            await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version))
-        except Exception as exc:
-            raise WeightUpdateError(f"weight update to version {weight_version} from {model_path} failed; "
-                                    f"the pipeline stays paused: {exc}") from exc
-        return pause, await self.resume(weight_version)

@@ -7,9 +7,14 @@ error cleared; dropping discards it (settle action `discard`, counted for the
 audit). Both go through `Queue.settle`, so an entry settled by someone else
 meanwhile is skipped, never duplicated.
 
-Some dead letters cannot be retried: a payload that does not decode (there is no
-group to rebuild) and a bad dataset row (no samples or no prompt: it never was a
-generation, and would fail again). Fix the row and push it again instead.
+A payload that does not decode cannot be retried (there is no group to rebuild).
+A bad dataset row never was a generation: retrying it re-reads the row from the
+file the dataset was pushed from (see `producer.reread_rows`), so fix the row in
+the file, then retry; a row still bad there is refused, naming the line and why.
+
+Entries are read here rather than through `Queue.read_stream`, decoding their text
+fields leniently: a foreign entry with a non-UTF-8 group id is listed (and can be
+dropped) instead of making every dead-letter command fail.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codec import DecodeError, encode_group
-from .queue import Queue, Settle, StreamEntry, reset_group
-from .status import server_time
+from .producer import reread_rows
+from .queue import Queue, Settle, StreamEntry
 from .types import Group
 
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
@@ -41,14 +46,18 @@ class DeadLetter:
 
     @property
     def not_retriable(self) -> str | None:
-        """Why this dead letter cannot be retried, or None when it can."""
+        """Why this dead letter can never be retried, or None when it can."""
         if self.group is None:
             return f"its payload does not decode ({self.decode_error})"
         if self.group.group_id != self.group_id:
             return f"its payload is for another group ({self.group.group_id!r})"
-        if not self.group.samples or not any(s.prompt for s in self.group.samples):
-            return "it is a bad dataset row, not a failed generation: fix the row and push it again"
         return None
+
+    @property
+    def bad_row(self) -> bool:
+        """A dataset row that never was a generation: retrying it re-reads the row."""
+        g = self.group
+        return g is not None and (not g.samples or not any(s.prompt for s in g.samples))
 
     def describe(self) -> str:
         return f"dead letter {self.entry_id} (group {self.group_id})"
@@ -62,6 +71,7 @@ class DeadLetter:
             "age_s": round(self.age_s, 3),
             "retriable": self.not_retriable is None,
             "not_retriable_because": self.not_retriable,
+            "bad_row": self.bad_row,
         }
         if g is None:
             d.update(decode_error=self.decode_error, payload_bytes=len(self.data))
@@ -116,7 +126,7 @@ def count(queue: Queue) -> int:
 
 def list_dead(queue: Queue, limit: int | None = None) -> list[DeadLetter]:
     """Dead letters, oldest first (all of them when `limit` is None)."""
-    now = server_time(queue.redis)
+    now = queue.now_ms() / 1000
     out: list[DeadLetter] = []
     for entry in queue.iter_stream(queue.keys.dead):
         out.append(_letter(entry, now))
@@ -128,7 +138,7 @@ def list_dead(queue: Queue, limit: int | None = None) -> list[DeadLetter]:
 def find(queue: Queue, ids: list[str]) -> tuple[list[DeadLetter], list[str]]:
     """Dead letters by stream entry id (`1712345678901-0`) or group id. Returns the
     found ones (in the order asked, each once) and the ids not found."""
-    now = server_time(queue.redis)
+    now = queue.now_ms() / 1000
     found: dict[str, DeadLetter] = {}
     missing: list[str] = []
     by_group: list[str] = []
@@ -176,36 +186,46 @@ def _select(queue: Queue, ids: list[str] | None, all_: bool) -> list[DeadLetter]
 
 def retry(queue: Queue, ids: list[str] | None = None, all_: bool = False, restart: bool = False) -> RetryResult:
     """Send dead letters back to the head of the prompt list, attempts and restarts
-    reset, error cleared (`restart`: also forget any generated output).
+    reset, error cleared (`restart`: also forget any generated output). A bad dataset
+    row goes back as the row its file holds now, if that row is good.
 
     With ids, every one must exist and be retriable, or nothing is done and
     DeadLetterError names the culprits. With `all_`, the ones that cannot be
     retried are skipped and reported in the result."""
     letters = _select(queue, ids, all_)
     result = RetryResult()
-    bad = []
+    bad: list[tuple[DeadLetter, str]] = []
+    groups: dict[str, Group] = {}  # entry id -> the group to send back
+    rows = [l for l in letters if l.not_retriable is None and l.bad_row]
+    for letter, reread in zip(rows, reread_rows(queue, [l.group for l in rows])):
+        if isinstance(reread, str):
+            bad.append((letter, f"it is a bad dataset row and {reread}"))
+        else:
+            groups[letter.entry_id] = reread
     for letter in letters:
         why = letter.not_retriable
         if why is not None:
             bad.append((letter, why))
-        else:
-            result.done.append(letter)
+        elif not letter.bad_row:
+            groups[letter.entry_id] = letter.group
     if bad and not all_:
         raise DeadLetterError("; ".join(f"{l.describe()} cannot be retried: {why}" for l, why in bad))
     result.skipped = bad
     items = []
-    for letter in result.done:
-        group = letter.group
-        assert group is not None
+    for letter in letters:
+        group = groups.get(letter.entry_id)
+        if group is None:
+            continue
+        result.done.append(letter)
         if restart:
-            reset_group(group)
+            group.reset()
         group.attempts = 0
         group.restarts = 0
         group.error = None
         group.worker = None
-        items.append(Settle("prompt", letter.entry_id, letter.group_id, payload=encode_group(group)))
+        items.append(Settle("prompt", letter.entry_id, letter.group_id, "dead retry", encode_group(group)))
     # Each goes to the head of the prompt list: reversed, so the oldest ends up first.
-    result.settled = queue.settle(queue.keys.dead, items[::-1])
+    result.settled = queue.settle(queue.keys.dead, items[::-1])[0]
     return result
 
 
@@ -214,4 +234,4 @@ def drop(queue: Queue, ids: list[str] | None = None, all_: bool = False) -> tupl
     and how many entries were actually removed."""
     letters = _select(queue, ids, all_)
     items = [Settle("discard", l.entry_id, l.group_id) for l in letters]
-    return letters, queue.settle(queue.keys.dead, items)
+    return letters, queue.settle(queue.keys.dead, items)[0]

@@ -45,15 +45,39 @@ class Keys:
         return self._key("admitted")
 
     @property
-    def workers(self) -> str:  # ZSET worker -> last heartbeat (Redis server ms)
+    def workers(self) -> str:  # ZSET registered worker -> lease deadline (Redis server ms)
         return self._key("workers")
 
     @property
     def worker_info(self) -> str:  # HASH worker -> JSON of its engines, state, capacity
         return self._key("worker_info")
 
-    def inflight(self, worker: str) -> str:  # SET of group ids one worker holds
+    def inflight(self, worker: str) -> str:  # HASH group id -> claim token, for what one worker holds
         return self._key(f"inflight:{worker}")
+
+    @property
+    def last_claim(self) -> str:  # HASH worker -> "<claim id> <gid> <gid>...": its last claim, for retries
+        return self._key("last_claim")
+
+    @property
+    def isolated(self) -> str:  # HASH worker -> the suspect group it runs alone
+        return self._key("isolated")
+
+    @property
+    def claims(self) -> str:  # HASH group id -> claims since it last finished (reaps count, hand-backs not)
+        return self._key("claims")
+
+    @property
+    def history(self) -> str:  # HASH group id -> its recent events, one "ms event who detail" line each
+        return self._key("history")
+
+    @property
+    def reaped(self) -> str:  # LIST of JSON records of recently reaped / departed workers, newest first
+        return self._key("reaped")
+
+    @property
+    def trainer(self) -> str:  # HASH generation, session, info: the current trainer session
+        return self._key("trainer")
 
     @property
     def inflight_pattern(self) -> str:
@@ -63,15 +87,17 @@ class Keys:
     def results(self) -> str:  # STREAM of finished group ids (payloads in result keys), for the trainer
         return self._key("results")
 
-    def result(self, group_id: str) -> str:  # STRING: the encoded group of one results entry
-        return self._key(f"result:{group_id}")
+    def result(self, group_id: str, token: str) -> str:
+        """STRING: the encoded group of one results entry. Keyed by the claim token too,
+        so settling one copy of a group can never delete another copy's payload."""
+        return self._key(f"result:{group_id}:{token}")
 
     @property
     def result_pattern(self) -> str:
         return self._key("result:*")
 
-    def staged(self, worker: str, group_id: str) -> str:  # STRING: a result on its way in (expires)
-        return self._key(f"staged:{worker}:{group_id}")
+    def staged(self, group_id: str, token: str) -> str:  # STRING: a result on its way in (expires)
+        return self._key(f"staged:{group_id}:{token}")
 
     @property
     def requeue(self) -> str:  # STREAM of aborted groups with their partial output
@@ -107,7 +133,7 @@ class Keys:
 
     def all_fixed(self) -> list[str]:
         return [
-            self.prompts, self.payloads, self.admitted, self.workers, self.worker_info,
-            self.results, self.requeue, self.dead, self.dropped, self.committed,
-            self.control, self.stats, self.dataset,
+            self.prompts, self.payloads, self.admitted, self.workers, self.worker_info, self.last_claim, self.isolated,
+            self.claims, self.history, self.reaped, self.trainer, self.results, self.requeue, self.dead,
+            self.dropped, self.committed, self.control, self.stats, self.dataset,
         ]

@@ -1,8 +1,8 @@
 """Prometheus metrics, all in one place so their names are easy to find.
 
-Workers serve them with `rollout worker --metrics-port`; a trainer process calls
-`serve_metrics(port)` (the Consumer records its metrics in any case), as
-`rollout consume --metrics-port` does.
+Workers serve them with `rollout worker --metrics-port` (on 127.0.0.1 unless
+`--metrics-host` says otherwise); a trainer process calls `serve_metrics(port)` (the
+Consumer records its metrics in any case), as `rollout consume --metrics-port` does.
 """
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ TRAINER_WAIT = Histogram("rollout_trainer_wait_seconds", "Time next_batch waited
                          buckets=_LATENCY_BUCKETS)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Serve /metrics on `port` from a background thread."""
+#: Metrics are served on loopback unless asked otherwise: they show the pipeline's
+#: shape and traffic to whoever can reach them.
+DEFAULT_HOST = "127.0.0.1"
+
+
+def serve_metrics(port: int, host: str = DEFAULT_HOST) -> None:
+    """Serve /metrics on `host`:`port` from a background thread."""
     start_http_server(port, addr=host)

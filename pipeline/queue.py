@@ -1,52 +1,97 @@
 """The queue's state machine: the atomic operations every other part calls.
 
-A group id is in exactly one place at a time: the prompt list, one worker's
-in-flight set, the requeue stream, the results stream, the dead-letter stream, or
-settled (committed, dropped, discarded). The encoded group rides along: in the
-`payloads` hash while queued or in flight, inside the stream entry otherwise.
+A group id is in exactly one place at a time: the prompt list, one worker's in-flight
+hash, the requeue stream, the results stream, the dead-letter stream, or settled
+(committed, dropped, discarded). The encoded group rides along: in the `payloads`
+hash while queued or in flight, inside the stream entry (or, for results, in a key
+named by the entry) otherwise.
+
+Ownership is fenced: a worker holds each group under the id of the claim that took
+it (its token), and publishing or handing it back checks that token in the same
+script that moves it. Workers register explicitly with a lease deadline; one that
+was reaped learns so at its next contact and registers anew.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import StrEnum
+from typing import Iterator
 
 import redis
 
+from . import scripts
 from .codec import DecodeError, decode_group, encode_group
-from .control import RELEASE_POLICIES
+from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
 from .keys import CONSUMER_GROUP, Keys
-from .types import Group, Status
+from .types import Group, ReleasePolicy
 
 log = logging.getLogger(__name__)
 
-_LUA = Path(__file__).with_name("lua")
-DEFAULT_LEASE_S = 30.0
 COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
-DEFAULT_MAX_READY = 4096  # results backlog at which workers stop claiming, unless configured
 STAGED_TTL_S = 3600  # a staged result outlives its publish only if the worker died in between
+#: A dead letter larger than this keeps only its first DEAD_LETTER_HEAD bytes and its size:
+#: a 50 MB poison row must not become a 50 MB dead letter.
+DEAD_LETTER_MAX_BYTES = 1 << 20
+DEAD_LETTER_HEAD = 4096
 
 
-class Place:
-    """Where a finished group goes: the stream and the counter it bumps."""
+class ClaimStatus(StrEnum):
+    OK = "ok"
+    EMPTY = "empty"  # nothing queued
+    PAUSED = "paused"  # admission paused for a weight update
+    BACKLOG = "backlog"  # max_ready results wait for the trainer
+    BUDGET = "budget"  # the staleness budget is spent until the weight version moves
+    ISOLATING = "isolating"  # a group whose holders died twice runs alone (see lua/claim.lua)
+    UNREGISTERED = "unregistered"  # this worker id was reaped (or never registered)
+    EXPIRED = "expired"  # its lease ran out; a heartbeat renews it unless it was reaped meanwhile
+
+
+class Place(StrEnum):
+    """Where a finished group goes: the stream, and the stats counter it bumps."""
 
     RESULTS = "results"
     REQUEUE = "requeue"
     DEAD = "dead"
 
 
+class Published(StrEnum):
+    OK = "ok"
+    ALREADY = "already"  # a retry of a publish whose reply was lost: it went through
+    REFUSED = "refused"  # the worker no longer holds the group under this token
+
+
+class SessionFenced(RuntimeError):
+    """A newer trainer session took over; this one may no longer read or commit."""
+
+
 @dataclass
-class Claimed:
-    group: Group | None  # None when the stored payload did not decode
+class ClaimedGroup:
     group_id: str
-    error: str | None = None
+    token: str  # the claim id: publish and hand-back must present it
+    payload: bytes  # as stored: what a dead letter keeps if the group cannot be encoded again
+    group: Group | None  # None when the stored payload did not decode (it was dead-lettered)
 
 
 @dataclass
 class Claim:
-    status: str  # ok, empty, paused, backlog, budget
+    status: ClaimStatus
     weight_version: int
-    groups: list[Claimed] = field(default_factory=list)
+    groups: list[ClaimedGroup] = field(default_factory=list)
+
+
+@dataclass
+class Heartbeat:
+    reaped: bool  # this worker id is no longer registered: cancel its work, register anew
+    paused: bool
+    weight_version: int
+    lease_s: float
+
+
+@dataclass
+class TrainerSession:
+    consumer: str  # its consumer name in the results stream's consumer group
+    generation: int
 
 
 @dataclass
@@ -55,6 +100,7 @@ class StreamEntry:
     group_id: str
     data: bytes
     error: str | None = None
+    token: str = ""  # results entries: the claim token naming the payload key
 
     def decode(self) -> Group:
         return decode_group(self.data)
@@ -66,7 +112,8 @@ class StreamEntry:
         except DecodeError as exc:
             log.error("group %s: %s entry %s is malformed (%s); dead-lettering it",
                       self.group_id, stream, self.entry_id, exc)
-            return None, Settle("dead", self.entry_id, self.group_id, f"malformed {stream} entry: {exc}", self.data)
+            return None, Settle("dead", self.entry_id, self.group_id, f"malformed {stream} entry: {exc}",
+                                bounded_dead_letter(self.data)[0])
 
 
 @dataclass
@@ -78,168 +125,254 @@ class Settle:
     group_id: str
     text: str = ""
     payload: bytes = b""
+    token: str = ""  # results entries: names the payload key deleted with the entry
 
 
-@dataclass
-class Heartbeat:
-    was_registered: bool
-    paused: bool
-    weight_version: int
+def text(value: bytes | str | None) -> str | None:
+    """A Redis value as text. Never raises: a foreign non-UTF-8 value is shown escaped."""
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
 
 
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def reset_group(group: Group) -> Group:
-    """The group as it was pushed: every generated token forgotten."""
-    for s in group.samples:
-        s.tokens, s.response_length, s.response = [], 0, ""
-        s.reward, s.loss_mask, s.rollout_log_probs = None, None, None
-        s.weight_versions, s.status = [], Status.PENDING
-    group.prompt_ids = []
-    return group
+def bounded_dead_letter(payload: bytes) -> tuple[bytes, str]:
+    """What a dead letter stores of a payload, and a note when it was cut."""
+    if len(payload) <= DEAD_LETTER_MAX_BYTES:
+        return payload, ""
+    return payload[:DEAD_LETTER_HEAD], f" [payload of {len(payload):,} bytes cut to its first {DEAD_LETTER_HEAD}]"
 
 
 class Queue:
     """Atomic operations on one pipeline namespace."""
 
-    def __init__(self, client: redis.Redis, namespace: str, lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, client: redis.Redis, namespace: str):
         self.redis = client
         self.keys = Keys(namespace)
-        self.lease_s = lease_s
-        self._scripts = {
-            name: client.register_script((_LUA / f"{name}.lua").read_text())
-            for name in ("claim", "publish", "heartbeat", "reap", "push", "settle")
-        }
+        self._scripts = scripts.load(client, "claim", "register", "heartbeat", "reap", "handback", "publish",
+                                     "push", "settle")
 
     # -- workers -----------------------------------------------------------------
 
-    def claim(self, worker: str, max_groups: int) -> Claim:
+    def register(self, worker: str, info: str = "{}") -> float:
+        """Register a worker id with a lease; returns the lease in seconds. An id is
+        registered once: a worker that was reaped registers under a new one."""
+        k = self.keys
+        status, lease_ms = self._scripts["register"](keys=[k.workers, k.worker_info, k.control],
+                                                     args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
+        if text(status) != "ok":
+            raise ValueError(f"worker id {worker!r} is registered already")
+        return int(lease_ms) / 1000
+
+    def claim(self, worker: str, claim_id: str, max_groups: int) -> Claim:
+        """Claim up to `max_groups` groups under `claim_id`, their fencing token. Calling
+        again with the same claim id returns the same groups (a retry after a lost reply)."""
         k = self.keys
         reply = self._scripts["claim"](
-            keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted, k.stats],
-            args=[worker, max_groups, DEFAULT_MAX_READY],
+            keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted,
+                  k.stats, k.claims, k.history, k.dead, k.last_claim, k.isolated],
+            args=[worker, claim_id, max_groups, DEFAULT_MAX_READY, DEFAULT_MAX_CLAIMS],
         )
-        claim = Claim(status=_text(reply[0]), weight_version=int(reply[1]))
+        claim = Claim(status=ClaimStatus(text(reply[0])), weight_version=int(reply[1]))
         for i in range(2, len(reply), 3):
-            gid, payload, admitted = _text(reply[i]), reply[i + 1], reply[i + 2]
-            try:
-                if not payload:
-                    raise DecodeError("no payload stored for this group id")
-                group = decode_group(payload)
-                if group.group_id != gid:
-                    raise DecodeError(f"payload is for group {group.group_id!r}")
-            except DecodeError as exc:
-                log.error("group %s: stored payload is malformed (%s); dead-lettering it", gid, exc)
-                self.publish(worker, gid, payload or b"", Place.DEAD, error=f"malformed payload: {exc}")
-                claim.groups.append(Claimed(None, gid, str(exc)))
-                continue
-            if group.admitted_version is None and admitted is not None:
-                group.admitted_version = int(admitted)
-            claim.groups.append(Claimed(group, gid))
+            raw_gid, payload, admitted = reply[i], reply[i + 1] or b"", reply[i + 2]
+            claim.groups.append(self._claimed(worker, claim_id, raw_gid, payload, admitted))
         return claim
 
-    def publish(self, worker: str, group_id: str, payload: bytes, place: str, error: str | None = None) -> str | None:
-        """Move a group out of `worker`'s in-flight set into a stream. Returns the
-        entry id, or None when the worker no longer holds the group (it was reaped)."""
+    def _claimed(self, worker: str, token: str, raw_gid: bytes, payload: bytes, admitted) -> ClaimedGroup:
+        """Decode one claimed group; a foreign or corrupt one is dead-lettered right here."""
+        gid = text(raw_gid)
+        try:
+            raw_gid.decode("utf-8")
+            if not payload:
+                raise DecodeError("no payload stored for this group id")
+            group = decode_group(payload)
+            if group.group_id != gid:
+                raise DecodeError(f"payload is for group {group.group_id!r}")
+        except (DecodeError, UnicodeDecodeError) as exc:
+            error = "group id is not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"malformed payload: {exc}"
+            log.error("group %s: %s; dead-lettering it", gid, error)
+            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error)
+            return ClaimedGroup(gid, token, payload, None)
+        if group.admitted_version is None and admitted is not None:
+            group.admitted_version = int(admitted)
+        return ClaimedGroup(gid, token, payload, group)
+
+    def publish(self, worker: str, group_id: str | bytes, token: str, payload: bytes, place: Place,
+                error: str | None = None) -> Published:
+        """Move a group out of `worker`'s in-flight hash into a stream, if the worker
+        still holds it under `token`."""
         k = self.keys
         stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[place]
-        keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted]
+        keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history]
+        if place == Place.DEAD:
+            payload, note = bounded_dead_letter(payload)
+            error = (error or "dead") + note
         if place == Place.RESULTS:
             # Staged with a plain SET, then renamed by the script: see lua/publish.lua.
             # It expires if this process dies before the script runs.
-            staged = k.staged(worker, group_id)
+            staged = k.staged(text(group_id), token)
             self.redis.set(staged, payload, ex=STAGED_TTL_S)
-            keys += [staged, k.result(group_id)]
+            keys += [staged, k.result(text(group_id), token)]
             payload = b""
-        entry_id = self._scripts["publish"](keys=keys, args=[group_id, payload, place, error or ""])
-        if entry_id is None:
-            log.warning("group %s: worker %s no longer holds it (reaped); not publishing", group_id, worker)
-            return None
-        return _text(entry_id)
+        reply = self._scripts["publish"](keys=keys, args=[group_id, token, payload, place.value, error or "", worker])
+        outcome = Published(text(reply[0]))
+        if outcome == Published.REFUSED:
+            log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
+                        "not publishing", text(group_id), worker, token)
+        return outcome
 
-    def publish_group(self, worker: str, group: Group, place: str, error: str | None = None,
-                      keep_response_text: bool = False) -> str | None:
+    def publish_group(self, worker: str, group: Group, token: str, place: Place, error: str | None = None,
+                      keep_response_text: bool = False) -> Published:
         """Encode and publish. Results leave out the response texts unless asked: the
         trainer trains on tokens, and text is ~20% of a finished group's bytes. Requeued
-        and dead-lettered groups keep them (a continuation appends to the text)."""
+        and dead-lettered groups keep them (a continuation appends to the text).
+        Raises EncodeError for a group that breaks the schema (nothing is moved)."""
         with_text = keep_response_text or place != Place.RESULTS
-        return self.publish(worker, group.group_id, encode_group(group, with_text), place, error)
+        return self.publish(worker, group.group_id, token, encode_group(group, with_text), place, error)
 
     def heartbeat(self, worker: str, info: str) -> Heartbeat:
         k = self.keys
-        was, paused, version = self._scripts["heartbeat"](keys=[k.workers, k.worker_info, k.control],
-                                                          args=[worker, info])
-        return Heartbeat(bool(was), bool(paused), int(version))
+        status, paused, version, lease_ms = self._scripts["heartbeat"](
+            keys=[k.workers, k.worker_info, k.control], args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
+        return Heartbeat(text(status) == "reaped", bool(paused), int(version), int(lease_ms) / 1000)
 
-    def reap(self, worker: str, lease_s: float | None = None) -> int:
-        """Return `worker`'s groups to the prompt list if its lease expired (lease 0:
-        unconditionally). Returns how many, or -1 if the worker is alive."""
+    def held(self, worker: str) -> dict[str, str]:
+        """The groups `worker` holds in Redis: group id -> claim token."""
+        return {text(g): text(t) for g, t in self.redis.hgetall(self.keys.inflight(worker)).items()}
+
+    def hand_back(self, worker: str, tokens: dict[str, str]) -> int:
+        """Return groups `worker` holds but no longer works on to the head of the prompt
+        list, each only if still held under the given token (reconciliation)."""
+        if not tokens:
+            return 0
         k = self.keys
-        lease_ms = int(1000 * (self.lease_s if lease_s is None else lease_s))
-        n = int(self._scripts["reap"](keys=[k.workers, k.inflight(worker), k.prompts, k.worker_info, k.stats],
-                                      args=[worker, lease_ms]))
+        args: list = [worker]
+        for gid, token in tokens.items():
+            args += [gid, token]
+        return int(self._scripts["handback"](keys=[k.inflight(worker), k.prompts, k.history, k.stats], args=args))
+
+    def _reap(self, worker: str, mode: str) -> int:
+        k = self.keys
+        return int(self._scripts["reap"](
+            keys=[k.workers, k.inflight(worker), k.prompts, k.worker_info, k.stats, k.claims, k.history,
+                  k.last_claim, k.reaped, k.isolated],
+            args=[worker, mode]))
+
+    def reap(self, worker: str) -> int:
+        """Return `worker`'s groups to the prompt list if its lease expired. Returns
+        how many, or -1 if the worker is alive."""
+        n = self._reap(worker, "expired")
         if n > 0:
-            log.warning("reaped worker %s: %d in-flight groups back to the prompt list", worker, n)
+            log.warning("reaped worker %s (lease expired): %d in-flight groups back to the prompt list", worker, n)
         return n
 
-    def reap_expired(self) -> int:
-        """Reap every worker whose heartbeat is older than the lease."""
+    def leave(self, worker: str) -> int:
+        """A worker shutting down hands its in-flight groups back right away; the
+        claims do not count against the groups."""
+        n = self._reap(worker, "leave")
+        if n > 0:
+            log.info("worker %s left: handed %d in-flight groups back to the prompt list", worker, n)
+        return n
+
+    def now_ms(self) -> int:
         seconds, micros = self.redis.time()
-        cutoff = seconds * 1000 + micros // 1000 - int(self.lease_s * 1000)
+        return seconds * 1000 + micros // 1000
+
+    def reap_expired(self) -> int:
+        """Reap every worker whose lease deadline has passed, and in-flight hashes left
+        by workers that are not registered at all."""
         total = 0
-        for worker in self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff):
-            total += max(0, self.reap(_text(worker)))
+        for worker in self.redis.zrangebyscore(self.keys.workers, "-inf", f"({self.now_ms()}"):
+            total += max(0, self.reap(text(worker)))
         return total
 
-    def leave(self, worker: str) -> int:
-        """A worker shutting down hands its in-flight groups back right away."""
-        return self.reap(worker, lease_s=0)
+    def reap_orphans(self) -> int:
+        """In-flight hashes of workers not registered (foreign data, or left by an older
+        version): give their groups back. By SCAN, so call it rarely."""
+        prefix = len(self.keys.inflight(""))
+        registered = {text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)}
+        total = 0
+        for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000):
+            worker = text(key)[prefix:]
+            if worker not in registered:
+                total += max(0, self.reap(worker))
+        return total
+
+    def workers(self) -> dict[str, float]:
+        """Registered workers -> seconds until their lease deadline (negative: overdue)."""
+        now = self.now_ms()
+        return {text(w): (deadline - now) / 1000
+                for w, deadline in self.redis.zrange(self.keys.workers, 0, -1, withscores=True)}
+
+    def live_workers(self) -> list[str]:
+        """Registered workers whose lease has not expired."""
+        return [w for w, left in self.workers().items() if left >= 0]
+
+    def inflight_count(self) -> int:
+        """Groups held by registered workers, in one round trip."""
+        workers = [text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for w in workers:
+            pipe.hlen(self.keys.inflight(w))
+        return sum(pipe.execute()) if workers else 0
 
     # -- producer ----------------------------------------------------------------
 
-    def push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int]:
-        """Push (destination, group id, payload) items if the cursor is where the caller
-        expects; destination is 'prompt' or an error text (the row is dead-lettered).
-        Returns (pushed, cursor after)."""
+    def _push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int, int]:
         k = self.keys
         args: list = [cursor_field, expected_cursor]
         for dest, gid, payload in items:
             args += [dest, gid, payload]
-        status, cursor = self._scripts["push"](keys=[k.prompts, k.payloads, k.stats, k.dataset, k.dead], args=args)
-        return _text(status) == "ok", int(cursor)
+        reply = self._scripts["push"](keys=[k.prompts, k.payloads, k.stats, k.dataset, k.dead], args=args)
+        duplicates = int(reply[2]) if len(reply) > 2 else 0
+        if duplicates:
+            log.warning("push: %d group ids were queued or in flight already; not pushed again", duplicates)
+        return text(reply[0]) == "ok", int(reply[1]), duplicates
 
-    def push_groups(self, groups: list[Group]) -> None:
-        """Push groups without a dataset cursor (tests, retries, tools)."""
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=True)
-        for g in groups:
-            pipe.hset(k.payloads, g.group_id, encode_group(g))
-            pipe.rpush(k.prompts, g.group_id)
-        pipe.hincrby(k.stats, "pushed", len(groups))
-        pipe.execute()
+    def push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int]:
+        """Push (destination, group id, payload) items if the cursor is where the caller
+        expects; destination is 'prompt' or an error text (the row is dead-lettered).
+        A group id already queued or in flight is skipped. Returns (pushed, cursor after)."""
+        ok, cursor, _ = self._push(cursor_field, expected_cursor, items)
+        return ok, cursor
+
+    def push_groups(self, groups: list[Group]) -> int:
+        """Push groups without a dataset cursor (tests, retries, tools). A group id
+        already queued or in flight is skipped. Returns how many were pushed."""
+        _, _, duplicates = self._push("", 0, [("prompt", g.group_id, encode_group(g)) for g in groups])
+        return len(groups) - duplicates
 
     # -- streams -----------------------------------------------------------------
 
-    def settle(self, stream: str, items: list[Settle], consumer_group: str = "") -> int:
+    def settle(self, stream: str, items: list[Settle], session: TrainerSession | None = None) -> tuple[int, int]:
+        """Settle stream entries (lua/settle.lua). On the results stream, `session` is
+        the trainer session that was delivered them; raises SessionFenced when a newer
+        session took over. Returns (settled, already committed before)."""
         if not items:
-            return 0
+            return 0, 0
         k = self.keys
-        args: list = [consumer_group, COMMITTED_IDS_KEPT]
+        if stream == k.results and session is None:
+            raise ValueError("settling results entries needs the trainer session they were delivered to")
+        args: list = [CONSUMER_GROUP, session.consumer, session.generation] if session else ["", "", ""]
+        args.append(COMMITTED_IDS_KEPT)
         for it in items:
             args += [it.action, it.entry_id, it.group_id, it.text, it.payload]
-        keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted]
+        keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted, k.claims,
+                k.history, k.trainer]
         if stream == k.results:
-            keys += [k.result(it.group_id) for it in items]
-        return int(self._scripts["settle"](keys=keys, args=args))
+            keys += [k.result(it.group_id, it.token) for it in items]
+        try:
+            settled, already = self._scripts["settle"](keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("FENCED"):
+                raise SessionFenced(str(exc)[len("FENCED "):]) from None
+            raise
+        return int(settled), int(already)
 
     def entries(self, stream: str, rows: list, with_data: bool = True) -> list[StreamEntry]:
         """StreamEntry objects from XRANGE/XREADGROUP rows. Results entries carry only
-        the group id: their payloads come from the result keys, in one MGET."""
+        the group id and token: their payloads come from the result keys, in one MGET."""
         entries = [_entry(eid, fields) for eid, fields in rows if fields]
         if stream == self.keys.results and with_data and entries:
-            payloads = self.redis.mget([self.keys.result(e.group_id) for e in entries])
+            payloads = self.redis.mget([self.keys.result(e.group_id, e.token) for e in entries])
             for e, payload in zip(entries, payloads):
                 e.data = payload or b""  # missing: decodes as malformed and is dead-lettered
         return entries
@@ -247,53 +380,36 @@ class Queue:
     def read_stream(self, stream: str, count: int = 100, start: str = "-", with_data: bool = True) -> list[StreamEntry]:
         return self.entries(stream, self.redis.xrange(stream, start, "+", count=count), with_data)
 
-    def iter_stream(self, stream: str, page: int = 200, with_data: bool = True):
+    def iter_stream(self, stream: str, page: int = 200, with_data: bool = True) -> Iterator[StreamEntry]:
         start = "-"
         while True:
-            entries = self.read_stream(stream, page, start, with_data)
-            yield from entries
-            if len(entries) < page:
+            rows = self.redis.xrange(stream, start, "+", count=page)
+            yield from self.entries(stream, rows, with_data)
+            if len(rows) < page:
                 return
-            start = "(" + entries[-1].entry_id
+            start = "(" + text(rows[-1][0])
 
-    def release(self, policy: str = "continue", max_count: int = 1000) -> int:
+    def release(self, policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, max_count: int = 1000) -> int:
         """Move aborted groups from the requeue stream back to the head of the prompt
         list. `continue` keeps their partial output, `restart` forgets it, `drop`
         drops them (counted, logged). Malformed entries go to dead letters."""
-        if policy not in RELEASE_POLICIES:
-            raise ValueError(f"unknown release policy {policy!r}: use one of {', '.join(RELEASE_POLICIES)}")
+        policy = ReleasePolicy(policy)
         items = []
         for entry in self.read_stream(self.keys.requeue, max_count):
             group, dead = entry.decode_or_dead("requeue")
             if dead:
                 items.append(dead)
-                continue
-            if policy == "drop":
+            elif policy == ReleasePolicy.DROP:
                 items.append(Settle("drop", entry.entry_id, group.group_id, "requeue-drop"))
-                continue
-            if policy == "restart":
-                payload = encode_group(reset_group(group))
-            else:
-                payload = entry.data  # continue: as the worker left it, already validated
-            items.append(Settle("prompt", entry.entry_id, group.group_id, payload=payload))
+            elif policy == ReleasePolicy.RESTART:
+                items.append(Settle("prompt", entry.entry_id, group.group_id, "restart",
+                                    encode_group(group.reset())))
+            else:  # continue: as the worker left it, already validated
+                items.append(Settle("prompt", entry.entry_id, group.group_id, "continue", entry.data))
         # Reversed: each item goes to the head, so the oldest ends up first.
-        return self.settle(self.keys.requeue, items[::-1])
-
-    def ensure_consumer_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.results, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        return self.settle(self.keys.requeue, items[::-1])[0]
 
     # -- state ---------------------------------------------------------------------
-
-    def live_workers(self) -> dict[str, float]:
-        """Workers whose lease has not expired, with seconds since their heartbeat."""
-        seconds, micros = self.redis.time()
-        now_ms = seconds * 1000 + micros // 1000
-        rows = self.redis.zrangebyscore(self.keys.workers, now_ms - int(self.lease_s * 1000), "+inf", withscores=True)
-        return {_text(w): (now_ms - score) / 1000 for w, score in rows}
 
     def depths(self) -> dict[str, int]:
         """Groups queued, waiting in each stream; one round trip."""
@@ -307,14 +423,31 @@ class Queue:
         return {"prompts": prompts, "results": results, "requeue": requeue, "dead": dead}
 
     def stats(self) -> dict[str, int]:
-        return {_text(k): int(v) for k, v in self.redis.hgetall(self.keys.stats).items()}
+        """The stats counters; a foreign non-numeric value reads as 0 (and is logged)."""
+        out: dict[str, int] = {}
+        for key, value in self.redis.hgetall(self.keys.stats).items():
+            try:
+                out[text(key)] = int(value)
+            except ValueError:
+                log.error("%s field %s holds %r, not a counter; reading it as 0", self.keys.stats, text(key),
+                          value[:40])
+                out[text(key)] = 0
+        return out
+
+    def history(self, group_id: str) -> list[tuple[int, str, str, str]]:
+        """A group's recent events: (server ms, event, who, detail), oldest first."""
+        out = []
+        for line in (text(self.redis.hget(self.keys.history, group_id)) or "").splitlines():
+            ms, event, who, *detail = line.split(" ", 3)
+            out.append((int(ms), event, who, detail[0] if detail else ""))
+        return out
 
 
 def _entry(entry_id, fields: dict) -> StreamEntry:
     return StreamEntry(
-        entry_id=_text(entry_id),
-        group_id=_text(fields.get(b"gid", b"")),
+        entry_id=text(entry_id),
+        group_id=text(fields.get(b"gid", b"")),
         data=fields.get(b"data", b""),
-        error=_text(fields.get(b"error")),
+        error=text(fields.get(b"error")),
+        token=text(fields.get(b"tok", b"")),
     )
-

@@ -34,8 +34,7 @@ from .connection import connect
 from .consumer import Batch, BatchMetrics, BatchTimeout, Consumer
 from .control import ControlState, read_control
 from .filters import BUILTIN_FILTERS, load_object
-from .keys import CONSUMER_GROUP
-from .queue import Settle
+from .queue import Settle, StreamEntry
 from .types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -197,7 +196,7 @@ def slime_metrics(metrics: BatchMetrics, weight_version: int) -> dict[str, Any]:
 
 @dataclass
 class _Item:
-    entry_id: str
+    entry: StreamEntry
     group: Group  # ours, as decoded
     slime_group: list  # what slime got
     returned: bool = False  # given back through add_samples: not to be committed with this delivery
@@ -248,8 +247,8 @@ class RedisDataSource:
         if len(items) < num_samples:
             batch = self._next_batch(num_samples - len(items))
             types = slime_types()
-            for eid, group in zip(batch.entry_ids, batch.groups):
-                items.append(_Item(eid, group, [to_slime_sample(s, types) for s in group.samples]))
+            for entry, group in zip(batch.entries, batch.groups):
+                items.append(_Item(entry, group, [to_slime_sample(s, types) for s in group.samples]))
             metrics, version = batch.metrics, batch.weight_version
             metrics.kept = num_samples
         metrics.wait_s = time.monotonic() - started
@@ -324,7 +323,7 @@ class RedisDataSource:
             for it in items:
                 self._track(it, forget=True)
             if items:
-                batch = Batch([it.group for it in items], [it.entry_id for it in items],
+                batch = Batch([it.group for it in items], [it.entry for it in items],
                               delivery.weight_version, delivery.metrics)
                 done += self.consumer.commit(batch)
         return done
@@ -351,12 +350,12 @@ class RedisDataSource:
             if control.max_staleness is not None and lag > control.max_staleness:
                 self._track(it, forget=True)
                 reason = f"stale: given back, then {lag} versions behind (max {control.max_staleness})"
-                stale.append(Settle("drop", it.entry_id, it.group.group_id, reason))
+                stale.append(Settle("drop", it.entry.entry_id, it.group.group_id, reason, token=it.entry.token))
                 continue
-            taken.append(_Item(it.entry_id, it.group, it.slime_group))
+            taken.append(_Item(it.entry, it.group, it.slime_group))
         if stale:
             log.warning("dropping %d given-back groups that grew too stale", len(stale))
-            self.queue.settle(self.queue.keys.results, stale, CONSUMER_GROUP)
+            self.queue.settle(self.queue.keys.results, stale, self.consumer.session)
         return taken
 
     def _next_batch(self, n: int) -> Batch:

@@ -20,6 +20,10 @@ are decoded and each group's lag is `weight_version - oldest token version`
 
 Backlog age: results entry ids are `<ms>-<seq>` Redis server timestamps, so the
 age of the oldest waiting result is `now - id_ms` of the stream's first entry.
+
+Foreign or corrupt values (a counter or control setting that is not a number, a
+worker name or group id that is not UTF-8) are shown as alerts, never a traceback:
+status is what an operator runs to find out what is wrong.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import redis
 from .codec import DecodeError
 from .control import read_control
 from .keys import CONSUMER_GROUP, Keys
-from .queue import Queue, _text
+from .queue import Queue, text
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
@@ -151,7 +155,18 @@ class StatusSnapshot:
 
 
 def _id_ms(entry_id: bytes | str) -> int:
-    return int(_text(entry_id).split("-", 1)[0])
+    return int(text(entry_id).split("-", 1)[0])
+
+
+def _numbers(raw: dict, where: str, alerts: list[str]) -> dict[str, int]:
+    """The integer fields of a hash; each other one becomes an alert."""
+    out = {}
+    for name, value in raw.items():
+        try:
+            out[text(name)] = int(value)
+        except ValueError:
+            alerts.append(f"{where} field {text(name)!r} holds {text(value)[:40]!r}, not a number")
+    return out
 
 
 def server_time(client: redis.Redis) -> float:
@@ -172,7 +187,7 @@ def known_namespaces(client: redis.Redis, max_names: int = 1000, max_keys: int =
     most `max_keys` keys: an error path on a big shared server must stay quick."""
     found: set[str] = set()
     for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
-        name = _text(key)
+        name = text(key)
         if name.startswith("{") and "}:" in name:
             found.add(name[1:name.index("}:")])
         if len(found) >= max_names or seen >= max_keys:
@@ -201,7 +216,6 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     r, k = queue.redis, queue.keys
     now = server_time(r)
     now_ms = int(now * 1000)
-    lease_ms = int(queue.lease_s * 1000)
 
     pipe = r.pipeline(transaction=False)
     pipe.llen(k.prompts)
@@ -214,24 +228,31 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     pipe.zcount(k.committed, now_ms - int(WINDOW_S * 1000), "+inf")
     pipe.xrange(k.results, "-", "+", count=max(1, staleness_sample))
     pipe.xrange(k.requeue, "-", "+", count=1)
-    prompts, results, requeue, dead, workers, info, stats, committed_recent, oldest, oldest_requeue = pipe.execute()
+    pipe.hgetall(k.control)
+    (prompts, results, requeue, dead, workers, info, stats, committed_recent, oldest, oldest_requeue,
+     control_raw) = pipe.execute()
+    poison: list[str] = []
+    counters = _numbers(stats, "stats", poison)
+    _numbers({f: v for f, v in control_raw.items() if f in _NUMERIC_CONTROL}, "control", poison)
     control = read_control(r, k)
     try:
         pending = int(r.xpending(k.results, CONSUMER_GROUP)["pending"])
     except redis.ResponseError:  # no consumer group yet
         pending = 0
-    counters = {_text(a): int(b) for a, b in stats.items()}
 
-    names = [_text(w) for w, _ in workers]
+    names = [text(w) for w, _ in workers]
     sizes = []
     if names:
         pipe = r.pipeline(transaction=False)
         for w in names:
-            pipe.scard(k.inflight(w))
+            pipe.hlen(k.inflight(w))
         sizes = pipe.execute()
     worker_rows: list[WorkerStatus] = []
-    for (raw_name, seen), name, size in zip(workers, names, sizes):
-        row = WorkerStatus(name=name, alive=now_ms - seen < lease_ms, last_heartbeat_s=max(0.0, (now_ms - seen) / 1000),
+    lease_ms = int(control.lease_s * 1000)
+    for (raw_name, deadline), name, size in zip(workers, names, sizes):
+        # Scores are lease deadlines: the last heartbeat was one lease before.
+        row = WorkerStatus(name=name, alive=deadline >= now_ms,
+                           last_heartbeat_s=max(0.0, (now_ms - (deadline - lease_ms)) / 1000),
                            inflight_groups=int(size))
         raw = info.get(raw_name) or info.get(name.encode())
         if raw:
@@ -244,17 +265,19 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
                 row.host = d.get("host")
                 row.pid = d.get("pid")
                 row.counters = {str(a): b for a, b in (d.get("counters") or {}).items() if isinstance(b, int)}
-            except (ValueError, AttributeError, TypeError):
+            except (ValueError, AttributeError, TypeError, RecursionError):
                 row.state = "unreadable info"
         if not row.alive:
-            row.state = f"lease expired ({row.state})"
+            row.state = (f"dead (no heartbeat for {row.last_heartbeat_s:.0f}s; its groups return at the next "
+                         f"reap)")
         worker_rows.append(row)
     worker_rows.sort(key=lambda w: (not w.alive, w.name))
 
     # Staleness of the oldest waiting results.
     by_lag: dict[int, int] = {}
-    malformed = over = 0
-    for entry in queue.entries(k.results, oldest):
+    utf8 = [(eid, fields) for eid, fields in oldest if _utf8_fields(fields)]
+    malformed, over = len(oldest) - len(utf8), 0
+    for entry in queue.entries(k.results, utf8):
         try:
             group = entry.decode()
         except DecodeError:
@@ -306,8 +329,21 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     )
     snap.empty = (not counters and not names and not any((snap.prompts, results, snap.requeue, snap.dead))
                   and namespace_is_empty(r, k))
-    snap.alerts = alerts(snap)
+    snap.alerts = poison + alerts(snap)
     return snap
+
+
+_NUMERIC_CONTROL = {b"paused", b"weight_version", b"max_staleness", b"batch_size", b"max_ready"}
+
+
+def _utf8_fields(fields: dict) -> bool:
+    try:
+        for value in (fields.get(b"gid"), fields.get(b"error")):
+            if value is not None:
+                value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _round(value: float | None) -> float | None:

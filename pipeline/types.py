@@ -7,18 +7,44 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
-    """slime's sample status values; `str` so they serialize as their value."""
+class Status(StrEnum):
+    """slime's sample status values; a StrEnum, so they serialize as their value."""
 
     PENDING = "pending"
     COMPLETED = "completed"
     TRUNCATED = "truncated"
     ABORTED = "aborted"
     FAILED = "failed"
+
+
+class PauseMode(StrEnum):
+    """How SGLang's /pause_generation treats running requests (SGLANG_API.md)."""
+
+    ABORT = "abort"  # running requests return at once with finish_reason abort
+    RETRACT = "retract"  # requests go back to the engine's waiting queue, KV cache dropped
+    IN_PLACE = "in_place"  # requests freeze where they are and continue on resume
+
+
+class ReleasePolicy(StrEnum):
+    """What happens to an aborted (requeued) group when admission reopens."""
+
+    CONTINUE = "continue"  # back to the prompt list with its partial output
+    RESTART = "restart"  # back to the prompt list from its prompt
+    DROP = "drop"  # dropped, logged
+
+
+def choices(enum: type[Enum]) -> list[str]:
+    """The values of a closed vocabulary, for click.Choice and error messages."""
+    return [m.value for m in enum]
+
+
+# sample.metadata key: tokens produced by each engine call, in order (one entry per
+# weight_versions entry), for masking off-policy prefixes.
+SEGMENTS_KEY = "rollout_segments"
 
 
 @dataclass(eq=False)
@@ -46,6 +72,13 @@ class Sample:
     @property
     def response_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length:] if self.response_length else []
+
+    def reset(self) -> None:
+        """Forget everything generated: the sample as it was pushed."""
+        self.tokens, self.response_length, self.response = [], 0, ""
+        self.reward, self.loss_mask, self.rollout_log_probs = None, None, None
+        self.weight_versions, self.status = [], Status.PENDING
+        self.metadata.pop(SEGMENTS_KEY, None)
 
     def get_reward_value(self, args: Any) -> Any:
         """slime's accessor: with `--reward-key`, the reward is a dict and that key wins."""
@@ -120,6 +153,13 @@ class Group:
     @property
     def n_samples(self) -> int:
         return len(self.samples)
+
+    def reset(self) -> Group:
+        """The group as it was pushed: every generated token forgotten."""
+        for s in self.samples:
+            s.reset()
+        self.prompt_ids = []
+        return self
 
     def oldest_version(self) -> int | None:
         """The oldest weight version that produced any token of this group."""

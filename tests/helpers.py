@@ -13,6 +13,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+import redis
 
 from pipeline.consumer import Consumer
 from pipeline.redis_server import free_port
@@ -35,6 +36,9 @@ class WorkerThread:
         self._thread.start()
         if not self._ready.wait(30):
             raise RuntimeError("worker thread did not start")
+        deadline = time.monotonic() + 30  # until it registered (or failed trying)
+        while not (self.error or self.worker.ready.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self.error:
             raise self.error
 
@@ -60,6 +64,16 @@ class WorkerThread:
             raise self.error
 
 
+def one_error_line(result) -> str:
+    """The one line a failed CLI command (click runner result) printed, checked to be
+    a one-line error without a traceback."""
+    assert result.exit_code != 0, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
 def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -68,6 +82,30 @@ def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str =
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class LoseReplies:
+    """Wraps a Redis script: while `armed`, it runs and then its reply is lost (what a
+    reset connection or a socket timeout does); the caller sees a ConnectionError."""
+
+    def __init__(self, script, armed: int = 0):
+        self.script, self.armed = script, armed
+
+    def __call__(self, *args, **kwargs):
+        result = self.script(*args, **kwargs)
+        if self.armed:
+            self.armed -= 1
+            raise redis.ConnectionError("reply lost (test)")
+        return result
+
+
+def holds_for(predicate, seconds: float, what: str) -> None:
+    """Assert that `predicate` stays true for a whole window, checked throughout (for
+    "nothing happens" claims; a wait for something to happen is wait_for)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert predicate(), what
+        time.sleep(0.01)
 
 
 def http_json(url: str, body: Any = None, timeout: float = 5.0, method: str | None = None) -> Any:

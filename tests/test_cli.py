@@ -12,24 +12,13 @@ from pipeline.control import read_control
 from pipeline.queue import Place, Queue
 from pipeline.redis_server import register_local, unregister_local
 from pipeline.types import Group, Status
+from pipeline.audit import AUDIT_JSON_KEYS
+from tests.groups import claim, publish
+from tests.helpers import one_error_line
 
 STABLE_KEYS = {"prompts", "inflight", "results_ready", "results_pending", "requeue", "dead", "workers_alive",
                "weight_version", "paused"}
 UNREACHABLE = "redis://127.0.0.1:1"
-
-
-@pytest.fixture
-def run(redis_url, namespace, monkeypatch, tmp_path):
-    """`rollout --redis-url URL --namespace NS ARGS...` -> click Result."""
-    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))  # no local Redis leaks in
-    for var in ("ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def invoke(*args, url: str | None = redis_url, ns: str | None = namespace, input=None):
-        head = (["--redis-url", url] if url else []) + (["--namespace", ns] if ns else [])
-        return CliRunner().invoke(main, [*head, *args], catch_exceptions=False, input=input)
-
-    return invoke
 
 
 def groups(n: int, prefix: str = "g", n_samples: int = 2) -> list[Group]:
@@ -40,23 +29,15 @@ def finished(queue: Queue, n: int, worker: str = "w", version: str = "0") -> lis
     """Push n groups and publish them to results as a worker would."""
     queue.push_groups(groups(n))
     out = []
-    for c in queue.claim(worker, n).groups:
+    for c in claim(queue, worker, n).groups:
         g = c.group
         for i, s in enumerate(g.samples):
             s.tokens, s.response_length, s.response = [1, 2, 3], 2, "ok"
             s.status = Status.COMPLETED if i else Status.TRUNCATED
             s.reward, s.weight_versions, s.rollout_log_probs = float(i), [version], [-0.1, -0.2]
-        queue.publish_group(worker, g, Place.RESULTS)
+        publish(queue, worker, g, Place.RESULTS)
         out.append(g)
     return out
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code != 0, result.output
-    lines = [l for l in result.output.splitlines() if l.strip()]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 # -- help and conventions ------------------------------------------------------------------
@@ -177,9 +158,8 @@ def test_audit_exit_codes(run, queue, client):
     ok = run("audit")
     assert ok.exit_code == 0 and "audit OK" in ok.output
     d = json.loads(run("audit", "--json").output)
-    assert d["ok"] is True and d["pushed"] == 5 and d["missing"] == 0
-    assert {"pushed", "prompts", "inflight", "requeue", "results_undelivered", "results_pending", "dead",
-            "dropped", "committed", "discarded", "duplicates", "accounted", "missing", "ok"} <= set(d)
+    assert d["ok"] is True and d["pushed"] == 5 and (d["lost"], d["extra"]) == (0, 0)
+    assert list(d) == list(AUDIT_JSON_KEYS)
 
     client.rpush(queue.keys.prompts, "q0")  # the same group twice in the prompt list
     bad = run("audit")
@@ -198,7 +178,7 @@ def test_audit_stray_group(run, queue, client):
     result = run("audit", "--json")
     assert result.exit_code == 1
     d = json.loads(result.output)
-    assert d["missing"] == -1 and d["ok"] is False
+    assert (d["lost"], d["extra"], d["ok"]) == (0, 1, False)
 
 
 # -- pause / resume --------------------------------------------------------------------
@@ -234,7 +214,7 @@ def sim():
 
 
 def test_pause_resume_engines_from_worker_heartbeats(run, queue, client, sim):
-    queue.heartbeat("w", json.dumps({"engines": [sim.url], "state": "running"}))
+    queue.register("w", json.dumps({"engines": [sim.url], "state": "running"}))
     result = run("pause", "--mode", "in_place")
     assert result.exit_code == 0, result.output
     assert "1 engines reported by the live workers" in result.output and sim.url in result.output
@@ -266,9 +246,9 @@ def test_pause_unreachable_engine_is_one_line(run, queue, client):
 
 def _dead_setup(queue: Queue, tmp_path, run):
     queue.push_groups(groups(2, prefix="fail"))
-    for c in queue.claim("w", 2).groups:
+    for c in claim(queue, "w", 2).groups:
         c.group.attempts = 3
-        queue.publish_group("w", c.group, Place.DEAD,
+        publish(queue, "w", c.group, Place.DEAD,
                             error=f"engine failed 3 times; last error: HTTP 503 from http://engine:30000 ({c.group_id})")
     data = tmp_path / "rows.jsonl"
     data.write_text('{"input": "What is 1 + 1?"}\n{"question": "no input"}\n')
@@ -284,7 +264,7 @@ def test_dead_list_show(run, queue, tmp_path):
     assert max(len(l.rstrip()) for l in lines) <= 80
     assert lines[0].split() == ["id", "group", "age", "try", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
-    assert "[cannot retry]" in result.output and "3 dead letters" in result.output
+    assert "[bad row]" in result.output and "3 dead letters" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
     assert {"id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
@@ -292,7 +272,7 @@ def test_dead_list_show(run, queue, tmp_path):
     show = run("dead", "show", ids["fail1"])
     assert show.exit_code == 0 and "HTTP 503" in show.output and "attempts   3" in show.output
     show = run("dead", "show", "rows.jsonl:0:1")
-    assert "retry      no:" in show.output and "no input" in show.output
+    assert "retry      after fixing the row" in show.output and "no input" in show.output
     detail = json.loads(run("dead", "show", "fail0", "--json").output)
     assert detail["group_id"] == "fail0" and detail["retriable"] is True
     assert "no dead letter 'nope'" in one_error_line(run("dead", "show", "nope"))
@@ -308,8 +288,8 @@ def test_dead_retry_returns_groups_to_the_pipeline(run, queue, tmp_path):
     result = run("dead", "retry", "--all")
     assert result.exit_code == 0 and "retried 1" in result.output and "1 skipped" in result.output
     assert "skipped dead letter" in result.output and "bad dataset row" in result.output
-    claim = queue.claim("w2", 10)
-    got = [c.group for c in claim.groups]
+    claimed = claim(queue, "w2", 10)
+    got = [c.group for c in claimed.groups]
     assert [g.group_id for g in got][:2] == ["fail1", "fail0"] or {g.group_id for g in got} >= {"fail0", "fail1"}
     assert all(g.attempts == 0 and g.error is None for g in got if g.group_id.startswith("fail"))
     assert run("audit").exit_code == 0
@@ -337,7 +317,7 @@ def test_consume_json(run, queue):
     rows = [json.loads(l) for l in result.output.splitlines()]
     assert len(rows) == 2 and [r["step"] for r in rows] == [0, 1]
     assert {"step", "groups", "group_ids", "weight_version", "wait_s", "mean_reward", "staleness", "dropped",
-            "restarted", "dead", "duplicates"} <= set(rows[0])
+            "restarted", "dead", "duplicates_discarded"} <= set(rows[0])
     g = rows[0]["groups"][0]
     assert set(g) == {"group_id", "statuses", "rewards", "weight_versions", "staleness"}
     assert g["statuses"] == ["truncated", "completed"] and g["rewards"] == [0.0, 1.0]

@@ -77,7 +77,7 @@ def test_errors_are_one_line_with_nonzero_exit(env, redis_url, namespace, tmp_pa
     cases = [
         (["--redis-url", "redis://127.0.0.1:1", "status"], ["cannot reach Redis at redis://127.0.0.1:1"]),
         (["--redis-url", "http://x", "audit"], ["unsupported Redis URL 'http://x'"]),
-        (["--redis-url", f"redis://admin:{secret}@127.0.0.1:1/0", "status"], ["admin:***@127.0.0.1:1"]),
+        (["--redis-url", f"redis://admin:{secret}@127.0.0.1:1/0", "status"], ["redis://***@127.0.0.1:1"]),
         (["--redis-url", redis_url, "--namespace", namespace, "status"], [f"namespace '{namespace}' is empty"]),
         (["--redis-url", redis_url, "--namespace", namespace, "push", str(tmp_path / "nope.jsonl")],
          ["no such file"]),
@@ -121,7 +121,7 @@ def test_pipeline_through_the_cli(env, redis_url, namespace, tmp_path):
 
         wait_for(sim_up, what="the simulator")
         worker = spawn("worker", "--engine-url", f"http://127.0.0.1:{port}", "--max-new-tokens", "32",
-                       "--concurrency", "8", "--lease", "5", env=env, log=tmp_path / "worker.log")
+                       "--concurrency", "8", "--heartbeat", "1", env=env, log=tmp_path / "worker.log")
         proc = rollout("consume", "--batch-size", "4", "--steps", "2", "--json", "--timeout", "30", env=env)
         assert proc.returncode == 0, proc.stderr + (tmp_path / "worker.log").read_text()[-3000:]
         batches = [json.loads(l) for l in proc.stdout.splitlines()]

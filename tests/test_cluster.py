@@ -24,6 +24,7 @@ from pipeline.queue import Place, Queue
 from pipeline.redis_server import RedisServer
 from pipeline.types import Status
 from tests.conftest import CORE_REDIS_BINARIES
+from tests.groups import claim, publish
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_full_cycle_on_cluster(cc, tmp_path, shard):
     # A namespace whose slot lives on this shard: the cycle is run once on every node.
     namespace = next(ns for ns in (f"cl-{shard}-{i}" for i in range(1000))
                      if cc.get_node_from_key(Keys(ns).prompts).name == primaries[shard])
-    q = Queue(cc, namespace, lease_s=30)
+    q = Queue(cc, namespace)
     data = tmp_path / "c.jsonl"
     data.write_text("".join(json.dumps({"input": f"q{i}", "label": str(i % 2)}) + "\n" for i in range(10))
                     + "{not json}\n")
@@ -131,22 +132,22 @@ def test_full_cycle_on_cluster(cc, tmp_path, shard):
     assert (report.pushed, report.dead) == (10, 1)
     configure(cc, q.keys, max_ready=50)
 
-    hb = q.heartbeat("w1", json.dumps({"state": "generating"}))
-    assert not hb.was_registered
-    claim = q.claim("w1", 6)
-    assert claim.status == "ok" and len(claim.groups) == 6
-    for i, c in enumerate(claim.groups):
+    assert q.heartbeat("w1", json.dumps({"state": "generating"})).reaped  # not registered yet
+    claimed = claim(q, "w1", 6)
+    assert claimed.status == "ok" and len(claimed.groups) == 6
+    for i, c in enumerate(claimed.groups):
         g = c.group
         for j, s in enumerate(g.samples):
             s.tokens, s.response_length, s.reward, s.status = [1, 2, 3], 2, float(j), Status.COMPLETED
         place = Place.REQUEUE if i == 0 else Place.RESULTS
-        assert q.publish_group("w1", g, place)
-    assert q.publish_group("w1", claim.groups[1].group, Place.RESULTS) is None  # no longer held
+        assert publish(q, "w1", g, place)
+    assert publish(q, "w1", claimed.groups[1], Place.RESULTS) == "already"  # a retry: it went through
     # A zombie and the reaper.
-    q.claim("w2", 2)
-    assert q.reap("w2", lease_s=0) == 2
+    claim(q, "w2", 2)
+    cc.zadd(q.keys.workers, {"w2": 0}, xx=True)  # its lease ran out
+    assert q.reap("w2") == 2
     assert q.release("continue") == 1
-    assert q.live_workers().keys() == {"w1"}
+    assert q.live_workers() == ["w1"]
 
     consumer = Consumer(cc, namespace, filter="dapo", block_s=0.2)
     batch = consumer.next_batch(5, timeout=10)
@@ -161,13 +162,13 @@ def test_full_cycle_on_cluster(cc, tmp_path, shard):
     set_paused(cc, q.keys, False)
 
     # The rest, through a trainer that restarted (recovery on the cluster client).
-    rest = q.claim("w3", 10)
+    rest = claim(q, "w3", 10)
     assert len(rest.groups) == 5
     for c in rest.groups:
         g = c.group
         for j, s in enumerate(g.samples):
             s.tokens, s.response_length, s.reward = [4, 5], 1, float(j)
-        q.publish_group("w3", g, Place.RESULTS)
+        publish(q, "w3", g, Place.RESULTS)
     first = consumer.next_batch(2, timeout=10)
     del consumer
     again = Consumer(cc, namespace, consumer="trainer-2", block_s=0.2)

@@ -90,7 +90,7 @@ def test_loss_masks(mask):
     s = g.samples[1]
     s.tokens = list(range(9 if mask is None else len(mask)))
     s.response_length = len(s.tokens)
-    s.loss_mask = mask
+    s.loss_mask, s.rollout_log_probs = mask, None
     assert decode_group(encode_group(g)).samples[1].loss_mask == mask
 
 
@@ -364,8 +364,14 @@ def test_bad_mask(mask, expect):
             m["s"][0]["rl"] = mask[0]  # so the length matches and the bits are what is wrong
             m["s"][0]["t"] = b"\x00" * 4 * mask[0]
             m["s"][0]["sp"] = False
+            m["s"][0]["lp"] = None
     msg = _bad(corrupt)
     assert "loss_mask" in msg and expect in msg
+
+
+def test_log_probs_must_be_one_per_response_token():
+    msg = _bad(lambda m: m["s"][0].__setitem__("lp", m["s"][0]["lp"][:4]))
+    assert "1 log-probs for 4 response tokens" in msg
 
 
 def test_mask_length_must_match_the_response():

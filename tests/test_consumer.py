@@ -1,5 +1,6 @@
-"""The trainer's consumer: exact batches, surplus left undelivered, recovery of an
-uncommitted batch, deduplication, filters, staleness and timeout diagnostics."""
+"""The trainer's consumer: exact batches, surplus left undelivered, sessions fenced by
+generation, recovery of an uncommitted batch, hand-back of a failed one, deduplication,
+filters, staleness and timeout diagnostics."""
 from __future__ import annotations
 
 import json
@@ -10,45 +11,13 @@ import pytest
 
 from pipeline.audit import audit
 from pipeline.connection import connect
-from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, set_paused, set_weight_version
 from pipeline.filters import DynamicFilterOutput
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import Place, Queue
-from pipeline.types import Group, Status
-
-
-def fresh(n: int, prefix: str = "g", samples: int = 2) -> list[Group]:
-    return [Group.fresh(f"{prefix}{i}", f"prompt {i}", samples, row=i) for i in range(n)]
-
-
-def finish(group: Group, version: int | None = 0, rewards: list | None = None) -> Group:
-    group.prompt_ids = [1, 2]
-    for i, s in enumerate(group.samples):
-        s.tokens = [1, 2, 50 + i, 60 + i]
-        s.response_length = 2
-        s.rollout_log_probs = [-0.5, -0.25]
-        s.weight_versions = [] if version is None else [str(version)] * 2
-        s.reward = float(i) if rewards is None else rewards[i]
-        s.status = Status.COMPLETED
-    return group
-
-
-def produce(q: Queue, n: int, prefix: str = "g", worker: str = "w", version: int | None = 0,
-            rewards=None) -> list[str]:
-    """Push n groups, claim and complete them: n entries in the results stream."""
-    q.push_groups(fresh(n, prefix))
-    out = []
-    for c in q.claim(worker, n).groups:
-        assert q.publish_group(worker, finish(c.group, version, rewards), Place.RESULTS)
-        out.append(c.group_id)
-    return out
-
-
-def assert_audit_ok(q: Queue):
-    report = audit(q)
-    assert report.ok, report.summary()
-    return report
+from tests.groups import assert_audit_ok, claim, finish, fresh, produce, publish
+from tests.helpers import LoseReplies
 
 
 @pytest.fixture
@@ -62,7 +31,7 @@ def consumer(client, namespace):
 def test_exact_batch_leaves_surplus_undelivered(queue, consumer):
     gids = produce(queue, 10)
     batch = consumer.next_batch(4, timeout=5)
-    assert len(batch) == 4 and len(batch.entry_ids) == 4
+    assert len(batch) == 4 and len(batch.entry_ids) == 4 and batch.batch_id == f"{consumer.session.consumer}/1"
     assert [g.group_id for g in batch.groups] == gids[:4]
     k = queue.keys
     pending = queue.redis.xpending(k.results, CONSUMER_GROUP)
@@ -89,7 +58,7 @@ def test_batch_groups_are_decoded_and_versioned(queue, consumer):
     produce(queue, 2, version=2)
     batch = consumer.next_batch(2, timeout=5)
     assert batch.weight_version == 3
-    assert batch.groups[0].samples[1].tokens == [1, 2, 51, 61]
+    assert batch.groups[0].samples[1].tokens == [1, 2, 101, 101, 101]
     assert batch.metrics.kept == 2 and batch.metrics.staleness == {1: 2}
 
 
@@ -97,18 +66,25 @@ def test_batch_waits_for_groups_that_arrive_later(queue, consumer):
     produce(queue, 1)
     queue.push_groups(fresh(2, "late"))
 
-    def later():
-        time.sleep(0.4)
-        for c in queue.claim("w2", 2).groups:
-            queue.publish_group("w2", finish(c.group), Place.RESULTS)
+    waiting = threading.Event()
+    real_wait = consumer._wait_for_new
 
+    def wait(*args, **kwargs):  # the consumer is blocked: now the groups arrive
+        waiting.set()
+        return real_wait(*args, **kwargs)
+
+    def later():
+        waiting.wait(10)
+        for c in claim(queue, "w2", 2).groups:
+            publish(queue, "w2", c, group=finish(c.group))
+
+    consumer._wait_for_new = wait
     t = threading.Thread(target=later)
     t.start()
-    started = time.monotonic()
     batch = consumer.next_batch(3, timeout=10)
     t.join()
+    assert waiting.is_set()
     assert [g.group_id for g in batch.groups] == ["g0", "late0", "late1"]
-    assert 0.3 < time.monotonic() - started < 5
 
 
 def test_zero_timeout_takes_groups_that_are_there(queue, consumer):
@@ -128,6 +104,16 @@ def test_invalid_arguments(client, namespace):
         Consumer(client, namespace, stale_policy="ignore")
 
 
+def test_batch_size_must_be_the_one_admission_is_paced_for(queue, consumer):
+    """Issue 8 #15: pacing counts in batches of B; asking for another size would stop
+    admission for good without an error."""
+    configure(queue.redis, queue.keys, max_staleness=1, batch_size=4)
+    with pytest.raises(ValueError, match=r"next_batch\(3\) but the namespace paces admission for batches of 4"):
+        consumer.next_batch(3, timeout=1)
+    produce(queue, 4)
+    assert len(consumer.next_batch(4, timeout=5)) == 4
+
+
 # -- recovery -------------------------------------------------------------------------
 
 
@@ -143,7 +129,8 @@ def test_uncommitted_batch_is_redelivered_first(queue, client, namespace, name):
     b2 = again.next_batch(3, timeout=5)
     assert [g.group_id for g in b2.groups] == delivered
     pending = queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)
-    assert {c["name"].decode() for c in pending["consumers"]} == {name}
+    assert {c["name"].decode() for c in pending["consumers"]} == {again.session.consumer}
+    assert again.session.consumer == f"{name}.2"
     again.commit(b2)
     b3 = again.next_batch(5, timeout=5)
     assert [g.group_id for g in b3.groups] == [f"g{i}" for i in range(3, 8)]
@@ -168,6 +155,127 @@ def test_recovered_surplus_is_kept_for_the_next_batch(queue, client, namespace):
     assert_audit_ok(queue)
 
 
+def test_two_trainer_sessions_never_train_a_group_twice(queue, client, namespace):
+    """Issue 8 #1 (r1): a second trainer starts while the first holds a batch. The new
+    session fences the old one: the old one's commit and reads fail naming the new one,
+    and the batch is the new session's to train and commit."""
+    produce(queue, 6)
+    a = Consumer(client, namespace, consumer="trainer-A", block_s=0.1)
+    batch_a = a.next_batch(3, timeout=5)
+    b = Consumer(client, namespace, consumer="trainer-B", block_s=0.1)
+    batch_b = b.next_batch(3, timeout=5)
+    assert [g.group_id for g in batch_b.groups] == [g.group_id for g in batch_a.groups]
+    with pytest.raises(SessionFenced, match="trainer-A.1 was replaced by session trainer-B.2"):
+        a.commit(batch_a)
+    with pytest.raises(SessionFenced):
+        a.next_batch(3, timeout=1)
+    assert b.commit(batch_b) == 3
+    assert [g.group_id for g in b.next_batch(3, timeout=5).groups] == ["g3", "g4", "g5"]
+    report = assert_audit_ok(queue)
+    assert report.committed == 3 and queue.stats().get("duplicates", 0) == 0
+
+
+def test_a_fenced_session_cannot_take_new_entries(queue, client, namespace):
+    produce(queue, 2)
+    a = Consumer(client, namespace, consumer="A", block_s=0.1)
+    a.next_batch(1, timeout=5)
+    b = Consumer(client, namespace, consumer="B", block_s=0.1)
+    b.next_batch(1, timeout=5)
+    produce(queue, 2, prefix="n")
+    with pytest.raises(SessionFenced):
+        a.next_batch(1, timeout=2)
+    pending = queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)
+    assert {c["name"].decode() for c in pending["consumers"]} == {b.session.consumer}
+
+
+def test_lost_read_reply_strands_nothing(queue, consumer):
+    """The read ran (entries delivered to the session), its reply was lost; the retry
+    reads on, and the session notices the entries it does not know and takes them."""
+    produce(queue, 5)
+    read = consumer._scripts["read"] = LoseReplies(consumer._scripts["read"], armed=1)
+    batch = consumer.next_batch(3, timeout=5)
+    assert len(batch) == 3 and not read.armed
+    more = consumer.next_batch(2, timeout=5)
+    assert sorted(g.group_id for g in batch.groups + more.groups) == [f"g{i}" for i in range(5)]
+    consumer.commit(batch)
+    consumer.commit(more)
+    assert queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)["pending"] == 0
+    assert assert_audit_ok(queue).committed == 5
+
+
+def test_lost_commit_reply_then_retry_is_done_once(queue, consumer):
+    produce(queue, 2)
+    batch = consumer.next_batch(2, timeout=5)
+    settle = consumer.queue._scripts["settle"] = LoseReplies(consumer.queue._scripts["settle"], armed=1)
+    assert consumer.commit(batch) == 2 and not settle.armed
+    assert queue.stats()["committed"] == 2
+    assert_audit_ok(queue)
+
+
+def test_released_batch_comes_first_and_a_poison_batch_ends_in_dead_letters(queue, client, namespace):
+    """Issue 8 #12: a step that failed hands its batch back; one that keeps failing
+    (it crashes the trainer) is dead-lettered after max_deliveries."""
+    produce(queue, 4)
+    c = Consumer(client, namespace, block_s=0.1, max_deliveries=3)
+    first = c.next_batch(2, timeout=5)
+    c.release(first, "CUDA OOM")
+    again = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
+    c.release(again)  # delivered 3 times now: still within max_deliveries
+    third = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in third.groups] == ["g0", "g1"]
+    c.release(third)  # the fourth delivery is one too many
+    fourth = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in fourth.groups] == ["g2", "g3"]
+    dead = queue.read_stream(queue.keys.dead)
+    assert [d.group_id for d in dead] == ["g0", "g1"]
+    assert dead[0].error.startswith("delivered 4 times to the trainer without a commit")
+    c.commit(fourth)
+    assert_audit_ok(queue)
+
+
+def test_a_batch_that_crashes_trainers_ends_in_dead_letters(queue, client, namespace):
+    produce(queue, 2)
+    for _ in range(2):  # each session dies holding the batch: two deliveries
+        Consumer(client, namespace, block_s=0.1, max_deliveries=2).next_batch(2, timeout=5)
+    with pytest.raises(BatchTimeout):  # a third would be one too many
+        Consumer(client, namespace, block_s=0.1, max_deliveries=2).next_batch(2, timeout=0.5)
+    assert queue.redis.xlen(queue.keys.dead) == 2
+    assert_audit_ok(queue)
+
+
+def test_a_duplicate_entry_cannot_delete_the_payload_of_the_held_copy(queue, client, namespace):
+    """Issue 8 #2 (r2): two results entries for one group id (a bug, a foreign writer)
+    each name their own payload key: discarding one leaves the other intact."""
+    produce(queue, 1)
+    [entry] = queue.read_stream(queue.keys.results)
+    queue.redis.set(queue.keys.result("g0", "copy"), entry.data)
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "tok": "copy"})
+    c = Consumer(client, namespace, block_s=0.1)
+    [g] = c.next_batch(1, timeout=5).groups
+    with pytest.raises(BatchTimeout):
+        c.next_batch(1, timeout=0.3)  # reads the copy: a duplicate, settled
+    assert queue.stats()["duplicates"] == 1
+    del c  # the trainer dies before committing
+    again = Consumer(client, namespace, block_s=0.1)
+    b = again.next_batch(1, timeout=5)
+    assert b.groups[0] == g and queue.redis.xlen(queue.keys.dead) == 0
+    again.commit(b)
+    assert_audit_ok(queue)
+
+
+def test_the_trainer_reaps_dead_workers(queue, client, namespace):
+    """Issue 14 #3: with no live worker left, the trainer returns a dead one's groups."""
+    queue.push_groups(fresh(2))
+    claim(queue, "dead-worker", 2)
+    queue.redis.zadd(queue.keys.workers, {"dead-worker": 0}, xx=True)
+    c = Consumer(client, namespace, block_s=0.05)
+    with pytest.raises(BatchTimeout):
+        c.next_batch(1, timeout=0.3)
+    assert queue.redis.llen(queue.keys.prompts) == 2
+    assert queue.stats()["reaped"] == 2
+
+
 def test_groups_read_before_a_timeout_stay_with_the_consumer(queue, consumer):
     produce(queue, 2)
     with pytest.raises(BatchTimeout, match="with 2 of 3 groups"):
@@ -187,7 +295,7 @@ def test_duplicate_of_committed_group_is_dropped(queue, consumer):
     b = consumer.next_batch(1, timeout=5)
     consumer.commit(b)
     # A second copy of g0 shows up (a redelivery, a bug elsewhere): never trained twice.
-    queue.redis.xadd(queue.keys.results, {"gid": "g0"})
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "tok": "x"})
     produce(queue, 1, prefix="n")
     b2 = consumer.next_batch(1, timeout=5)
     assert [g.group_id for g in b2.groups] == ["n0"]
@@ -200,13 +308,13 @@ def test_duplicate_of_committed_group_is_dropped(queue, consumer):
 
 def test_duplicate_of_held_group_is_dropped(queue, consumer):
     produce(queue, 2)
-    queue.redis.xadd(queue.keys.results, {"gid": "g0"})  # g0 again, read with it
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "tok": "x"})  # g0 again, read with it
     produce(queue, 1, prefix="n")
     b = consumer.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g0", "g1", "n0"]
     assert b.metrics.duplicates == 1
     # g0 is handed out but not committed yet: a copy arriving now is a duplicate too.
-    queue.redis.xadd(queue.keys.results, {"gid": "g0"})
+    queue.redis.xadd(queue.keys.results, {"gid": "g0", "tok": "y"})
     produce(queue, 1, prefix="m")
     b2 = consumer.next_batch(1, timeout=5)
     assert [g.group_id for g in b2.groups] == ["m0"]
@@ -221,8 +329,8 @@ def test_duplicate_of_held_group_is_dropped(queue, consumer):
 def test_malformed_results_entry_goes_dead(queue, consumer):
     produce(queue, 2)
     queue.push_groups(fresh(1, "bad"))
-    queue.claim("w", 1)
-    queue.publish("w", "bad0", b"\x81\xa1v\x09", Place.RESULTS)  # msgpack, wrong schema version
+    c = claim(queue, "w", 1).groups[0]
+    queue.publish("w", "bad0", c.token, b"\x81\xa1v\x09", Place.RESULTS)  # msgpack, wrong schema version
     produce(queue, 1, prefix="z")
     b = consumer.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g0", "g1", "z0"]
@@ -236,11 +344,11 @@ def test_malformed_results_entry_goes_dead(queue, consumer):
 
 def test_results_entry_without_its_payload_goes_dead(queue, consumer):
     produce(queue, 3)
-    queue.redis.delete(queue.keys.result("g1"))  # the payload key is gone (an operator, a bug)
+    g1 = queue.read_stream(queue.keys.results)[1]
+    queue.redis.delete(queue.keys.result("g1", g1.token))  # the payload key is gone (an operator, a bug)
     report = audit(queue)
     assert report.missing_payloads == 1 and not report.ok  # the audit notices
-    queue.push_groups(fresh(1, "z"))
-    queue.publish_group("w", finish(queue.claim("w", 1).groups[0].group), Place.RESULTS)
+    produce(queue, 1, prefix="z")
     b = consumer.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g0", "g2", "z0"]
     [dead] = queue.read_stream(queue.keys.dead)
@@ -264,24 +372,25 @@ def _timeout(consumer: Consumer, n: int = 1, timeout: float = 0.3) -> str:
 def test_timeout_no_worker_ever(consumer):
     msg = _timeout(consumer, 2)
     assert msg.startswith("next_batch(2) timed out after 0.3s with 0 of 2 groups")
-    assert "no live workers (none has ever registered)" in msg
+    assert "no live workers (none registered)" in msg
     assert "the prompt list is empty" in msg
     assert isinstance(BatchTimeout("x"), TimeoutError)
 
 
-def test_timeout_workers_dead(queue, client, namespace):
+def test_timeout_workers_dead(queue, client, namespace, monkeypatch):
     queue.push_groups(fresh(3))
-    queue.heartbeat("w", json.dumps({"state": "generating"}))
-    time.sleep(0.6)
-    c = Consumer(client, namespace, lease_s=0.5, block_s=0.2)
+    queue.register("w")
+    queue.redis.zadd(queue.keys.workers, {"w": 0}, xx=True)
+    c = Consumer(client, namespace, block_s=0.2)
+    monkeypatch.setattr(c, "_reap", lambda control: None)  # keep the dead worker for the message
     msg = _timeout(c)
-    assert "no live workers (last heartbeat" in msg and "s ago)" in msg
+    assert "no live workers (1 registered, lease expired)" in msg
     assert "3 prompts queued" in msg
 
 
 def test_timeout_live_workers_but_prompts_empty(queue, consumer):
-    queue.heartbeat("w1", json.dumps({"state": "generating"}))
-    queue.heartbeat("w2", json.dumps({"state": "engine-unreachable"}))
+    queue.register("w1", json.dumps({"state": "generating"}))
+    queue.register("w2", json.dumps({"state": "engine-unreachable"}))
     msg = _timeout(consumer)
     assert "2 live workers (" in msg and "1 generating" in msg and "1 engine-unreachable" in msg
     assert "the prompt list is empty (push more" in msg
@@ -290,7 +399,7 @@ def test_timeout_live_workers_but_prompts_empty(queue, consumer):
 
 def test_timeout_paused(queue, consumer):
     queue.push_groups(fresh(1))
-    queue.heartbeat("w", "{}")
+    queue.register("w")
     set_paused(queue.redis, queue.keys, True)
     msg = _timeout(consumer)
     assert "admission is paused" in msg
@@ -300,17 +409,18 @@ def test_timeout_paused(queue, consumer):
 def test_timeout_staleness_budget_spent(queue, consumer):
     queue.push_groups(fresh(3))
     configure(queue.redis, queue.keys, max_staleness=0, batch_size=1)
-    assert len(queue.claim("w", 3).groups) == 1
-    assert queue.claim("w", 3).status == "budget"
+    assert len(claim(queue, "w", 3).groups) == 1
+    assert claim(queue, "w", 3).status == "budget"
     msg = _timeout(consumer)
-    assert "the staleness budget is spent (1/1 admitted at version 0; bump the weight version)" in msg
+    assert ("the staleness budget is spent (1/1 admitted at version 0, 0 committed): admission reopens when the "
+            "weight version moves on, one bump per 1 committed groups") in msg
 
 
 def test_timeout_mentions_requeue_and_dead(queue, consumer):
     queue.push_groups(fresh(2))
-    cs = queue.claim("w", 2).groups
-    queue.publish_group("w", cs[0].group, Place.REQUEUE)
-    queue.publish_group("w", cs[1].group, Place.DEAD, error="boom")
+    cs = claim(queue, "w", 2).groups
+    publish(queue, "w", cs[0], Place.REQUEUE)
+    publish(queue, "w", cs[1], Place.DEAD, error="boom")
     msg = _timeout(consumer)
     assert "1 aborted groups wait in the requeue stream" in msg and "1 dead letters" in msg
 
@@ -333,8 +443,8 @@ def test_blocking_stays_below_socket_timeout(redis_url, queue, namespace):
 def test_wait_forever_returns_when_groups_arrive(queue, client, namespace):
     c = Consumer(client, namespace, block_s=0.1)
     queue.push_groups(fresh(1))
-    t = threading.Timer(0.5, lambda: [queue.publish_group("w", finish(x.group), Place.RESULTS)
-                                      for x in queue.claim("w", 1).groups])
+    t = threading.Timer(0.5, lambda: [publish(queue, "w", x, group=finish(x.group))
+                                      for x in claim(queue, "w", 1).groups])
     t.start()
     batch = c.next_batch(1, timeout=None)
     t.join()
@@ -351,9 +461,9 @@ def test_bare_bool_filter_keeps_batches_exact(queue, client, namespace):
     c = Consumer(client, namespace, filter=positive_first, block_s=0.2)
     q = queue
     q.push_groups(fresh(6))
-    for i, cl in enumerate(q.claim("w", 6).groups):
+    for i, cl in enumerate(claim(q, "w", 6).groups):
         r = 1.0 if i % 2 else 0.0  # g1, g3, g5 kept
-        q.publish_group("w", finish(cl.group, rewards=[r, r]), Place.RESULTS)
+        publish(q, "w", cl, group=finish(cl.group, rewards=[r, r]))
     b = c.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g1", "g3", "g5"]
     assert b.metrics.dropped == {"filtered": 3}
@@ -371,8 +481,8 @@ def test_dapo_filter_drops_groups_with_equal_rewards(queue, client, namespace, s
     queue.push_groups(fresh(7))
     rewards = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5],
                [{"score": 1.0}, {"score": 0.0}], [{"score": 1.0}, {"score": 1.0}]]
-    for cl, r in zip(queue.claim("w", 7).groups, rewards):
-        queue.publish_group("w", finish(cl.group, rewards=r), Place.RESULTS)
+    for cl, r in zip(claim(queue, "w", 7).groups, rewards):
+        publish(queue, "w", cl, group=finish(cl.group, rewards=r))
     b = c.next_batch(3, timeout=5)
     assert [g.group_id for g in b.groups] == ["g1", "g3", "g5"]
     assert b.metrics.dropped == {"all rewards equal": 3}
@@ -381,6 +491,26 @@ def test_dapo_filter_drops_groups_with_equal_rewards(queue, client, namespace, s
         c.next_batch(1, timeout=0.3)  # g6 dropped as well, nothing left
     assert queue.stats()["dropped"] == 4
     c.commit(b)
+    assert_audit_ok(queue)
+
+
+def test_a_filter_that_raises_dead_letters_that_group_only(queue, client, namespace):
+    """Issue 8 #12: the trainer's own filter raising on one group strands nothing and
+    stops nothing: that group is dead-lettered with the error."""
+    def picky(args, samples):
+        if samples[0].reward == 7.0:
+            raise KeyError("score")
+        return True
+
+    c = Consumer(client, namespace, filter=picky, block_s=0.1)
+    produce(queue, 1, prefix="a")
+    produce(queue, 1, prefix="bad", rewards=[7.0, 7.0])
+    produce(queue, 1, prefix="b")
+    batch = c.next_batch(2, timeout=5)
+    assert [g.group_id for g in batch.groups] == ["a0", "b0"] and batch.metrics.dead == 1
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.group_id == "bad0" and dead.error == "filter raised KeyError: 'score'"
+    c.commit(batch)
     assert_audit_ok(queue)
 
 
@@ -419,11 +549,12 @@ def test_too_stale_group_is_restarted(queue, client, namespace):
     c.commit(b)
     assert_audit_ok(queue)
     # It comes back reset, counted, and is generated again at the current version.
-    claimed = queue.claim("w", 1).groups[0].group
+    x = claim(queue, "w", 1).groups[0]
+    claimed = x.group
     assert claimed.group_id == "old0" and claimed.restarts == 1
     assert claimed.prompt_ids == [] and all(s.tokens == [] and s.weight_versions == [] for s in claimed.samples)
     assert claimed.admitted_version == 2
-    queue.publish_group("w", finish(claimed, version=2), Place.RESULTS)
+    publish(queue, "w", x, group=finish(claimed, version=2))
     b2 = c.next_batch(1, timeout=5)
     assert [g.group_id for g in b2.groups] == ["old0"] and b2.metrics.restarted == 0
     c.commit(b2)
@@ -436,8 +567,8 @@ def test_restarted_group_without_token_versions_is_not_stale_again(queue, client
     _stale_setup(queue)
     c = Consumer(client, namespace, block_s=0.2)
     c.commit(c.next_batch(2, timeout=5))
-    claimed = queue.claim("w", 1).groups[0].group
-    queue.publish_group("w", finish(claimed, version=None), Place.RESULTS)
+    x = claim(queue, "w", 1).groups[0]
+    publish(queue, "w", x, group=finish(x.group, version=None))
     b = c.next_batch(1, timeout=5)
     assert [g.group_id for g in b.groups] == ["old0"] and b.metrics.restarted == 0
 
@@ -447,9 +578,9 @@ def test_too_stale_too_often_is_dead_lettered(queue, client, namespace):
     queue.push_groups(fresh(1, "s"))
     c = Consumer(client, namespace, block_s=0.2, max_restarts=2)
     for round_ in range(3):
-        claimed = queue.claim("w", 1).groups[0].group
-        assert claimed.restarts == round_
-        queue.publish_group("w", finish(claimed, version=round_), Place.RESULTS)
+        x = claim(queue, "w", 1).groups[0]
+        assert x.group.restarts == round_
+        publish(queue, "w", x, group=finish(x.group, version=round_))
         set_weight_version(queue.redis, queue.keys, round_ + 1)
         with pytest.raises(BatchTimeout):
             c.next_batch(1, timeout=0.3)

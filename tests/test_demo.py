@@ -28,5 +28,5 @@ def test_demo_trains_exact_batches_with_weight_updates_and_a_clean_audit(tmp_pat
     assert all("update_s" in s for s in summary["steps"])
     assert all(s["max_staleness"] <= 1 for s in summary["steps"])
     audit = summary["audit"]
-    assert audit["ok"] and audit["committed"] == 24 and audit["missing"] == 0
+    assert audit["ok"] and audit["committed"] == 24 and (audit["lost"], audit["extra"]) == (0, 0)
     assert not (tmp_path / "local-redis.json").exists()  # unregistered on the way out

@@ -15,6 +15,7 @@ from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, wait_for
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
+from tests.groups import claim, publish
 
 FAST = dict(decode_tokens_per_s=5000.0, length_median=32.0, length_p99=200.0, prefill_s=0.001)
 REASON = "all rewards equal"  # the built-in "dapo" filter's reason
@@ -154,13 +155,13 @@ def plant(queue: Queue, n: int, rewards) -> None:
     """Push n groups and publish each as generated, group i with rewards(i)."""
     groups = [Group.fresh(f"g{i}", f"p{i}", 2, row=i) for i in range(n)]
     queue.push_groups(groups)
-    for c in queue.claim("planter", n).groups:
+    for c in claim(queue, "planter", n).groups:
         g = c.group
         g.prompt_ids = [1]
         for s, r in zip(g.samples, rewards(g.row)):
             s.tokens, s.response_length, s.rollout_log_probs = [1, 7], 1, [-0.2]
             s.weight_versions, s.reward, s.status = ["default"], r, Status.COMPLETED
-        queue.publish_group("planter", g, Place.RESULTS)
+        publish(queue, "planter", g, Place.RESULTS)
 
 
 @pytest.mark.parametrize("spec", [keep_odd_rows, "tests.test_dynamic_filter:keep_odd_rows",

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.consumer import Consumer
 from pipeline.redis_server import free_port
 from pipeline.types import Group
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import WorkerThread, http_json, wait_for
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
@@ -30,8 +30,8 @@ def test_worker_and_consumer_metrics_from_real_traffic(redis_url, queue, namespa
     port = free_port()
     queue.push_groups([Group.fresh(f"m{i}", f"What is {i} + 1?", 4, label=str(i + 1), row=i) for i in range(20)])
     worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
-                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5,
-                                         lease_s=4, metrics_port=port))
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.2,
+                                         metrics_port=port))
     try:
         consumer = Consumer(queue.redis, namespace)
         for _ in range(2):
@@ -41,13 +41,16 @@ def test_worker_and_consumer_metrics_from_real_traffic(redis_url, queue, namespa
         wait_for(lambda: scrape(port).get('rollout_queue_depth{place="prompts"}') == 0, timeout=10,
                  what="queue depth")
         m = scrape(port)
+        # Two groups of 4 whose requests hang: 8 samples in flight, as the gauge says.
+        http_json(sim.url + "/sim/faults", {"hang_rate": 1.0})
+        queue.push_groups([Group.fresh(f"h{i}", "What is 1 + 1?", 4, label="2", row=i) for i in range(2)])
+        wait_for(lambda: scrape(port).get("rollout_inflight_samples") == 8, timeout=10, what="8 samples in flight")
     finally:
         worker.stop()
         sim.stop()
     assert m["rollout_generation_seconds_count"] >= 80  # 20 groups x 4 samples
     assert m["rollout_output_tokens_count"] >= 80 and m["rollout_output_tokens_sum"] > 0
     assert m['rollout_groups_total{place="results"}'] >= 20
-    assert "rollout_inflight_samples" in m
     assert m['rollout_queue_depth{place="prompts"}'] == 0
     # The consumer runs in this process: its metrics are on the same registry.
     assert m["rollout_trainer_wait_seconds_count"] >= 2

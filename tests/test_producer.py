@@ -14,6 +14,7 @@ from pipeline.audit import audit
 from pipeline.codec import decode_group
 from pipeline.producer import DatasetError, PushOptions, epoch_order, push_dataset
 from pipeline.queue import Queue
+from tests.groups import claim, publish
 
 ROWS = [
     {"input": "What is 1+1?", "label": "2", "metadata": {"source": "arith", "id": 0}},
@@ -139,8 +140,9 @@ def test_epochs(queue, tmp_path):
     assert report.pushed == 9
     assert queued(queue) == [f"e.jsonl:{e}:{r}" for e in range(3) for r in range(3)]
     assert payload(queue, "e.jsonl:2:1").epoch == 2
-    assert {k.decode(): int(v) for k, v in queue.redis.hgetall(queue.keys.dataset).items()} == {
-        "e.jsonl:0": 3, "e.jsonl:1": 3, "e.jsonl:2": 3}
+    cursors = {k.decode(): v for k, v in queue.redis.hgetall(queue.keys.dataset).items()}
+    assert json.loads(cursors.pop("e.jsonl:fingerprint"))["rows"] == 3
+    assert {k: int(v) for k, v in cursors.items()} == {"e.jsonl:0": 3, "e.jsonl:1": 3, "e.jsonl:2": 3}
 
 
 def test_shuffle_with_seed_is_deterministic(client, tmp_path):
@@ -321,11 +323,11 @@ def test_full_cycle_audit_adds_up(queue, client, namespace, tmp_path):
 
     path = write_jsonl(tmp_path / "cyc.jsonl", ROWS, raw_lines={2: "bad"})
     push_dataset(queue, path, PushOptions(skip_bad=True, n_samples_per_prompt=2))
-    for c in queue.claim("w", 10).groups:
+    for c in claim(queue, "w", 10).groups:
         g = c.group
         for i, s in enumerate(g.samples):
             s.tokens, s.response_length, s.reward = [1, 2], 1, float(i)
-        queue.publish_group("w", g, Place.RESULTS)
+        publish(queue, "w", g, Place.RESULTS)
     consumer = Consumer(client, namespace, block_s=0.2)
     consumer.commit(consumer.next_batch(5, timeout=5))
     report = assert_audit_ok(queue)

@@ -24,12 +24,14 @@ from types import SimpleNamespace
 
 import pytest
 from redis import Redis
-from rq import SimpleWorker
+from rq import Callback, Queue, SimpleWorker
+from rq.registry import FailedJobRegistry
+from rq.results import Result
 from rq.serializers import DefaultSerializer, JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
 from pipeline.types import Sample, Status
-from workers.reward_queue import DEFAULT_QUEUE, RQReward, sample_from_dict
+from workers.reward_queue import DEFAULT_QUEUE, AllowlistedJob, RQReward, sample_from_dict, score_group_job
 from workers.rewards import RewardError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,14 +126,14 @@ class ThreadSimpleWorker(SimpleWorker):
         pass
 
 
-async def score_with_worker(reward: RQReward, args, groups: list[list[Sample]], conn: Redis) -> list:
+async def score_with_worker(reward: RQReward, args, groups: list[list[Sample]], conn: Redis, **worker_kwargs) -> list:
     """Start scoring every group, wait until all jobs are queued, then drain the
     queue with a burst rq worker in a thread."""
     tasks = [asyncio.create_task(reward.score(args, g)) for g in groups]
     deadline = time.monotonic() + 10
     while reward.queue.count < len(groups) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    worker = ThreadSimpleWorker([reward.queue_name], connection=conn, serializer=JSONSerializer)
+    worker = ThreadSimpleWorker([reward.queue_name], connection=conn, serializer=JSONSerializer, **worker_kwargs)
     await asyncio.to_thread(worker.work, burst=True, logging_level="WARNING")
     return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -254,7 +256,7 @@ def test_worker_without_json_serializer_fails_loudly(conn):
 
     [error] = asyncio.run(main())
     assert isinstance(error, RewardError)
-    assert "--serializer json" in str(error)
+    assert "start it with `rollout reward-worker`" in str(error)
 
 
 def test_jobs_are_deleted_after_reading(conn):
@@ -340,25 +342,90 @@ def test_nothing_pickled_in_redis(conn, monkeypatch):
     assert [1.0] in returned
 
 
-def test_cli_worker_subprocess(conn, redis_server):
-    """The production path: `rq worker --serializer json` (forking Worker) in its own process."""
+def reward_worker_process(redis_port: int, *allowed: str, env: dict | None = None):
+    """`rollout reward-worker --burst` (a forking rq Worker) in its own process."""
+    args = [sys.executable, "-m", "cli", "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "reward-worker", "--burst"]
+    for path in allowed:
+        args += ["--allow", path]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {}))
+    return asyncio.create_subprocess_exec(*args, cwd=str(ROOT), env=env, stdout=asyncio.subprocess.PIPE,
+                                          stderr=asyncio.subprocess.STDOUT)
+
+
+def test_reward_worker_subprocess(conn, redis_server):
+    """The production path: `rollout reward-worker` in its own process."""
     reward = RQReward("tests.test_reward_queue.group_len_reward", conn, group=True, timeout=60)
 
     async def main() -> list[float]:
         task = asyncio.create_task(reward.score(ARGS, make_group(["ab", "abcd"])))
         while reward.queue.count < 1:
             await asyncio.sleep(0.01)
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rq.cli", "worker", "--burst", "--serializer", "json",
-            "--url", f"redis://127.0.0.1:{redis_server}/0", DEFAULT_QUEUE,
-            cwd=str(ROOT), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )
+        proc = await reward_worker_process(redis_server, "tests.test_reward_queue:group_len_reward")
         output, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, output.decode()
         return await task
 
     assert asyncio.run(main()) == [2.0, 4.0]
+
+
+def leave_mark(*_args) -> None:
+    """What an attacker's job would do; a refused job never gets here."""
+    Path(os.environ["ROLLOUT_TEST_MARK"]).write_text("ran")
+
+
+async def marking_reward(args, sample):
+    leave_mark()
+    return 1.0
+
+
+def test_reward_worker_runs_nothing_but_allowlisted_scoring(conn, redis_server, tmp_path):
+    mark = tmp_path / "mark"
+    queue = Queue(DEFAULT_QUEUE, connection=conn, serializer=JSONSerializer)
+    samples = [s.to_dict() for s in make_group([r"\boxed{42}"])]
+    refused = {
+        "another function": queue.enqueue("tests.test_reward_queue.leave_mark"),
+        "never imported": queue.enqueue("no_such_module_anywhere.run"),
+        "another reward": queue.enqueue(score_group_job, "tests.test_reward_queue.marking_reward", False, {}, samples),
+        "a callback": queue.enqueue(score_group_job, "math_boxed", False, {}, samples,
+                                    on_success=Callback("tests.test_reward_queue.leave_mark"),
+                                    on_failure=Callback("tests.test_reward_queue.leave_mark")),
+    }
+    allowed = queue.enqueue(score_group_job, "math_boxed", False, {}, samples)
+
+    async def run() -> str:
+        proc = await reward_worker_process(redis_server, "math_boxed", env={"ROLLOUT_TEST_MARK": str(mark)})
+        output, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, output.decode()
+        return output.decode()
+
+    asyncio.run(run())
+    assert not mark.exists(), "a refused job ran"
+    assert Result.fetch_latest(allowed, serializer=JSONSerializer).return_value == [1.0]
+    failed = FailedJobRegistry(DEFAULT_QUEUE, connection=conn, serializer=JSONSerializer).get_job_ids()
+    reasons = {"another function": "runs only workers.reward_queue.score_group_job",
+               "never imported": "not 'no_such_module_anywhere.run'",
+               "another reward": "reward 'tests.test_reward_queue.marking_reward' is not allowlisted here",
+               "a callback": "job callbacks are not run here"}
+    for what, job in refused.items():
+        assert job.id in failed, what
+        text = Result.fetch_latest(job, serializer=JSONSerializer).exc_string
+        assert f"JobRefused: refused job {job.id}: " in text and reasons[what] in text, (what, text)
+
+
+def test_a_reward_not_allowlisted_is_a_reward_error_naming_it(conn):
+    reward = RQReward("tests.test_reward_queue.marking_reward", conn)
+    [error] = asyncio.run(score_with_worker(reward, ARGS, [make_group(["x"])], conn,
+                                            job_class=AllowlistedJob.for_paths(["math_boxed"])))
+    assert isinstance(error, RewardError)
+    assert "'tests.test_reward_queue.marking_reward' is not allowlisted" in str(error)
+
+
+def test_reward_worker_needs_loadable_allowed_paths(redis_server):
+    result = subprocess.run([sys.executable, "-m", "cli", "--redis-url", f"redis://127.0.0.1:{redis_server}/0",
+                             "reward-worker", "--burst", "--allow", "no_such_module.rm"],
+                            cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "cannot import module 'no_such_module'" in result.stderr
 
 
 def test_with_pipeline_connection(conn, redis_server):

@@ -1,77 +1,53 @@
-"""Every Lua script through `Queue`, against a real redis-server: claim, publish (and
-the zombie case), heartbeat, reap, release, settle, commit and the push cursor."""
+"""Every Lua script through `Queue`, against a real redis-server: register, claim (and
+its fencing token, its retry after a lost reply, its claim count), publish (and the
+zombie case), heartbeat, reap and leave, hand-back, release, settle and the push cursor."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import redis
 
+from pipeline import scripts
 from pipeline.audit import audit
 from pipeline.codec import decode_group, encode_group
-from pipeline.control import configure, read_control, set_paused, set_weight_version
+from pipeline.control import configure, read_control, set_paused, set_weight_version, staleness_limit
 from pipeline.keys import CONSUMER_GROUP
-from pipeline.queue import Place, Queue, Settle
+from pipeline.queue import ClaimStatus, Place, Published, Queue, SessionFenced, Settle, TrainerSession
 from pipeline.types import Group, Status
+from tests.helpers import LoseReplies
+from tests.groups import assert_audit_ok, claim, finish, fresh, inflight, produce, prompts, publish
 
 
-def fresh(n: int, prefix: str = "g", samples: int = 2) -> list[Group]:
-    return [Group.fresh(f"{prefix}{i}", f"prompt {i}", samples, label=str(i), row=i) for i in range(n)]
+def ids(c) -> list[str]:
+    return [x.group_id for x in c.groups]
 
 
-def finish(group: Group, version: int = 0, status: Status = Status.COMPLETED, n_tokens: int = 3) -> Group:
-    group.prompt_ids = [1, 2]
-    for i, s in enumerate(group.samples):
-        s.tokens = [1, 2] + [100 + i] * n_tokens
-        s.response_length = n_tokens
-        s.response = "r" * n_tokens
-        s.rollout_log_probs = [-0.5] * n_tokens
-        s.weight_versions = [str(version)] * n_tokens
-        s.reward = float(i)
-        s.status = status
-    return group
+def expire(q: Queue, worker: str) -> None:
+    """Force a worker's lease deadline into the past (no sleeping past a lease)."""
+    q.redis.zadd(q.keys.workers, {worker: 0}, xx=True)
 
 
-def ids(claim) -> list[str]:
-    return [c.group_id for c in claim.groups]
-
-
-def prompts(q: Queue) -> list[str]:
-    return [g.decode() for g in q.redis.lrange(q.keys.prompts, 0, -1)]
-
-
-def inflight(q: Queue, worker: str) -> set[str]:
-    return {g.decode() for g in q.redis.smembers(q.keys.inflight(worker))}
-
-
-def assert_audit_ok(q: Queue):
-    report = audit(q)
-    assert report.ok, report.summary()
-    return report
-
-
-# -- claim ----------------------------------------------------------------------------
+# -- register and claim ---------------------------------------------------------------
 
 
 def test_claim_takes_from_head_up_to_max_groups(queue):
     queue.push_groups(fresh(5))
-    c = queue.claim("w1", 2)
-    assert (c.status, ids(c)) == ("ok", ["g0", "g1"])
-    assert inflight(queue, "w1") == {"g0", "g1"}
+    c = claim(queue, "w1", 2)
+    assert (c.status, ids(c)) == (ClaimStatus.OK, ["g0", "g1"])
+    assert queue.held("w1") == {"g0": c.groups[0].token, "g1": c.groups[0].token}
     assert prompts(queue) == ["g2", "g3", "g4"]
-    c = queue.claim("w2", 10)
-    assert (c.status, ids(c)) == ("ok", ["g2", "g3", "g4"])
-    assert queue.claim("w2", 10).status == "empty"
-    assert queue.claim("w3", 1).groups == []
+    c = claim(queue, "w2", 10)
+    assert (c.status, ids(c)) == (ClaimStatus.OK, ["g2", "g3", "g4"])
+    assert claim(queue, "w2", 10).status == ClaimStatus.EMPTY
+    assert claim(queue, "w3", 1).groups == []
     assert_audit_ok(queue)
 
 
 def test_claim_returns_decoded_groups_with_admitted_version(queue):
-    pushed = fresh(1, samples=3)[0]
-    queue.push_groups([pushed])
+    queue.push_groups(fresh(1, samples=3))
     set_weight_version(queue.redis, queue.keys, 4)
-    c = queue.claim("w", 1)
+    c = claim(queue, "w", 1)
     assert c.weight_version == 4
     got = c.groups[0].group
     assert got.group_id == "g0" and got.n_samples == 3 and got.samples[0].prompt == "prompt 0"
@@ -80,42 +56,89 @@ def test_claim_returns_decoded_groups_with_admitted_version(queue):
     assert read_control(queue.redis, queue.keys).admitted == 1
 
 
-def test_claim_registers_a_heartbeat(queue):
-    queue.push_groups(fresh(1))
-    assert queue.live_workers() == {}
-    queue.claim("w1", 1)
-    assert queue.redis.zscore(queue.keys.workers, "w1") is not None
-    assert list(queue.live_workers()) == ["w1"]
-    # Even a claim that finds nothing counts as a heartbeat.
-    queue.claim("w2", 1)
-    assert set(queue.live_workers()) == {"w1", "w2"}
+def test_claim_never_registers_a_worker(queue):
+    """Issue 8 #5: a claim from an id that is not registered (reaped, or never) takes
+    nothing and does not put the id back among the workers."""
+    queue.push_groups(fresh(2))
+    c = queue.claim("stranger", "stranger:1", 2)
+    assert (c.status, c.groups) == (ClaimStatus.UNREGISTERED, [])
+    assert queue.redis.zscore(queue.keys.workers, "stranger") is None
+    assert prompts(queue) == ["g0", "g1"]
+
+
+def test_register_once_with_the_namespace_lease(queue):
+    configure(queue.redis, queue.keys, lease_s=12)
+    assert queue.register("w") == 12
+    deadline = queue.redis.zscore(queue.keys.workers, "w")
+    assert 11_000 < deadline - queue.now_ms() <= 12_000
+    with pytest.raises(ValueError, match="registered already"):
+        queue.register("w")
+
+
+def test_claim_by_an_expired_worker_takes_nothing(queue):
+    queue.push_groups(fresh(2))
+    queue.register("w")
+    expire(queue, "w")
+    assert queue.claim("w", "w:1", 2).status == ClaimStatus.EXPIRED
+    assert prompts(queue) == ["g0", "g1"]
+    # A heartbeat renews the lease of a worker nobody reaped yet.
+    assert queue.heartbeat("w", "{}").reaped is False
+    assert ids(queue.claim("w", "w:2", 2)) == ["g0", "g1"]
+
+
+def test_retried_claim_returns_the_same_groups(queue):
+    """Issue 8 #4: the same claim id again (a retry after a lost reply) hands back what
+    the first run took, and takes nothing more."""
+    queue.push_groups(fresh(5))
+    queue.register("w")
+    first = queue.claim("w", "w:7", 2)
+    again = queue.claim("w", "w:7", 2)
+    assert ids(first) == ids(again) == ["g0", "g1"]
+    assert [g.group for g in again.groups] == [g.group for g in first.groups]
+    assert prompts(queue) == ["g2", "g3", "g4"]
+    assert ids(queue.claim("w", "w:8", 2)) == ["g2", "g3"]
+    # A group published since is not handed out again by an old claim id.
+    publish(queue, "w", first.groups[0], group=finish(first.groups[0].group))
+    assert queue.claim("w", "w:8", 2).groups[0].group_id == "g2"
+    assert_audit_ok(queue)
+
+
+def test_lost_claim_reply_then_retry_strands_nothing(queue):
+    """Issue 8 #4 (r5): the claim ran, its reply was lost, the caller retries."""
+    queue.push_groups(fresh(4))
+    queue.register("w")
+    queue._scripts["claim"] = LoseReplies(queue._scripts["claim"], armed=1)
+    with pytest.raises(redis.ConnectionError):
+        queue.claim("w", "w:1", 2)
+    c = queue.claim("w", "w:1", 2)
+    assert ids(c) == ["g0", "g1"] and set(queue.held("w")) == {"g0", "g1"}
+    assert_audit_ok(queue)
 
 
 def test_claim_paused(queue):
     queue.push_groups(fresh(3))
     set_paused(queue.redis, queue.keys, True)
-    c = queue.claim("w", 2)
-    assert (c.status, c.groups) == ("paused", [])
+    c = claim(queue, "w", 2)
+    assert (c.status, c.groups) == (ClaimStatus.PAUSED, [])
     assert prompts(queue) == ["g0", "g1", "g2"] and inflight(queue, "w") == set()
     set_paused(queue.redis, queue.keys, False)
-    assert ids(queue.claim("w", 2)) == ["g0", "g1"]
+    assert ids(claim(queue, "w", 2)) == ["g0", "g1"]
 
 
 def test_claim_backlog_limit(queue):
     queue.push_groups(fresh(6))
     configure(queue.redis, queue.keys, max_ready=3)
-    c = queue.claim("w", 2)
-    for cl in c.groups:
-        queue.publish_group("w", finish(cl.group), Place.RESULTS)
+    for cl in claim(queue, "w", 2).groups:
+        publish(queue, "w", cl, group=finish(cl.group))
     # Two wait in results: room for one more, whatever max_groups says.
-    c = queue.claim("w", 5)
+    c = claim(queue, "w", 5)
     assert ids(c) == ["g2"]
-    queue.publish_group("w", finish(c.groups[0].group), Place.RESULTS)
-    c = queue.claim("w", 5)
-    assert (c.status, c.groups) == ("backlog", [])
+    publish(queue, "w", c.groups[0], group=finish(c.groups[0].group))
+    c = claim(queue, "w", 5)
+    assert (c.status, c.groups) == (ClaimStatus.BACKLOG, [])
     assert prompts(queue)[0] == "g3"
-    configure(queue.redis, queue.keys, max_ready=-1)  # limit removed
-    assert ids(queue.claim("w", 5)) == ["g3", "g4", "g5"]
+    configure(queue.redis, queue.keys, max_ready=-1)  # back to the default
+    assert ids(claim(queue, "w", 5)) == ["g3", "g4", "g5"]
 
 
 def test_claim_staleness_budget_paces_admission(queue):
@@ -125,53 +148,57 @@ def test_claim_staleness_budget_paces_admission(queue):
     configure(queue.redis, queue.keys, max_staleness=eta, batch_size=batch)
     for version in range(4):
         set_weight_version(queue.redis, queue.keys, version)
-        limit = (eta + version + 1) * batch
-        got = []
         while True:
-            c = queue.claim("w", 4)
+            c = claim(queue, "w", 4)
             if not c.groups:
                 break
-            got += ids(c)
-        assert c.status == "budget"
-        admitted = read_control(queue.redis, queue.keys).admitted
-        assert admitted == limit
-        assert len(inflight(queue, "w")) == limit
+        assert c.status == ClaimStatus.BUDGET
+        assert read_control(queue.redis, queue.keys).admitted == staleness_limit(eta, version, batch)
+        assert len(inflight(queue, "w")) == staleness_limit(eta, version, batch)
         # The group refused is still at the head of the list, not admitted.
-        head = prompts(queue)[0]
-        assert queue.redis.hget(queue.keys.admitted, head) is None
+        assert queue.redis.hget(queue.keys.admitted, prompts(queue)[0]) is None
         assert_audit_ok(queue)
 
 
-def test_budget_does_not_count_reaped_or_requeued_groups_twice(queue):
+def test_staleness_formula_is_the_same_in_lua_and_python(queue):
+    prelude = scripts.source("claim").split("-- Claim up to")[0]
+    probe = prelude + "\nreturn staleness_limit(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))"
+    for eta, version, batch in [(0, 0, 1), (1, 3, 8), (4, 17, 64), (2, 0, 5)]:
+        assert queue.redis.eval(probe, 0, eta, version, batch) == staleness_limit(eta, version, batch)
+
+
+def test_budget_does_not_count_reaped_or_requeued_groups_twice(queue, client, namespace):
+    from pipeline.consumer import Consumer
+
     queue.push_groups(fresh(4))
     configure(queue.redis, queue.keys, max_staleness=0, batch_size=2)  # limit 2 at version 0
-    c = queue.claim("a", 2)
-    assert ids(c) == ["g0", "g1"]
-    assert queue.claim("b", 1).status == "budget"
+    assert ids(claim(queue, "a", 2)) == ["g0", "g1"]
+    assert claim(queue, "b", 1).status == ClaimStatus.BUDGET
     # a dies: its groups go back to the head and may be claimed again although the
     # budget is spent, because they were admitted already.
-    assert queue.reap("a", lease_s=0) == 2
-    c = queue.claim("b", 5)
-    assert sorted(ids(c)) == ["g0", "g1"]
-    assert c.status == "ok"
+    expire(queue, "a")
+    assert queue.reap("a") == 2
+    c = claim(queue, "b", 5)
+    assert sorted(ids(c)) == ["g0", "g1"] and c.status == ClaimStatus.OK
     # b aborts one: requeued, released, claimed again: still not counted.
-    g0 = next(x.group for x in c.groups if x.group_id == "g0")
-    assert queue.publish_group("b", finish(g0), Place.REQUEUE)
+    g0 = next(x for x in c.groups if x.group_id == "g0")
+    assert publish(queue, "b", g0, Place.REQUEUE, group=finish(g0.group)) == Published.OK
     assert queue.release("continue") == 1
-    assert ids(queue.claim("c", 5)) == ["g0"]
+    c = claim(queue, "c", 5)
+    assert ids(c) == ["g0"]
     assert read_control(queue.redis, queue.keys).admitted == 2
-    assert queue.claim("c", 5).status == "budget"
+    assert claim(queue, "c", 5).status == ClaimStatus.BUDGET
     assert prompts(queue) == ["g2", "g3"]
     # Trained-on groups keep counting: committing them frees no budget.
-    c_group = decode_group(queue.redis.hget(queue.keys.payloads, "g0"))
-    queue.publish_group("c", finish(c_group), Place.RESULTS)
-    queue.ensure_consumer_group()
-    [(eid, _)] = queue.redis.xreadgroup(CONSUMER_GROUP, "t", {queue.keys.results: ">"})[0][1]
-    assert queue.settle(queue.keys.results, [Settle("commit", eid.decode(), "g0")], CONSUMER_GROUP) == 1
+    publish(queue, "c", c.groups[0], group=finish(c.groups[0].group))
+    consumer = Consumer(client, namespace, block_s=0.05)
+    configure(queue.redis, queue.keys, batch_size=1)  # next_batch must ask for the configured size
+    consumer.commit(consumer.next_batch(1, timeout=5))
     assert read_control(queue.redis, queue.keys).admitted == 2
-    assert queue.claim("c", 5).status == "budget"
+    configure(queue.redis, queue.keys, batch_size=2)
+    assert claim(queue, "c", 5).status == ClaimStatus.BUDGET
     set_weight_version(queue.redis, queue.keys, 1)  # the trainer moved on: room for two more
-    assert ids(queue.claim("c", 5)) == ["g2", "g3"]
+    assert ids(claim(queue, "c", 5)) == ["g2", "g3"]
 
 
 def test_dead_letters_free_their_budget_slot(queue):
@@ -179,12 +206,12 @@ def test_dead_letters_free_their_budget_slot(queue):
     budget, or (max_staleness + 1) * batch_size failures would stop admission for good."""
     queue.push_groups(fresh(4))
     configure(queue.redis, queue.keys, max_staleness=0, batch_size=2)
-    c = queue.claim("w", 2)
-    assert queue.claim("w", 1).status == "budget"
+    c = claim(queue, "w", 2)
+    assert claim(queue, "w", 1).status == ClaimStatus.BUDGET
     for x in c.groups:
-        queue.publish_group("w", x.group, Place.DEAD, error="engine down")
+        publish(queue, "w", x, Place.DEAD, error="engine down")
     assert read_control(queue.redis, queue.keys).admitted == 0
-    assert ids(queue.claim("w", 5)) == ["g2", "g3"]
+    assert ids(claim(queue, "w", 5)) == ["g2", "g3"]
     assert_audit_ok(queue)
 
 
@@ -192,24 +219,91 @@ def test_claim_malformed_payload_is_dead_lettered(queue):
     queue.push_groups(fresh(3))
     queue.redis.hset(queue.keys.payloads, "g1", b"\xc1garbage")
     queue.redis.hdel(queue.keys.payloads, "g2")  # and one with no payload at all
-    c = queue.claim("w", 3)
+    c = claim(queue, "w", 3)
     assert [(x.group_id, x.group is None) for x in c.groups] == [("g0", False), ("g1", True), ("g2", True)]
-    assert "not msgpack" in c.groups[1].error
-    assert "no payload" in c.groups[2].error
     dead = queue.read_stream(queue.keys.dead)
-    assert [(e.group_id, e.error.split(":")[0]) for e in dead] == [("g1", "malformed payload"), ("g2", "malformed payload")]
+    assert [(e.group_id, e.error.split(":")[0]) for e in dead] == [("g1", "malformed payload"),
+                                                                    ("g2", "malformed payload")]
+    assert "not msgpack" in dead[0].error and "no payload" in dead[1].error
     assert dead[0].data == b"\xc1garbage"
     assert inflight(queue, "w") == {"g0"}
     assert_audit_ok(queue)
+
+
+def test_claim_of_a_non_utf8_group_id_dead_letters_it(queue):
+    """Poison data: a foreign id in the prompt list must not stop every worker."""
+    queue.push_groups(fresh(1))
+    queue.redis.lpush(queue.keys.prompts, b"\xff\xfebad")
+    c = claim(queue, "w", 2)
+    assert [x.group is None for x in c.groups] == [True, False]
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.error.startswith("group id is not UTF-8") and queue.redis.hlen(queue.keys.inflight("w")) == 1
 
 
 def test_claim_payload_for_another_group_is_dead_lettered(queue):
     a, b = fresh(2)
     queue.push_groups([a, b])
     queue.redis.hset(queue.keys.payloads, "g0", encode_group(b))
-    c = queue.claim("w", 1)
-    assert c.groups[0].group is None and "payload is for group 'g1'" in c.groups[0].error
-    assert queue.redis.xlen(queue.keys.dead) == 1
+    c = claim(queue, "w", 1)
+    assert c.groups[0].group is None
+    assert "payload is for group 'g1'" in queue.read_stream(queue.keys.dead)[0].error
+
+
+# -- claim counts (issue 15) -----------------------------------------------------------
+
+
+def test_reaps_count_and_a_group_that_kills_its_workers_is_dead_lettered(queue):
+    configure(queue.redis, queue.keys, max_claims=3)
+    queue.push_groups(fresh(2))
+    for n in range(3):  # three workers die holding g0
+        c = claim(queue, f"w{n}", 1)
+        assert ids(c) == ["g0"]
+        expire(queue, f"w{n}")
+        assert queue.reap(f"w{n}") == 1
+    assert int(queue.redis.hget(queue.keys.claims, "g0")) == 3
+    c = claim(queue, "w3", 1)
+    assert ids(c) == ["g1"]  # g0 went to dead letters instead
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert dead.group_id == "g0"
+    assert dead.error == "claimed 3 times without finishing; held by w0 (reaped), w1 (reaped), w2 (reaped)"
+    assert dead.decode().group_id == "g0"  # the pushed group: `dead retry` can send it back
+    assert queue.redis.hget(queue.keys.claims, "g0") is None
+    assert queue.stats()["dead_max_claims"] == 1
+    assert_audit_ok(queue)
+
+
+def test_clean_hand_backs_requeues_and_finishing_do_not_count(queue):
+    configure(queue.redis, queue.keys, max_claims=2)
+    queue.push_groups(fresh(1))
+    for n in range(4):  # SIGTERM hand-backs: not the group's doing
+        assert ids(claim(queue, f"leaver{n}", 1)) == ["g0"]
+        assert queue.leave(f"leaver{n}") == 1
+    c = claim(queue, "p", 1)
+    for _ in range(4):  # a pause requeues it, a release puts it back
+        assert publish(queue, "p", c.groups[0], Place.REQUEUE, group=finish(c.groups[0].group,
+                                                                             status=Status.ABORTED)) == Published.OK
+        queue.release()
+        c = claim(queue, "p", 1)
+    assert int(queue.redis.hget(queue.keys.claims, "g0")) == 1
+    history = [event for _, event, _, _ in queue.history("g0")]
+    assert history.count("handed_back") == 4 and history.count("claimed") == 9
+    publish(queue, "p", c.groups[0], group=finish(c.groups[0].group))
+    assert queue.redis.hget(queue.keys.claims, "g0") is None  # finished: the count is over
+    assert_audit_ok(queue)
+
+
+def test_dead_retry_resets_the_claim_count(queue):
+    from pipeline.deadletters import retry
+
+    configure(queue.redis, queue.keys, max_claims=1)
+    queue.push_groups(fresh(1))
+    claim(queue, "a", 1)
+    expire(queue, "a")
+    queue.reap("a")
+    assert claim(queue, "b", 1).groups == []
+    assert retry(queue, all_=True).settled == 1
+    assert ids(claim(queue, "b", 1)) == ["g0"]
+    assert_audit_ok(queue)
 
 
 # -- publish and the zombie case ------------------------------------------------------
@@ -220,28 +314,41 @@ def test_claim_payload_for_another_group_is_dead_lettered(queue):
 ])
 def test_publish_while_held(queue, place, stream, counter):
     queue.push_groups(fresh(2))
-    g = queue.claim("w", 1).groups[0].group
+    c = claim(queue, "w", 1).groups[0]
     error = "engine failed" if place == Place.DEAD else None
-    entry_id = queue.publish_group("w", finish(g), place, error=error, keep_response_text=True)
-    assert entry_id
+    g = finish(c.group)
+    assert publish(queue, "w", c, place, group=g, error=error, keep_response_text=True) == Published.OK
     [entry] = queue.read_stream(getattr(queue.keys, stream))
-    assert (entry.entry_id, entry.group_id, entry.error) == (entry_id, "g0", error)
+    assert (entry.group_id, entry.error) == ("g0", error)
     assert entry.decode() == g
     assert inflight(queue, "w") == set()
-    assert not queue.redis.hexists(queue.keys.payloads, "g0")  # the payload rides in the entry now
+    assert not queue.redis.hexists(queue.keys.payloads, "g0")  # the payload rides with the entry now
     assert queue.stats()[counter] == 1
-    # Published once: the second publish of the same group finds it no longer held.
-    assert queue.publish_group("w", g, place, error=error) is None
+    # A retry of the same publish (its reply was lost) is told it went through.
+    assert publish(queue, "w", c, place, group=g, error=error) == Published.ALREADY
     assert queue.redis.xlen(getattr(queue.keys, stream)) == 1
+    assert_audit_ok(queue)
+
+
+def test_lost_publish_reply_then_retry(queue):
+    queue.push_groups(fresh(1))
+    c = claim(queue, "w", 1).groups[0]
+    queue._scripts["publish"] = LoseReplies(queue._scripts["publish"], armed=1)
+    with pytest.raises(redis.ConnectionError):
+        publish(queue, "w", c, group=finish(c.group))
+    assert publish(queue, "w", c, group=finish(c.group)) == Published.ALREADY
+    assert queue.redis.xlen(queue.keys.results) == 1
+    assert not list(queue.redis.scan_iter(match=queue.keys.staged("*", "*")))  # the retry's staging is gone
     assert_audit_ok(queue)
 
 
 def test_results_leave_response_text_out_unless_asked(queue):
     queue.push_groups(fresh(3))
-    gs = [finish(c.group) for c in queue.claim("w", 3).groups]
-    queue.publish_group("w", gs[0], Place.RESULTS)
-    queue.publish_group("w", gs[1], Place.RESULTS, keep_response_text=True)
-    queue.publish_group("w", gs[2], Place.REQUEUE)  # a continuation appends to the text: kept
+    cs = claim(queue, "w", 3).groups
+    gs = [finish(c.group) for c in cs]
+    publish(queue, "w", cs[0], group=gs[0])
+    publish(queue, "w", cs[1], group=gs[1], keep_response_text=True)
+    publish(queue, "w", cs[2], Place.REQUEUE, group=gs[2])  # a continuation appends to the text: kept
     plain, kept = (e.decode() for e in queue.read_stream(queue.keys.results))
     assert [s.response for s in plain.samples] == ["", ""]
     assert plain.samples[0].tokens == gs[0].samples[0].tokens
@@ -251,104 +358,139 @@ def test_results_leave_response_text_out_unless_asked(queue):
 
 def test_publish_not_held_is_refused(queue):
     queue.push_groups(fresh(2))
-    queue.claim("w", 1)
+    c = claim(queue, "w", 1).groups[0]
     g1 = decode_group(queue.redis.hget(queue.keys.payloads, "g1"))
-    assert queue.publish_group("w", g1, Place.RESULTS) is None  # queued, not claimed
-    assert queue.publish_group("other", g1, Place.RESULTS) is None
-    assert queue.publish("w", "nope", b"x", Place.DEAD, error="x") is None
+    assert queue.publish_group("w", g1, c.token, Place.RESULTS) == Published.REFUSED  # queued, not claimed
+    assert queue.publish_group("other", c.group, c.token, Place.RESULTS) == Published.REFUSED
+    assert queue.publish_group("w", c.group, "w:forged", Place.RESULTS) == Published.REFUSED  # wrong token
     for stream in (queue.keys.results, queue.keys.requeue, queue.keys.dead):
         assert queue.redis.xlen(stream) == 0
     assert prompts(queue) == ["g1"] and inflight(queue, "w") == {"g0"}
     assert_audit_ok(queue)
 
 
-def test_zombie_cannot_publish(make_queue):
-    q = make_queue(lease_s=0.5)
-    q.push_groups(fresh(2))
-    a_group = q.claim("A", 1).groups[0].group
-    assert a_group.group_id == "g0"
-    assert q.reap("A") == -1  # lease not over yet: A is alive
-    time.sleep(0.6)
-    assert q.reap("A") == 1  # presumed dead
-    assert prompts(q) == ["g0", "g1"]  # back at the head
-    b_group = q.claim("B", 1).groups[0].group
-    assert b_group.group_id == "g0"
+def test_zombie_cannot_publish(queue):
+    queue.push_groups(fresh(2))
+    a = claim(queue, "A", 1).groups[0]
+    assert a.group_id == "g0"
+    assert queue.reap("A") == -1  # lease not over yet: A is alive
+    expire(queue, "A")
+    assert queue.reap("A") == 1  # presumed dead
+    assert prompts(queue) == ["g0", "g1"]  # back at the head
+    b = claim(queue, "B", 1).groups[0]
+    assert b.group_id == "g0"
     # A was only slow: its late publish must not land anywhere.
     for place in (Place.RESULTS, Place.REQUEUE, Place.DEAD):
-        assert q.publish_group("A", finish(a_group, status=Status.COMPLETED), place, error="x") is None
-    for stream in (q.keys.results, q.keys.requeue, q.keys.dead):
-        assert q.redis.xlen(stream) == 0
-    assert inflight(q, "B") == {"g0"} and inflight(q, "A") == set()
-    assert_audit_ok(q)
-    # A's next heartbeat tells it it had been reaped.
-    assert q.heartbeat("A", "{}").was_registered is False
-    assert q.publish_group("B", finish(b_group), Place.RESULTS)
-    assert [e.group_id for e in q.read_stream(q.keys.results)] == ["g0"]
-    assert q.stats()["results"] == 1
-    assert_audit_ok(q)
+        assert publish(queue, "A", a, place, group=finish(a.group), error="x") == Published.REFUSED
+    for stream in (queue.keys.results, queue.keys.requeue, queue.keys.dead):
+        assert queue.redis.xlen(stream) == 0
+    assert inflight(queue, "B") == {"g0"} and inflight(queue, "A") == set()
+    assert_audit_ok(queue)
+    assert queue.heartbeat("A", "{}").reaped  # A's next heartbeat tells it
+    assert publish(queue, "B", b, group=finish(b.group)) == Published.OK
+    assert [e.group_id for e in queue.read_stream(queue.keys.results)] == ["g0"]
+    assert_audit_ok(queue)
+
+
+def test_a_reaped_worker_that_reclaims_its_group_cannot_publish_the_old_copy(queue):
+    """Issue 8 #5 (r4): reaped during a stall, the same worker process re-registers and
+    happens to claim the same group again: only the new claim's task may publish it."""
+    queue.push_groups(fresh(2))
+    old = claim(queue, "W#1", 1).groups[0]
+    expire(queue, "W#1")
+    assert queue.reap_expired() == 1
+    assert queue.heartbeat("W#1", "{}").reaped
+    assert queue.claim("W#1", "W#1:9", 1).status == ClaimStatus.UNREGISTERED
+    new = claim(queue, "W#2", 1).groups[0]
+    assert new.group_id == old.group_id == "g0" and new.token != old.token
+    assert publish(queue, "W#1", old, group=finish(old.group)) == Published.REFUSED
+    assert publish(queue, "W#2", new, group=finish(new.group)) == Published.OK
+    assert_audit_ok(queue)
+
+
+def test_publish_of_a_group_that_cannot_be_encoded_moves_nothing(queue):
+    """r6 / r7: a value msgpack cannot pack, or a mask of the wrong length, is refused
+    before anything moves: the group stays held (and the worker dead-letters its claimed copy)."""
+    from pipeline.codec import EncodeError
+
+    queue.push_groups(fresh(1))
+    c = claim(queue, "w", 1).groups[0]
+    g = finish(c.group)
+    g.samples[0].reward = {"score": object()}
+    with pytest.raises(EncodeError):
+        publish(queue, "w", c, group=g)
+    g = finish(c.group)
+    g.samples[0].loss_mask = [1] * 50  # three response tokens
+    with pytest.raises(EncodeError, match="loss_mask has 50 entries for 3 response tokens"):
+        publish(queue, "w", c, group=g)
+    g = finish(c.group)
+    g.samples[0].loss_mask = None
+    g.samples[0].tokens[-1] = 2 ** 40
+    with pytest.raises(EncodeError, match="token ids"):
+        publish(queue, "w", c, group=g)
+    assert inflight(queue, "w") == {"g0"}
+    assert queue.publish("w", "g0", c.token, c.payload, Place.DEAD, "cannot store it") == Published.OK
+    assert queue.read_stream(queue.keys.dead)[0].decode().group_id == "g0"
+    assert_audit_ok(queue)
+
+
+def test_a_huge_dead_letter_keeps_its_head_and_size(queue):
+    queue.push_groups(fresh(1))
+    c = claim(queue, "w", 1).groups[0]
+    assert queue.publish("w", "g0", c.token, b"x" * (3 << 20), Place.DEAD, "too big") == Published.OK
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert len(dead.data) == 4096 and "3,145,728 bytes" in dead.error
 
 
 # -- heartbeat ------------------------------------------------------------------------
 
 
 def test_heartbeat(queue):
-    hb = queue.heartbeat("w", json.dumps({"state": "generating"}))
-    assert (hb.was_registered, hb.paused, hb.weight_version) == (False, False, 0)
+    assert queue.heartbeat("w", "{}").reaped  # never registered: never registered by a heartbeat
+    assert queue.redis.zscore(queue.keys.workers, "w") is None
+    queue.register("w")
     set_paused(queue.redis, queue.keys, True)
     set_weight_version(queue.redis, queue.keys, 7)
     hb = queue.heartbeat("w", json.dumps({"state": "paused"}))
-    assert (hb.was_registered, hb.paused, hb.weight_version) == (True, True, 7)
+    assert (hb.reaped, hb.paused, hb.weight_version, hb.lease_s) == (False, True, 7, 30.0)
     assert json.loads(queue.redis.hget(queue.keys.worker_info, "w")) == {"state": "paused"}
-    before = queue.redis.zscore(queue.keys.workers, "w")
-    time.sleep(0.01)
+    expire(queue, "w")
     queue.heartbeat("w", "{}")
-    assert queue.redis.zscore(queue.keys.workers, "w") > before
+    assert queue.redis.zscore(queue.keys.workers, "w") > queue.now_ms()  # a deadline, a lease ahead
     assert queue.leave("w") == 0
-    assert queue.heartbeat("w", "{}").was_registered is False  # reaped meanwhile
+    assert queue.heartbeat("w", "{}").reaped
 
 
-# -- reap -----------------------------------------------------------------------------
+# -- reap, leave, hand back -----------------------------------------------------------
 
 
-def test_reap_only_expired_workers(make_queue):
-    q = make_queue(lease_s=0.6)
-    q.push_groups(fresh(6))
-    q.claim("old", 2)
-    time.sleep(0.4)
-    q.claim("young", 2)
-    time.sleep(0.3)
-    # old: 0.7 s since its heartbeat, young: 0.3 s.
-    assert q.reap("young") == -1
-    assert inflight(q, "young") == {"g2", "g3"}
-    assert q.reap_expired() == 2
-    assert inflight(q, "old") == set() and inflight(q, "young") == {"g2", "g3"}
-    assert set(prompts(q)[:2]) == {"g0", "g1"} and prompts(q)[2:] == ["g4", "g5"]
-    assert set(q.live_workers()) == {"young"}
-    assert q.redis.zscore(q.keys.workers, "old") is None
-    assert q.stats()["reaped"] == 2
-    assert q.reap_expired() == 0
-    assert_audit_ok(q)
+def test_reap_only_expired_workers(queue):
+    queue.push_groups(fresh(6))
+    claim(queue, "old", 2)
+    claim(queue, "young", 2)
+    expire(queue, "old")
+    assert queue.reap("young") == -1
+    assert queue.reap_expired() == 2
+    assert inflight(queue, "old") == set() and inflight(queue, "young") == {"g2", "g3"}
+    assert set(prompts(queue)[:2]) == {"g0", "g1"} and prompts(queue)[2:] == ["g4", "g5"]
+    assert queue.live_workers() == ["young"]
+    assert queue.stats()["reaped"] == 2 and "handed_back" not in queue.stats()
+    [record] = [json.loads(r) for r in queue.redis.lrange(queue.keys.reaped, 0, -1)]
+    assert (record["worker"], record["groups"], record["how"]) == ("old", 2, "reaped")
+    assert queue.reap_expired() == 0
+    assert_audit_ok(queue)
 
 
-def test_reaped_groups_go_to_the_head(queue):
-    queue.push_groups(fresh(5))
-    queue.claim("w", 3)
-    assert queue.reap("w", lease_s=0) == 3
-    assert set(prompts(queue)[:3]) == {"g0", "g1", "g2"}
-    assert prompts(queue)[3:] == ["g3", "g4"]
-    assert sorted(ids(queue.claim("x", 3))) == ["g0", "g1", "g2"]
-
-
-def test_leave_returns_groups_at_once(queue):
+def test_leave_returns_groups_at_once_and_is_counted_apart(queue):
     queue.push_groups(fresh(3))
-    queue.heartbeat("w", json.dumps({"state": "generating"}))
-    queue.claim("w", 2)
-    assert queue.reap("w") == -1  # heartbeat is fresh
+    claim(queue, "w", 2)
+    assert queue.reap("w") == -1  # lease is fresh
     assert queue.leave("w") == 2
-    assert inflight(queue, "w") == set()
-    assert len(prompts(queue)) == 3
+    assert inflight(queue, "w") == set() and len(prompts(queue)) == 3
     assert queue.redis.hget(queue.keys.worker_info, "w") is None
-    assert queue.live_workers() == {}
+    assert queue.workers() == {}
+    assert queue.stats()["handed_back"] == 2 and "reaped" not in queue.stats()
+    assert json.loads(queue.redis.lindex(queue.keys.reaped, 0))["how"] == "handed_back"
     assert_audit_ok(queue)
 
 
@@ -357,14 +499,36 @@ def test_reap_unknown_worker_is_harmless(queue):
     assert queue.leave("ghost") == 0
 
 
+def test_orphan_inflight_hash_of_an_unregistered_worker_is_reaped(queue):
+    queue.push_groups(fresh(2))
+    queue.redis.lpop(queue.keys.prompts)
+    queue.redis.hset(queue.keys.inflight("gone"), "g0", "gone:1")  # foreign, or left by an older version
+    report = audit(queue)
+    assert report.ok and report.unregistered_inflight == ["gone"]
+    assert queue.reap_orphans() == 1
+    assert prompts(queue) == ["g0", "g1"]
+
+
+def test_hand_back_checks_each_token(queue):
+    queue.push_groups(fresh(3))
+    c = claim(queue, "w", 3)
+    token = c.groups[0].token
+    assert queue.hand_back("w", {"g0": token, "g1": "w:stale", "g2": token}) == 2
+    assert inflight(queue, "w") == {"g1"}
+    assert set(prompts(queue)) == {"g0", "g2"}
+    assert queue.stats()["reconciled"] == 2
+    assert publish(queue, "w", c.groups[0], group=finish(c.groups[0].group)) == Published.REFUSED
+    assert_audit_ok(queue)
+
+
 # -- release --------------------------------------------------------------------------
 
 
 def _abort(q: Queue, n: int, worker: str = "w") -> list[Group]:
     out = []
-    for c in q.claim(worker, n).groups:
+    for c in claim(q, worker, n).groups:
         g = finish(c.group, version=2, status=Status.ABORTED, n_tokens=2)
-        assert q.publish_group(worker, g, Place.REQUEUE)
+        assert publish(q, worker, c, Place.REQUEUE, group=g) == Published.OK
         out.append(g)
     return out
 
@@ -373,28 +537,26 @@ def test_release_continue_keeps_partial_output(queue):
     queue.push_groups(fresh(4))
     aborted = _abort(queue, 2)
     assert queue.release("continue") == 2
-    # Oldest first, ahead of what was queued.
-    assert prompts(queue) == ["g0", "g1", "g2", "g3"]
+    assert prompts(queue) == ["g0", "g1", "g2", "g3"]  # oldest first, ahead of what was queued
     assert queue.redis.xlen(queue.keys.requeue) == 0
-    back = [c.group for c in queue.claim("w2", 2).groups]
+    back = [c.group for c in claim(queue, "w2", 2).groups]
     for got, want in zip(back, aborted):
         assert got.samples == want.samples and got.prompt_ids == want.prompt_ids
-        assert got.samples[0].weight_versions == ["2", "2"]
-        assert got.samples[0].status == Status.ABORTED
+        assert got.samples[0].weight_versions == ["2"] and got.samples[0].status == Status.ABORTED
     assert queue.stats()["released"] == 2
     assert_audit_ok(queue)
 
 
-def test_release_restart_resets(queue):
+def test_release_restart_resets_everything_generated(queue):
     queue.push_groups(fresh(2))
     _abort(queue, 1)
     assert queue.release("restart") == 1
-    g = queue.claim("w2", 1).groups[0].group
+    g = claim(queue, "w2", 1).groups[0].group
     assert g.group_id == "g0" and g.prompt_ids == []
     for s in g.samples:
         assert (s.tokens, s.response_length, s.response, s.reward) == ([], 0, "", None)
         assert (s.loss_mask, s.rollout_log_probs, s.weight_versions) == (None, None, [])
-        assert s.status == Status.PENDING
+        assert s.status == Status.PENDING and "rollout_segments" not in s.metadata
         assert s.prompt == "prompt 0" and s.label == "0"
     assert_audit_ok(queue)
 
@@ -408,15 +570,14 @@ def test_release_drop_counts_and_logs(queue):
     log = queue.redis.xrange(queue.keys.dropped)
     assert sorted((f[b"gid"], f[b"reason"]) for _, f in log) == [(b"g0", b"requeue-drop"), (b"g1", b"requeue-drop")]
     assert queue.redis.hget(queue.keys.admitted, "g0") is None
-    report = assert_audit_ok(queue)
-    assert report.dropped == 2
+    assert assert_audit_ok(queue).dropped == 2
 
 
 def test_release_malformed_entry_goes_dead(queue):
     queue.push_groups(fresh(3))
     good = _abort(queue, 1)[0]
-    queue.claim("w", 1)
-    queue.publish("w", "g1", b"\x93corrupt", Place.REQUEUE)
+    c = claim(queue, "w", 1).groups[0]
+    queue.publish("w", "g1", c.token, b"\x93corrupt", Place.REQUEUE)
     assert queue.release("continue") == 2
     assert prompts(queue) == ["g0", "g2"]
     [dead] = queue.read_stream(queue.keys.dead)
@@ -431,109 +592,113 @@ def test_release_max_count_and_policy_check(queue):
     _abort(queue, 4)
     assert queue.release("continue", max_count=3) == 3
     assert prompts(queue) == ["g0", "g1", "g2", "g4"]
-    assert queue.redis.xlen(queue.keys.requeue) == 1
-    with pytest.raises(ValueError, match="unknown release policy 'later'"):
+    with pytest.raises(ValueError, match="'later' is not a valid ReleasePolicy"):
         queue.release("later")
     assert queue.release() == 1
     assert queue.release() == 0
     assert_audit_ok(queue)
 
 
-# -- settle and commit ----------------------------------------------------------------
+# -- settle ---------------------------------------------------------------------------
 
 
-def _results(q: Queue, n: int) -> list:
-    q.push_groups(fresh(n))
-    for c in q.claim("w", n).groups:
-        q.publish_group("w", finish(c.group), Place.RESULTS)
-    q.ensure_consumer_group()
-    rows = q.redis.xreadgroup(CONSUMER_GROUP, "t", {q.keys.results: ">"}, count=n)[0][1]
-    return [(e.entry_id, e.group_id, e.data) for e in q.entries(q.keys.results, rows)]
+def _session(q: Queue, name: str = "t") -> TrainerSession:
+    generation, consumer, _ = scripts.load(q.redis, "session")["session"](
+        keys=[q.keys.trainer, q.keys.results], args=[CONSUMER_GROUP, name, "{}"])
+    return TrainerSession(consumer.decode(), int(generation))
+
+
+def _delivered(q: Queue, n: int, session: TrainerSession) -> list[Settle]:
+    rows = q.redis.xreadgroup(CONSUMER_GROUP, session.consumer, {q.keys.results: ">"}, count=n)[0][1]
+    return [Settle("commit", e.entry_id, e.group_id, token=e.token, payload=e.data)
+            for e in q.entries(q.keys.results, rows)]
 
 
 def test_commit_acks_deletes_and_counts(queue):
-    rows = _results(queue, 3)
+    produce(queue, 3)
+    session = _session(queue)
+    items = _delivered(queue, 3, session)
     k = queue.keys
-    assert queue.redis.xpending(k.results, CONSUMER_GROUP)["pending"] == 3
-    n = queue.settle(k.results, [Settle("commit", eid, gid) for eid, gid, _ in rows[:2]], CONSUMER_GROUP)
-    assert n == 2
+    assert queue.settle(k.results, items[:2], session) == (2, 0)
     assert queue.redis.xlen(k.results) == 1
     assert queue.redis.xpending(k.results, CONSUMER_GROUP)["pending"] == 1
     assert queue.stats()["committed"] == 2
     assert {m.decode() for m in queue.redis.zrange(k.committed, 0, -1)} == {"g0", "g1"}
     assert queue.redis.hmget(k.admitted, ["g0", "g1", "g2"]) == [None, None, b"0"]
-    # Settling again does nothing: already gone.
-    assert queue.settle(k.results, [Settle("commit", eid, gid) for eid, gid, _ in rows[:2]], CONSUMER_GROUP) == 0
+    assert not queue.redis.exists(k.result("g0", items[0].token))  # the payload went with the entry
+    # A retried commit (its reply was lost) finds them committed: done, not double-counted.
+    assert queue.settle(k.results, items[:2], session) == (0, 2)
     assert queue.stats()["committed"] == 2
     assert_audit_ok(queue)
 
 
 def test_settle_actions(queue):
-    rows = _results(queue, 4)
+    produce(queue, 4)
+    session = _session(queue)
+    i0, i1, i2, i3 = _delivered(queue, 4, session)
     k = queue.keys
-    (e0, g0, _), (e1, g1, _), (e2, g2, d2), (e3, g3, d3) = rows
-    n = queue.settle(k.results, [
-        Settle("drop", e0, g0, "all rewards equal"),
-        Settle("prompt", e1, g1, payload=encode_group(Group.fresh(g1, "p", 1))),
-        Settle("dead", e2, g2, "bad reward", d2),
-        Settle("duplicate", e3, g3),
-    ], CONSUMER_GROUP)
-    assert n == 4
+    assert queue.settle(k.results, [
+        Settle("drop", i0.entry_id, "g0", "all rewards equal", token=i0.token),
+        Settle("prompt", i1.entry_id, "g1", payload=encode_group(Group.fresh("g1", "p", 1)), token=i1.token),
+        Settle("dead", i2.entry_id, "g2", "bad reward", i2.payload, i2.token),
+        Settle("duplicate", i3.entry_id, "g3", token=i3.token),
+    ], session) == (4, 0)
     assert queue.redis.xlen(k.results) == 0
-    assert queue.redis.xpending(k.results, CONSUMER_GROUP)["pending"] == 0
+    assert not list(queue.redis.scan_iter(match=k.result_pattern))
     assert [(f[b"gid"], f[b"reason"]) for _, f in queue.redis.xrange(k.dropped)] == [(b"g0", b"all rewards equal")]
     assert prompts(queue) == ["g1"] and decode_group(queue.redis.hget(k.payloads, "g1")).n_samples == 1
     [dead] = queue.read_stream(k.dead)
-    assert (dead.group_id, dead.error, dead.data) == ("g2", "bad reward", d2)
+    assert (dead.group_id, dead.error, dead.data) == ("g2", "bad reward", i2.payload)
     stats = queue.stats()
     assert (stats["dropped"], stats["released"], stats["dead"], stats["duplicates"]) == (1, 1, 1, 1)
-    assert "committed" not in stats
-    # discard: an operator throws the dead letter away (a stream without consumer group).
-    assert queue.settle(k.dead, [Settle("discard", dead.entry_id, "g2")]) == 1
+    assert queue.settle(k.dead, [Settle("discard", dead.entry_id, "g2")]) == (1, 0)
     assert queue.redis.xlen(k.dead) == 0 and queue.stats()["discarded"] == 1
     # The duplicate was a planted extra: pushed 4, one of them (g3) now nowhere.
     report = audit(queue)
-    assert report.missing == 1 and report.accounted == 3
+    assert (report.lost, report.accounted, report.duplicates_discarded) == (1, 3, 1)
 
 
 def test_settle_unknown_action_changes_nothing(queue):
-    rows = _results(queue, 2)
+    produce(queue, 2)
+    session = _session(queue)
+    a, b = _delivered(queue, 2, session)
+    b.action = "explode"
     with pytest.raises(redis.ResponseError, match="unknown action explode"):
-        queue.settle(queue.keys.results, [Settle("commit", rows[0][0], rows[0][1]),
-                                          Settle("explode", rows[1][0], rows[1][1])], CONSUMER_GROUP)
+        queue.settle(queue.keys.results, [a, b], session)
     assert queue.redis.xlen(queue.keys.results) == 2
-    assert queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)["pending"] == 2
-    assert queue.settle(queue.keys.results, [], CONSUMER_GROUP) == 0
+    assert queue.settle(queue.keys.results, [], session) == (0, 0)
 
 
-def test_settle_needs_delivery_to_the_group(queue):
-    """With a consumer group, only entries delivered to it (XACK succeeds) are settled."""
-    queue.push_groups(fresh(1))
-    queue.claim("w", 1)
-    eid = queue.publish_group("w", finish(decode_group(queue.redis.hget(queue.keys.payloads, "g0"))), Place.RESULTS)
-    queue.ensure_consumer_group()
-    assert queue.settle(queue.keys.results, [Settle("commit", eid, "g0")], CONSUMER_GROUP) == 0
-    assert queue.redis.xlen(queue.keys.results) == 1
+def test_settle_only_what_was_delivered_to_this_session(queue):
+    produce(queue, 2)
+    first = _session(queue, "t")
+    [item] = _delivered(queue, 1, first)
+    second = _session(queue, "t")  # takes over, fences the first
+    assert second.generation == first.generation + 1
+    with pytest.raises(SessionFenced, match=f"{first.consumer} was replaced by session {second.consumer}"):
+        queue.settle(queue.keys.results, [item], first)
+    # The newer session got the entry when it started; one never delivered it cannot settle.
+    assert queue.settle(queue.keys.results, [item], second) == (1, 0)
+    undelivered = queue.read_stream(queue.keys.results)[0]
+    assert queue.settle(queue.keys.results, [Settle("commit", undelivered.entry_id, undelivered.group_id,
+                                                     token=undelivered.token)], second) == (0, 0)
+    with pytest.raises(ValueError, match="needs the trainer session"):
+        queue.settle(queue.keys.results, [item])
 
 
-def test_committed_ids_are_trimmed(queue, monkeypatch):
+def test_committed_ids_are_trimmed_with_their_history(queue, monkeypatch):
     import pipeline.queue as qmod
 
     monkeypatch.setattr(qmod, "COMMITTED_IDS_KEPT", 3)
-    rows = _results(queue, 5)
-    queue.settle(queue.keys.results, [Settle("commit", e, g) for e, g, _ in rows], CONSUMER_GROUP)
+    produce(queue, 5)
+    session = _session(queue)
+    queue.settle(queue.keys.results, _delivered(queue, 5, session), session)
     assert queue.redis.zcard(queue.keys.committed) == 3
     assert queue.stats()["committed"] == 5
+    assert queue.redis.hlen(queue.keys.history) == 3
 
 
-def test_ensure_consumer_group_is_idempotent(queue):
-    queue.ensure_consumer_group()
-    queue.ensure_consumer_group()
-    groups = queue.redis.xinfo_groups(queue.keys.results)
-    assert [g["name"] for g in groups] == [CONSUMER_GROUP.encode()]
-
-
-# -- push cursor ----------------------------------------------------------------------
+# -- push -----------------------------------------------------------------------------
 
 
 def test_push_advances_cursor_atomically(queue):
@@ -551,5 +716,42 @@ def test_push_advances_cursor_atomically(queue):
     [dead] = queue.read_stream(queue.keys.dead)
     assert (dead.group_id, dead.error) == ("d:0:4", "d.jsonl:5: missing key 'input'")
     assert queue.stats()["pushed"] == 5 and queue.stats()["dead"] == 1
-    assert queue.redis.hget(queue.keys.dataset, "d:0") == b"5"
+    assert_audit_ok(queue)
+
+
+def test_a_group_id_is_queued_once(queue):
+    """Issue 8 #2 (r2): the same group id pushed twice is one copy, so no settle of a
+    second copy can delete the payload the first one needs."""
+    assert queue.push_groups(fresh(2)) == 2
+    assert queue.push_groups(fresh(3)) == 1
+    assert prompts(queue) == ["g0", "g1", "g2"]
+    assert queue.stats()["pushed"] == 3
+    assert_audit_ok(queue)
+
+
+def test_a_group_whose_holders_died_twice_runs_alone(queue):
+    """A worker that dies takes every group it holds down with it; a group reaped twice
+    is retried on its own, so a poison group cannot drag its neighbours to max_claims."""
+    queue.push_groups(fresh(4))
+    for n in range(2):  # two workers die holding g0 and g1
+        assert sorted(ids(claim(queue, f"dead{n}", 2))) == ["g0", "g1"]
+        expire(queue, f"dead{n}")
+        queue.reap(f"dead{n}")
+    busy = claim(queue, "busy", 3)  # a suspect, and this worker holds nothing: it alone
+    assert len(busy.groups) == 1 and ids(busy)[0] in ("g0", "g1")
+    assert claim(queue, "busy", 3).status == ClaimStatus.ISOLATING  # nothing more while it runs
+    c = claim(queue, "other", 3)  # another worker holds nothing: the other suspect, alone
+    assert sorted(ids(busy) + ids(c)) == ["g0", "g1"]
+    third = claim(queue, "third", 1)
+    assert ids(third) == ["g2"]  # suspects are not at the head any more
+    publish(queue, "busy", busy.groups[0], group=finish(busy.groups[0].group))
+    assert ids(claim(queue, "busy", 3)) == ["g3"]  # done: it claims normally again
+    # A worker holding something does not take a suspect: it waits at the head.
+    queue.push_groups(fresh(1, prefix="s"))
+    claim(queue, "w5", 1)
+    expire(queue, "w5")
+    queue.reap("w5")
+    queue.redis.hset(queue.keys.claims, "s0", 2)
+    assert claim(queue, "third", 1).status == ClaimStatus.ISOLATING
+    assert prompts(queue) == ["s0"]
     assert_audit_ok(queue)

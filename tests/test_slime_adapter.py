@@ -19,6 +19,7 @@ from pipeline.consumer import BatchMetrics
 from pipeline.filters import DynamicFilterOutput
 from pipeline.queue import Place
 from pipeline.types import Group, Sample, Status
+from tests.groups import claim, publish
 
 N = 2  # samples per group
 PROMPT = [1, 2, 3]
@@ -130,14 +131,14 @@ def finished(row: int, rewards: list | None = None, version: int = 0) -> Group:
     return group
 
 
-def publish(queue, rows: list[int], **kwargs) -> list[Group]:
+def publish_results(queue, rows: list[int], **kwargs) -> list[Group]:
     """Push, claim and publish finished groups, in the order given."""
     groups = [finished(r, **kwargs) for r in rows]
     queue.push_groups([Group.fresh(g.group_id, g.samples[0].prompt, N, row=g.row) for g in groups])
-    claim = queue.claim("w", len(groups))
-    assert [c.group_id for c in claim.groups] == [g.group_id for g in groups]
+    claimed = claim(queue, "w", len(groups))
+    assert [c.group_id for c in claimed.groups] == [g.group_id for g in groups]
     for g in groups:
-        assert queue.publish_group("w", g, Place.RESULTS)
+        assert publish(queue, "w", g, Place.RESULTS)
     return groups
 
 
@@ -218,7 +219,7 @@ def test_settings_from_args_then_environment(monkeypatch, tmp_path):
 
 
 def test_generate_rollout_with_fake_slime(fake_slime, queue, redis_url, namespace):
-    published = {g.row: g for g in publish(queue, [3, 1, 4, 0, 5])}
+    published = {g.row: g for g in publish_results(queue, [3, 1, 4, 0, 5])}
     args = make_args(redis_url, namespace)
 
     out = sa.generate_rollout(args, 0, data_source=None)
@@ -260,7 +261,7 @@ def test_generate_rollout_with_fake_slime(fake_slime, queue, redis_url, namespac
 
 def test_generate_rollout_fallback_types(queue, redis_url, namespace, monkeypatch):
     monkeypatch.setitem(sys.modules, "slime", None)
-    publish(queue, [2, 1])
+    publish_results(queue, [2, 1])
     out = sa.generate_rollout(make_args(redis_url, namespace), 0, data_source=None)
     assert isinstance(out, sa.RolloutFnTrainOutput)
     assert rows_of(out.samples) == [1, 2]
@@ -270,7 +271,7 @@ def test_generate_rollout_fallback_types(queue, redis_url, namespace, monkeypatc
 
 
 def test_generate_rollout_uses_a_redis_data_source(queue, redis_url, namespace):
-    publish(queue, [0, 1, 2, 3])
+    publish_results(queue, [0, 1, 2, 3])
     args = make_args(redis_url, namespace)
     source = sa.RedisDataSource(args)
     assert rows_of(sa.generate_rollout(args, 0, source).samples) == [0, 1]
@@ -281,7 +282,7 @@ def test_generate_rollout_uses_a_redis_data_source(queue, redis_url, namespace):
 
 
 def test_commit_lag_two_for_train_async(queue, redis_url, namespace):
-    publish(queue, list(range(6)))
+    publish_results(queue, list(range(6)))
     args = make_args(redis_url, namespace, rollout_commit_lag=2)
     for rollout_id, expected_committed in [(0, 0), (1, 0), (2, 2)]:
         sa.generate_rollout(args, rollout_id, None)
@@ -297,7 +298,7 @@ def test_evaluation_is_not_served_from_the_queue(redis_url, namespace):
 
 
 def test_wrong_group_size_is_refused(queue, redis_url, namespace):
-    publish(queue, [0, 1])
+    publish_results(queue, [0, 1])
     args = make_args(redis_url, namespace)
     args.n_samples_per_prompt = 4
     with pytest.raises(ValueError, match="n_samples_per_prompt=4"):
@@ -318,8 +319,8 @@ def nonzero_std(args, samples, **kwargs):
 
 
 def test_slime_dynamic_filter_gets_slime_samples(fake_slime, queue, redis_url, namespace):
-    publish(queue, [0, 1], rewards=[1.0, 1.0])
-    publish(queue, [2, 3, 4])
+    publish_results(queue, [0, 1], rewards=[1.0, 1.0])
+    publish_results(queue, [2, 3, 4])
     args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.nonzero_std")
     out = sa.generate_rollout(args, 0, None)
     assert rows_of(out.samples) == [2, 3]
@@ -332,7 +333,7 @@ def test_slime_dynamic_filter_gets_slime_samples(fake_slime, queue, redis_url, n
 
 
 def test_data_source_interface(fake_slime, queue, redis_url, namespace):
-    publish(queue, [0, 1, 2, 3, 4])
+    publish_results(queue, [0, 1, 2, 3, 4])
     args = make_args(redis_url, namespace)
     source = sa.RedisDataSource(args)
     assert len(source) == 5
@@ -358,7 +359,7 @@ def test_data_source_interface(fake_slime, queue, redis_url, namespace):
 
 
 def test_given_back_groups_survive_a_crash(queue, redis_url, namespace):
-    publish(queue, [0, 1])
+    publish_results(queue, [0, 1])
     args = make_args(redis_url, namespace)
     source = sa.RedisDataSource(args)
     groups = source.get_samples(2)
@@ -392,7 +393,7 @@ def test_foreign_groups_are_pushed_as_prompts(fake_slime, queue, redis_url, name
 def test_given_back_group_too_stale_is_dropped(queue, redis_url, namespace):
     from pipeline.control import configure, set_weight_version
 
-    publish(queue, [0, 1, 2])
+    publish_results(queue, [0, 1, 2])
     configure(queue.redis, queue.keys, max_staleness=0)
     source = sa.RedisDataSource(make_args(redis_url, namespace))
     groups = source.get_samples(2)

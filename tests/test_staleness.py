@@ -11,13 +11,14 @@ import pytest
 
 from pipeline.audit import audit
 from pipeline.consumer import BatchTimeout, Consumer
-from pipeline.control import configure, read_control, set_weight_version
+from pipeline.control import configure, read_control, set_weight_version, staleness_limit
 from pipeline.queue import Place, Queue
 from pipeline.types import Group, Status
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import WorkerThread, holds_for, wait_for
 from workers.engine import EngineSet
 from workers.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
+from tests.groups import claim, publish
 
 FAST = dict(decode_tokens_per_s=3000.0, length_median=48.0, length_p99=300.0, prefill_s=0.002)
 
@@ -65,8 +66,8 @@ class EngineVersions:
 
 class BudgetSampler:
     """Samples, atomically and as fast as it can, the version and what counts against the
-    budget, from outside the claim script: the admitted counter it keeps, and an
-    independent count (committed + the admitted hash) of groups it let through."""
+    budget, from outside the claim script: groups committed plus the admitted hash (the
+    groups it let through)."""
 
     def __init__(self, queue: Queue, eta: int, batch: int):
         self.queue, self.eta, self.batch = queue, eta, batch
@@ -81,15 +82,15 @@ class BudgetSampler:
         k = self.queue.keys
         while not self._stop.is_set():
             pipe = self.queue.redis.pipeline(transaction=True)
-            pipe.hmget(k.control, "weight_version", "admitted")
+            pipe.hget(k.control, "weight_version")
             pipe.hget(k.stats, "committed")
             pipe.hlen(k.admitted)
             pipe.llen(k.prompts)
-            (version, admitted), committed, live, prompts = pipe.execute()
-            limit = (self.eta + int(version or 0) + 1) * self.batch
+            version, committed, live, prompts = pipe.execute()
+            limit = staleness_limit(self.eta, int(version or 0), self.batch)
             let_through = int(committed or 0) + live
-            if int(admitted or 0) > limit or let_through > limit:
-                self.violations.append((int(version or 0), int(admitted or 0), let_through, limit))
+            if let_through > limit:
+                self.violations.append((int(version or 0), let_through, limit))
             if let_through == limit and prompts:
                 self.at_budget += 1
             self.samples += 1
@@ -122,10 +123,9 @@ def test_eta_1_slow_trainer_never_exceeds_the_bound(redis_url, queue, namespace,
             assert max(b.metrics.staleness) <= eta
             restarted += b.metrics.restarted
             # The slow trainer: while it "trains", the 4 workers run into the budget.
-            wait_for(lambda: any(w.worker.state == "budget" for w in workers), timeout=10, what="budget state")
-            time.sleep(0.3)
-            limit = (eta + version + 1) * batch
-            assert read_control(queue.redis, queue.keys).admitted == limit
+            wait_for(lambda: any(w.worker.state() == "budget" for w in workers), timeout=10, what="budget state")
+            limit = staleness_limit(eta, version, batch)
+            wait_for(lambda: read_control(queue.redis, queue.keys).admitted == limit, what="the budget spent")
             assert queue.redis.llen(queue.keys.prompts) > 0  # stopped by the budget, not by a lack of prompts
             consumer.commit(b)
             engines.set(version + 1)  # engines first: tokens never carry a version ahead of Redis'
@@ -168,14 +168,13 @@ def test_eta_0_is_synchronous(redis_url, queue, namespace, sims):
             assert not ids & seen
             seen |= ids
             # Exactly B per version, and nothing more until the trainer bumps the version.
-            time.sleep(0.3)
-            assert claims(queue) == admitted
+            wait_for(lambda: all(w.worker.state() == "budget" for w in workers), what="both workers at the budget")
+            holds_for(lambda: claims(queue) == admitted, 0.3, "no claims past the budget")
             assert queue.redis.llen(queue.keys.prompts) == 40 - admitted
-            assert all(w.worker.state == "budget" for w in workers)
             assert read_control(queue.redis, queue.keys).admitted == admitted
             consumer.commit(b)
-            time.sleep(0.1)
-            assert claims(queue) == admitted  # committing does not open admission; the version does
+            # Committing does not open admission; the version does.
+            holds_for(lambda: claims(queue) == admitted, 0.1, "no claims after a commit")
             engines.set(version + 1)
             set_weight_version(queue.redis, queue.keys, version + 1)
     finally:
@@ -205,13 +204,13 @@ def finish(group: Group, version: int, reward: float = 1.0) -> Group:
 
 def plant(queue: Queue, gid: str, version: int) -> None:
     """Claim `gid` from the head and publish it as generated under `version`."""
-    claimed = queue.claim("planter", 1).groups
+    claimed = claim(queue, "planter", 1).groups
     assert [c.group_id for c in claimed] == [gid]
-    queue.publish_group("planter", finish(claimed[0].group, version), Place.RESULTS)
+    publish(queue, "planter", finish(claimed[0].group, version), Place.RESULTS)
 
 
 def test_stale_group_is_restarted_at_the_head_then_dead_lettered(queue, client, namespace):
-    configure(queue.redis, queue.keys, max_staleness=1, batch_size=100)
+    configure(queue.redis, queue.keys, max_staleness=1)  # the hard check alone: no pacing
     push(queue, 1, prefix="old")
     push(queue, 3, prefix="later")
     consumer = Consumer(client, namespace, block_s=0.1)  # default max_restarts = 3
@@ -222,13 +221,13 @@ def test_stale_group_is_restarted_at_the_head_then_dead_lettered(queue, client, 
             consumer.next_batch(1, timeout=0.3)
         # back at the head of the prompt list, ahead of the prompts that were waiting
         assert queue.redis.lrange(queue.keys.prompts, 0, -1) == [b"old0", b"later0", b"later1", b"later2"]
-        claimed = queue.claim("planter", 1).groups[0].group
+        claimed = claim(queue, "planter", 1).groups[0].group
         assert claimed.group_id == "old0" and claimed.restarts == restart
         assert claimed.prompt_ids == []
         assert all(s.tokens == [] and s.response_length == 0 and s.weight_versions == [] and s.reward is None
                    and s.status == Status.PENDING for s in claimed.samples)
         version = read_control(queue.redis, queue.keys).weight_version
-        queue.publish_group("planter", finish(claimed, version - 2), Place.RESULTS)  # stale again
+        publish(queue, "planter", finish(claimed, version - 2), Place.RESULTS)  # stale again
         set_weight_version(queue.redis, queue.keys, version + 1)
     # The fourth time it is too stale, with 3 restarts behind it: dead letter.
     with pytest.raises(BatchTimeout):
@@ -261,11 +260,11 @@ def test_stale_policy_drop_counts_by_reason_and_frees_the_budget(queue, client, 
     push(queue, 6)
     plant(queue, "g0", 0)
     plant(queue, "g1", 0)
-    assert queue.claim("planter", 1).status == "budget"  # (0 + 0 + 1) * 2 admitted
+    assert claim(queue, "planter", 1).status == "budget"  # (0 + 0 + 1) * 2 admitted
     set_weight_version(queue.redis, queue.keys, 1)  # budget 4; g0, g1 now one version behind
     plant(queue, "g2", 1)
     plant(queue, "g3", 1)
-    assert queue.claim("planter", 1).status == "budget"
+    assert claim(queue, "planter", 1).status == "budget"
     consumer = Consumer(client, namespace, block_s=0.1, stale_policy="drop")
     b = consumer.next_batch(2, timeout=5)
     assert [g.group_id for g in b.groups] == ["g2", "g3"]
@@ -276,7 +275,7 @@ def test_stale_policy_drop_counts_by_reason_and_frees_the_budget(queue, client, 
     # The two dropped groups gave their slots back: at version 1 the budget is 4, and only
     # the 2 committed ones count, so two more may be admitted without a version bump.
     assert read_control(queue.redis, queue.keys).admitted == 2
-    assert [c.group_id for c in queue.claim("planter", 5).groups] == ["g4", "g5"]
+    assert [c.group_id for c in claim(queue, "planter", 5).groups] == ["g4", "g5"]
     report = audit(queue)
     assert report.ok and (report.dropped, report.committed) == (2, 2), report.summary()
     assert queue.stats()["dropped"] == 2
@@ -299,6 +298,6 @@ def test_held_surplus_is_checked_again_when_the_version_moves(queue, client, nam
     with pytest.raises(BatchTimeout):
         consumer.next_batch(2, timeout=0.3)
     assert sorted(queue.redis.lrange(queue.keys.prompts, 0, -1)) == [b"g2", b"g3"]  # restarted
-    assert all(queue.claim("planter", 1).groups[0].group.restarts == 1 for _ in range(2))
+    assert all(claim(queue, "planter", 1).groups[0].group.restarts == 1 for _ in range(2))
     report = audit(queue)
     assert report.ok, report.summary()

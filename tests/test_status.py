@@ -16,6 +16,7 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Place, Queue
 from pipeline.status import RateTracker, empty_message, namespace_is_empty, render, snapshot
 from pipeline.types import Group, Status
+from tests.groups import claim, publish
 
 STABLE_KEYS = {"prompts", "inflight", "results_ready", "results_pending", "requeue", "dead", "workers_alive",
                "weight_version", "paused"}
@@ -38,9 +39,9 @@ def finish(group: Group, version: str = "0", reward: float = 1.0) -> Group:
 
 
 def claim_all(queue: Queue, worker: str, n: int) -> list[Group]:
-    claim = queue.claim(worker, n)
-    assert claim.status == "ok", claim.status
-    return [c.group for c in claim.groups]
+    claimed = claim(queue, worker, n)
+    assert claimed.status == "ok", claimed.status
+    return [c.group for c in claimed.groups]
 
 
 def test_empty_namespace_is_reported(queue, client, namespace):
@@ -58,14 +59,14 @@ def test_empty_namespace_is_reported(queue, client, namespace):
 
 def test_snapshot_counts_every_place(queue, client):
     queue.push_groups(make_groups(10))
-    queue.heartbeat("w1", json.dumps({"engines": ["http://e1:30000"], "state": "running", "capacity": 64,
+    queue.register("w1", json.dumps({"engines": ["http://e1:30000"], "state": "running", "capacity": 64,
                                       "inflight_samples": 8, "counters": {"groups_completed": 3}}))
     held = claim_all(queue, "w1", 6)
-    queue.publish_group("w1", finish(held[0]), Place.RESULTS)
-    queue.publish_group("w1", finish(held[1]), Place.RESULTS)
-    queue.publish_group("w1", finish(held[2]), Place.RESULTS)
-    queue.publish_group("w1", held[3], Place.REQUEUE)
-    queue.publish_group("w1", held[4], Place.DEAD, error="engine failed 3 times")
+    publish(queue, "w1", finish(held[0]), Place.RESULTS)
+    publish(queue, "w1", finish(held[1]), Place.RESULTS)
+    publish(queue, "w1", finish(held[2]), Place.RESULTS)
+    publish(queue, "w1", held[3], Place.REQUEUE)
+    publish(queue, "w1", held[4], Place.DEAD, error="engine failed 3 times")
     consumer = Consumer(client, queue.keys.namespace)
     consumer.next_batch(1, timeout=5)  # delivered, not committed: pending
     set_weight_version(client, queue.keys, 4)
@@ -95,14 +96,14 @@ def test_snapshot_counts_every_place(queue, client):
     assert report.ok and report.prompts == 4 and report.results_pending == 1
 
 
-def test_expired_worker_is_not_alive(make_queue):
-    queue = make_queue(lease_s=1.0)
+def test_expired_worker_is_shown_dead(queue):
+    configure(queue.redis, queue.keys, lease_s=10)
     queue.push_groups(make_groups(2))
     claim_all(queue, "gone", 1)
-    time.sleep(1.2)
+    queue.redis.zadd(queue.keys.workers, {"gone": queue.now_ms() - 3000}, xx=True)  # its lease ran out 3 s ago
     snap = snapshot(queue)
     assert snap.workers_alive == 0 and not snap.workers[0].alive
-    assert snap.workers[0].state.startswith("lease expired")
+    assert snap.workers[0].state == "dead (no heartbeat for 13s; its groups return at the next reap)"
     assert any("missed their lease" in a for a in snap.alerts)
 
 
@@ -112,7 +113,7 @@ def test_throughput_committed_is_exact_and_counters_give_rates(queue, client):
     first = snapshot(queue, tracker)
     assert first.throughput.published_per_min is None  # one sample: no rate yet
     for g in claim_all(queue, "w", 8):
-        queue.publish_group("w", finish(g), Place.RESULTS)
+        publish(queue, "w", finish(g), Place.RESULTS)
     consumer = Consumer(client, queue.keys.namespace)
     consumer.commit(consumer.next_batch(5, timeout=5))
     time.sleep(0.3)
@@ -139,7 +140,7 @@ def test_render_fits_80_columns(queue):
 
     queue.push_groups(make_groups(3))
     name = "a-very-long-hostname.example.internal-123456-abcdef"
-    queue.heartbeat(name, json.dumps({"engines": ["http://engine-with-a-long-name.cluster.local:30000"],
+    queue.register(name, json.dumps({"engines": ["http://engine-with-a-long-name.cluster.local:30000"],
                                       "state": "engine-down: connection refused to engine-with-a-long-name",
                                       "capacity": 512, "inflight_samples": 0}))
     configure(queue.redis, queue.keys, max_staleness=2, batch_size=8, max_ready=64)
@@ -161,9 +162,9 @@ def dead_letter_setup(queue: Queue, tmp_path) -> dict[str, str]:
     held = claim_all(queue, "w", 3)
     held[0].attempts = 3
     held[0].error = "engine failed 3 times; last error: 503"
-    queue.publish_group("w", held[0], Place.DEAD, error=held[0].error)
-    queue.publish_group("w", finish(held[1]), Place.DEAD, error="reward failed 3 times")
-    queue.publish_group("w", finish(held[2]), Place.RESULTS)
+    publish(queue, "w", held[0], Place.DEAD, error=held[0].error)
+    publish(queue, "w", finish(held[1]), Place.DEAD, error="reward failed 3 times")
+    publish(queue, "w", finish(held[2]), Place.RESULTS)
     data = tmp_path / "rows.jsonl"
     data.write_text('{"input": "What is 1 + 1?", "label": "2"}\n{"prompt": "no input key"}\n')
     push_dataset(queue, data, PushOptions(skip_bad=True))
@@ -180,14 +181,14 @@ def test_list_and_find_dead_letters(queue, tmp_path):
     by_gid = {l.group_id: l for l in letters}
     assert by_gid["fail0"].error.startswith("engine failed 3 times")
     assert by_gid["fail0"].not_retriable is None and by_gid["fail0"].group.attempts == 3
-    assert "bad dataset row" in by_gid["rows.jsonl:0:1"].not_retriable
+    assert by_gid["rows.jsonl:0:1"].bad_row and by_gid["rows.jsonl:0:1"].not_retriable is None
     assert "missing key 'input'" in by_gid["rows.jsonl:0:1"].error
     assert "does not decode" in by_gid["junk:0:0"].not_retriable
     assert deadletters.list_dead(queue, limit=2)[1].group_id == "fail1"
     found, missing = deadletters.find(queue, [ids["fail1"], "fail0", "nope", "1-1"])
     assert [l.group_id for l in found] == ["fail1", "fail0"] and missing == ["nope", "1-1"]
     details = by_gid["rows.jsonl:0:1"].details()
-    assert "no input key" in details["raw_row"] and details["retriable"] is False
+    assert "no input key" in details["raw_row"] and details["bad_row"] is True
     json.dumps([l.details() for l in letters], default=str)  # every field serializes
 
 
@@ -253,10 +254,10 @@ def test_purge_only_touches_its_namespace(client, namespace):
     client.set(f"{{{namespace}x}}:extra", 1)
     for q in (mine, neighbour):
         q.push_groups(make_groups(4))
-        q.heartbeat("w", "{}")
+        q.register("w", "{}")
         held = claim_all(q, "w", 3)
-        q.publish_group("w", finish(held[0]), Place.RESULTS)
-        q.publish_group("w", held[1], Place.DEAD, error="x")
+        publish(q, "w", finish(held[0]), Place.RESULTS)
+        publish(q, "w", held[1], Place.DEAD, error="x")
         configure(client, q.keys, max_ready=10)
     before = sorted(client.scan_iter(match=namespace_pattern(namespace + "x")))
     assert client.exists(mine.keys.inflight("w"))

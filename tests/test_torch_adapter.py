@@ -14,6 +14,7 @@ from pipeline.consumer import Consumer
 from pipeline.queue import Place  
 from pipeline.torch_adapter import RolloutIterable, _torch, batch_to_tensors, group_advantages  
 from pipeline.types import Group, Status  
+from tests.groups import claim, publish
 
 PROMPT = [1, 2, 3]
 
@@ -153,12 +154,12 @@ def test_missing_torch_says_how_to_install(monkeypatch):
 # -- with Redis ----------------------------------------------------------------------------
 
 
-def publish(queue, groups: list[Group]) -> None:
+def publish_results(queue, groups: list[Group]) -> None:
     queue.push_groups([Group.fresh(g.group_id, g.samples[0].prompt, g.n_samples, row=g.row) for g in groups])
-    claim = queue.claim("w", len(groups))
-    assert [c.group_id for c in claim.groups] == [g.group_id for g in groups]
+    claimed = claim(queue, "w", len(groups))
+    assert [c.group_id for c in claimed.groups] == [g.group_id for g in groups]
     for g in groups:
-        assert queue.publish_group("w", g, Place.RESULTS)
+        assert publish(queue, "w", g, Place.RESULTS)
 
 
 def committed(queue) -> int:
@@ -166,7 +167,7 @@ def committed(queue) -> int:
 
 
 def test_iterable_commits_previous_batch_on_next(queue, client, namespace):
-    publish(queue, [finished(f"g{i}", i, [1 + i % 3, 2], [float(i), 0.0]) for i in range(6)])
+    publish_results(queue, [finished(f"g{i}", i, [1 + i % 3, 2], [float(i), 0.0]) for i in range(6)])
     it = RolloutIterable(Consumer(client, namespace), batch_size=2, timeout=5, steps=2)
     first = next(it)
     assert first["tokens"].shape[0] == 4 and first["group_index"].tolist() == [0, 0, 1, 1]
@@ -183,7 +184,7 @@ def test_iterable_commits_previous_batch_on_next(queue, client, namespace):
 
 
 def test_iterable_crash_redelivers_uncommitted_batch(queue, client, namespace):
-    publish(queue, [finished(f"g{i}", i, [2, 2], [1.0, 0.0]) for i in range(4)])
+    publish_results(queue, [finished(f"g{i}", i, [2, 2], [1.0, 0.0]) for i in range(4)])
     it = RolloutIterable(Consumer(client, namespace), batch_size=2, timeout=5)
     before = next(it)
     ids = [g.group_id for g in it.batch.groups]
@@ -200,7 +201,7 @@ def test_iterable_crash_redelivers_uncommitted_batch(queue, client, namespace):
 
 
 def test_iterable_for_loop(queue, client, namespace):
-    publish(queue, [finished(f"g{i}", i, [1], [float(i)]) for i in range(3)])
+    publish_results(queue, [finished(f"g{i}", i, [1], [float(i)]) for i in range(3)])
     seen = [t["rewards"].tolist() for t in RolloutIterable(Consumer(client, namespace), 1, timeout=5, steps=3)]
     assert seen == [[0.0], [1.0], [2.0]]
     assert committed(queue) == 3

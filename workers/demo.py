@@ -21,7 +21,8 @@ from typing import Callable
 from pipeline.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
-from pipeline.control import Controller, configure
+from pipeline.control import configure
+from pipeline.controller import Controller
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, register_local, unregister_local
@@ -71,7 +72,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         # Keep a modest backlog so workers pause instead of racing through the dataset,
         # and bound staleness: admission is paced to (η + version + 1) · B groups.
         configure(queue.redis, queue.keys, max_ready=4 * opts.batch_size, max_staleness=opts.max_staleness,
-                  batch_size=opts.batch_size)
+                  batch_size=opts.batch_size, lease_s=10.0)
         engines = EngineSet([sim.url])
         controller = Controller(queue, engines)
         loop = asyncio.new_event_loop()  # one loop for the engine client's HTTP session
@@ -83,7 +84,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             f"| {opts.workers} workers")
         for i in range(opts.workers):
             procs.append(start_worker_process(url, NAMESPACE, [sim.url], workdir / f"worker-{i}.log",
-                                              ["--max-new-tokens", str(opts.max_new_tokens), "--lease", "10"]))
+                                              ["--max-new-tokens", str(opts.max_new_tokens)]))
         consumer = Consumer(queue.redis, NAMESPACE)
         say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} "
             f"{'staleness':>9} {'update s':>8} {'requeued':>8}")

@@ -14,8 +14,13 @@ Error taxonomy (what callers branch on):
   408 and 429. Retriable: the same request may succeed later or elsewhere.
 * ``EngineRequestError``: any other 4xx. The request itself is bad; retrying it
   unchanged is pointless (poison input → dead letters).
-* ``EngineError``: the base class; raised directly for answers that break the
-  protocol (e.g. a 200 without ``meta_info``).
+* ``EngineProtocolError`` (an ``EngineUnavailable``): a 200 answer that breaks
+  the protocol: not JSON, no ``meta_info``, an unknown finish reason, token ids
+  outside the vocabulary or int32, log-probs that are not finite floats or not one
+  per token, ``completion_tokens`` disagreeing with the tokens. Retriable like
+  ``EngineUnavailable`` (the same request may reach a healthy engine), but it is a
+  protocol error, never a sample; ``head`` holds the answer's first bytes.
+* ``EngineError``: the base class.
 * ``EngineControlError``: an ``EngineSet`` control call failed on some engines;
   lists each failing engine URL with its error.
 
@@ -63,6 +68,13 @@ META_TIMEOUT_S = 10.0
 # control calls must go to the engine's base URL, once.
 _DP_RANK_SUFFIX = re.compile(r"@\d+$")
 FINISH_TYPES = ("stop", "length", "abort")
+#: Characters of a bad answer kept in an EngineProtocolError (and so in dead letters).
+HEAD_CHARS = 200
+#: Token ids travel as int32 on the wire (pipeline/codec.py).
+INT32_MAX = 2**31 - 1
+#: Log-probs travel as float32: a finite float64 beyond this would arrive as inf.
+FLOAT32_MAX = 3.4028234663852886e38
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------- errors
@@ -83,6 +95,15 @@ class EngineUnavailable(EngineError):
 
 class EngineRequestError(EngineError):
     """The engine rejected the request (4xx). Not retriable as is."""
+
+
+class EngineProtocolError(EngineUnavailable):
+    """A 200 answer that is not a valid SGLang answer. Retriable; never a sample.
+    `head` is the answer's first HEAD_CHARS characters, for the dead letter."""
+
+    def __init__(self, message: str, url: str | None = None, head: str = ""):
+        super().__init__(f"{message}; the answer began {head!r}", url=url)
+        self.head = head
 
 
 class EngineControlError(EngineError):
@@ -122,18 +143,76 @@ class GenerateResult:
     e2e_latency: float | None
 
 
+def _head(data: Any) -> str:
+    """The first characters of an answer, as the engine sent them (near enough)."""
+    if isinstance(data, str):
+        return data[:HEAD_CHARS]
+    try:
+        return json.dumps(data)[:HEAD_CHARS]
+    except (TypeError, ValueError, RecursionError):
+        return f"<{type(data).__name__}>"
+
+
+def _check_token_ids(ids: list, vocab_size: int | None) -> str | None:
+    """Why `ids` are not token ids of this vocabulary, or None."""
+    if not ids:
+        return None
+    if not set(map(type, ids)) <= {int}:
+        return "has token ids that are not integers"
+    limit = vocab_size if vocab_size is not None else INT32_MAX + 1
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        where = f"the vocabulary of {vocab_size}" if vocab_size is not None else "int32"
+        return f"has token id {bad}, outside {where}"
+    return None
+
+
+def _check_log_probs(log_probs: list) -> str | None:
+    """Why `log_probs` are not finite float32-sized numbers, or None."""
+    if not log_probs:
+        return None
+    if not set(map(type, log_probs)) <= {float, int}:
+        return "has log-probs that are not numbers"
+    # NaN fails every comparison; ints compare exactly, however large.
+    bad = next((x for x in log_probs if not -FLOAT32_MAX <= x <= FLOAT32_MAX), None)
+    if bad is not None:
+        return f"has log-prob {bad!r:.40}, not a finite float32"
+    return None
+
+
+def _utf8_text(value: Any) -> bool:
+    """A str the wire format can store (no lone surrogates)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_generate_response(
-    data: Any, url: str | None = None, return_logprob: bool = True
+    data: Any, url: str | None = None, return_logprob: bool = True, vocab_size: int | None = None
 ) -> GenerateResult:
-    """Turn one non-streaming ``/generate`` answer into a ``GenerateResult``.
+    """Turn one non-streaming ``/generate`` answer into a ``GenerateResult``, or raise
+    ``EngineProtocolError`` saying what is wrong with it.
 
     Token ids and log-probs come from ``meta_info.output_token_logprobs``
     (``[logprob, token_id, text_or_null]``), as slime does. A missing key means
-    zero tokens: SGLang 0.4.10-0.5.2 omit it for "Abort before prefill".
+    zero tokens, but only for an abort: SGLang 0.4.10-0.5.2 omit it for "Abort
+    before prefill"; a finished answer without it would become a sample with no
+    tokens. `vocab_size` (None: unknown) bounds the token ids; int32 always does.
     """
-    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
-        raise EngineError(f"malformed /generate answer from {url}: {str(data)[:200]}", url=url)
-    meta = data["meta_info"]
+
+    def bad(why: str) -> EngineProtocolError:
+        return EngineProtocolError(f"malformed /generate answer from {url}: {why}", url=url, head=_head(data))
+
+    if not isinstance(data, dict):
+        raise bad(f"expected a JSON object, got {type(data).__name__}")
+    meta = data.get("meta_info")
+    if not isinstance(meta, dict):
+        raise bad("no meta_info object")
 
     raw_reason = meta.get("finish_reason")
     if isinstance(raw_reason, dict):
@@ -144,36 +223,83 @@ def parse_generate_response(
         finish_type = None
     if finish_type not in FINISH_TYPES:
         # Fail loudly: an unknown finish state must not be published as a sample.
-        raise EngineError(f"unknown finish_reason from {url}: {raw_reason!r}", url=url)
+        raise bad(f"unknown finish_reason {raw_reason!r:.100}")
 
-    ids: list[int] = []
-    log_probs: list[float] = []
+    completion_tokens = meta.get("completion_tokens", _MISSING)
+    if completion_tokens is not _MISSING and (type(completion_tokens) is not int or completion_tokens < 0):
+        raise bad(f"completion_tokens is {completion_tokens!r:.50}, not a count")
+    ids: list = []
+    log_probs: list = []
     if return_logprob:
-        entries = meta.get("output_token_logprobs") or []
-        try:  # comprehensions: this runs once per response token, thousands per second
-            log_probs = [float(entry[0]) for entry in entries]
-            ids = [int(entry[1]) for entry in entries]
-        except (TypeError, ValueError, IndexError) as exc:
-            raise EngineError(
-                f"malformed output_token_logprobs from {url}: {exc}", url=url
-            ) from exc
+        entries = meta.get("output_token_logprobs", _MISSING)
+        if entries is _MISSING or entries is None:
+            if finish_type != "abort":
+                raise bad(f"finish_reason {finish_type!r} without output_token_logprobs")
+        elif type(entries) is not list:
+            raise bad(f"output_token_logprobs is a {type(entries).__name__}, not a list")
+        else:
+            try:  # comprehensions: this runs once per response token, thousands per second
+                log_probs = [entry[0] for entry in entries]
+                ids = [entry[1] for entry in entries]
+            except (TypeError, KeyError, IndexError):
+                raise bad("an output_token_logprobs entry is not [logprob, token_id, text]") from None
+            why = _check_log_probs(log_probs)
+            if why:
+                raise bad(f"output_token_logprobs {why}")
     else:
-        ids = [int(t) for t in data.get("output_ids") or []]
+        ids = data.get("output_ids") or []
+        if type(ids) is not list:
+            raise bad(f"output_ids is a {type(ids).__name__}, not a list")
+    why = _check_token_ids(ids, vocab_size)
+    if why:
+        raise bad(f"{'output_token_logprobs' if return_logprob else 'output_ids'} {why}")
+    if completion_tokens is _MISSING:
+        completion_tokens = len(ids)
+    elif completion_tokens != len(ids):
+        raise bad(f"completion_tokens {completion_tokens} but {len(ids)} output tokens")
 
+    text = data.get("text")
+    text = "" if text is None else text
+    version = meta.get("weight_version")
+    # Engines before 0.5.2 have no weight versions; "default" is SGLang's own default.
+    version = "default" if version is None or version == "" else version
+    if type(version) is int:
+        version = str(version)
+    rid = meta.get("id")
+    rid = "" if rid is None else rid
+    for name, value in (("text", text), ("weight_version", version), ("id", rid)):
+        if not _utf8_text(value):
+            raise bad(f"{name} is not a UTF-8 string: {value!r:.50}")
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens is not None and (type(prompt_tokens) is not int or prompt_tokens < 0):
+        raise bad(f"prompt_tokens is {prompt_tokens!r:.50}, not a count")
     e2e = meta.get("e2e_latency")
+    if e2e is not None and (type(e2e) not in (int, float) or not abs(e2e) < 1e300):  # NaN fails too
+        raise bad(f"e2e_latency is {e2e!r:.50}, not a number of seconds")
     return GenerateResult(
         output_ids=ids,
         output_log_probs=log_probs,
-        text=data.get("text") or "",
+        text=text,
         finish_type=finish_type,
         finish_reason=raw_reason,
-        # Engines before 0.5.2 have no weight versions; "default" is SGLang's own default.
-        weight_version=str(meta.get("weight_version") or "default"),
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        completion_tokens=int(meta.get("completion_tokens", len(ids)) or 0),
-        rid=str(meta.get("id") or ""),
-        e2e_latency=float(e2e) if e2e is not None else None,
+        weight_version=version,
+        prompt_tokens=prompt_tokens or 0,
+        completion_tokens=completion_tokens,
+        rid=rid,
+        e2e_latency=None if e2e is None else float(e2e),
     )
+
+
+def decode_body(raw: bytes) -> Any:
+    """An HTTP answer's body: its JSON value, its text when it is not JSON (plain-text
+    answers: router 422s, "Cache flushed.", a wrong service's HTML), None when empty."""
+    text = raw.decode("utf-8", errors="replace")
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
+        return text
 
 
 def _error_message(body: Any) -> str:
@@ -208,13 +334,19 @@ def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
 
 
 class EngineClient:
-    """Client for one SGLang engine (or a router, for /generate only)."""
+    """Client for one SGLang engine (or a router, for /generate only). `vocab_size`
+    (None: unknown) bounds the token ids accepted in /generate answers."""
 
     def __init__(
-        self, url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0
+        self,
+        url: str,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = 600.0,
+        vocab_size: int | None = None,
     ):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.vocab_size = vocab_size
         self._session = session
         self._owns_session = session is None
         # None = unknown; False = engine predates 0.5.6 and takes no pause body.
@@ -263,12 +395,7 @@ class EngineClient:
                 f"{method} {url} failed: {type(exc).__name__}: {exc}", url=self.url
             ) from exc
 
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            body: Any = json.loads(text) if text.strip() else None
-        except ValueError:
-            body = text  # plain-text answers: router 422s, "Cache flushed." etc.
-
+        body = decode_body(raw)
         if status < 400:
             return body
         message = f"{method} {url} -> HTTP {status}: {_error_message(body)}"
@@ -296,12 +423,13 @@ class EngineClient:
         body = await self._request("POST", "/generate", payload)
         if isinstance(body, list):
             # A list answer means a batch or n > 1: this client is single-sample only.
-            raise EngineError(
-                f"/generate on {self.url} returned {len(body)} results; "
+            raise EngineProtocolError(
+                f"malformed /generate answer from {self.url}: {len(body)} results; "
                 "expected one (is sampling_params.n > 1?)",
                 url=self.url,
+                head=_head(body),
             )
-        result = parse_generate_response(body, self.url, return_logprob)
+        result = parse_generate_response(body, self.url, return_logprob, self.vocab_size)
         if not result.rid and rid is not None:
             result.rid = rid
         return result
@@ -494,6 +622,7 @@ class EngineSet:
         session: aiohttp.ClientSession | None = None,
         timeout_s: float = 600.0,
         refresh_before_control: bool = True,
+        vocab_size: int | None = None,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -501,6 +630,7 @@ class EngineSet:
         if not self.urls:
             raise ValueError("EngineSet needs at least one engine or router URL")
         self.timeout_s = timeout_s
+        self.vocab_size = vocab_size  # bounds token ids in /generate answers; None: unknown
         # Re-discover before each control call so an engine that joined the router
         # since the last call is not left out of a pause or weight update.
         self.refresh_before_control = refresh_before_control
@@ -571,7 +701,7 @@ class EngineSet:
     ) -> GenerateResult:
         if self._gen_clients is None:
             session = self._get_session()
-            self._gen_clients = [EngineClient(u, session, self.timeout_s) for u in self.urls]
+            self._gen_clients = [EngineClient(u, session, self.timeout_s, self.vocab_size) for u in self.urls]
             self._in_flight = [0] * len(self.urls)
         # Fewest in flight, not plain round-robin: request times vary a lot, so
         # round-robin queues requests at one engine while another has free slots.
@@ -604,7 +734,8 @@ class EngineSet:
             if isinstance(out, BaseException):
                 if not isinstance(out, Exception):
                     raise out  # CancelledError / KeyboardInterrupt must propagate
-                logger.error("%s on engine %s failed: %s", operation, client.url, out)
+                # Reported by the EngineControlError raised below, to the caller who decides.
+                logger.debug("%s on engine %s failed: %s", operation, client.url, out)
                 errors[client.url] = out
             else:
                 results[client.url] = out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -10,15 +11,22 @@ from pathlib import Path
 
 _REPO = Path(__file__).resolve().parent.parent
 
+#: Where `rollout` reads the Redis URL from when --redis-url is not given.
+REDIS_URL_ENV = "ROLLOUT_REDIS_URL"
+
 
 def start_worker_process(redis_url: str, namespace: str, engine_urls: list[str], log_path: Path,
                          extra_args: list[str] | None = None) -> subprocess.Popen:
-    """`rollout worker` as a child process, its output in `log_path`."""
-    args = [sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace, "-v", "worker"]
+    """`rollout worker` as a child process, its output in `log_path`. The Redis URL,
+    which may hold a password, goes through the environment: any user can read a
+    process's arguments (`ps`), only its owner its environment."""
+    args = [sys.executable, "-m", "cli", "--namespace", namespace, "-v", "worker"]
     for url in engine_urls:
         args += ["--engine-url", url]
+    env = dict(os.environ, **{REDIS_URL_ENV: redis_url})
     with log_path.open("w") as log_file:
-        return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO)
+        return subprocess.Popen(args + (extra_args or []), stdout=log_file, stderr=subprocess.STDOUT, cwd=_REPO,
+                                env=env)
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> bool:

@@ -6,18 +6,23 @@ per group and awaits the result. The rq worker process loads the reward by path
 (`score_group_job`), so judges with heavy dependencies (a verifier model, a
 sandbox) live on their own hosts and scale independently.
 
-No pickle anywhere (DESIGN.md invariant 8): rq pickles job arguments and results by
-default, so both the queue here and every rq worker must use rq's
-``JSONSerializer``. In rq >= 1.12 the serializer given to the Queue is stored on
-the Job and used for the arguments (job hash field ``data``, zlib-compressed JSON),
-``meta``, and the return value (results stream ``rq:results:<id>``, base64 of the
-serializer output). Start workers with::
+No code from data (DESIGN.md invariant 8). A plain ``rq worker`` imports and calls
+whatever function a job names, and `score_group_job` imports whatever reward path
+the job carries: anyone who can write to Redis could run code there. So start the
+workers with::
 
-    rq worker --serializer json --url redis://HOST:PORT rollout-rewards
+    rollout --redis-url redis://HOST:PORT reward-worker --allow math_boxed --allow my.pkg.judge
 
-(or ``Worker([...], connection=..., serializer=JSONSerializer)``). A worker started
-without the JSON serializer would fail to decode our jobs (JSON is not pickle), so
-a misconfiguration fails loudly instead of silently unpickling.
+(`run_reward_worker`): they run only `score_group_job`, only with an allowlisted
+reward path, and no job callbacks; any other job fails in rq's failed-job registry
+with the reason, nothing of it imported.
+
+No pickle anywhere: rq pickles job arguments and results by default, so both the
+queue here and every rq worker use rq's ``JSONSerializer``. In rq >= 1.12 the
+serializer given to the Queue is stored on the Job and used for the arguments (job
+hash field ``data``, zlib-compressed JSON), ``meta``, and the return value (results
+stream ``rq:results:<id>``, base64 of the serializer output). A worker left on the
+pickle serializer fails to decode our jobs, loudly, instead of unpickling.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from typing import Any
 
 from redis import Redis, RedisError
 from redis.cluster import RedisCluster
-from rq import Queue
+from rq import Queue, Worker
 from rq.command import send_stop_job_command
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -42,13 +47,14 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from pipeline.types import Sample, Status
-from workers.rewards import Reward, RewardError, RewardValue, validate_reward
+from workers.rewards import Reward, RewardError, RewardValue, load_reward, validate_reward
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "rollout-rewards"
 
-__all__ = ["DEFAULT_QUEUE", "RQReward", "sample_from_dict", "score_group_job"]
+__all__ = ["DEFAULT_QUEUE", "AllowlistedJob", "JobRefused", "RQReward", "run_reward_worker", "sample_from_dict",
+           "score_group_job"]
 
 
 # --------------------------------------------------------------------------- rq worker side
@@ -78,6 +84,81 @@ def score_group_job(path: str, group: bool, args: dict[str, Any], samples: list[
     """
     reward = _cached_reward(path, group)
     return asyncio.run(reward.score(SimpleNamespace(**args), [sample_from_dict(s) for s in samples]))
+
+
+#: The only function a reward worker runs, as rq names it in a job.
+SCORE_JOB = f"{__name__}.{score_group_job.__name__}"
+
+
+class JobRefused(Exception):
+    """A job a reward worker will not run; the message says why."""
+
+
+def _same_path(path: str) -> str:
+    return path.replace(":", ".")  # "pkg.mod:fn" and "pkg.mod.fn" name the same reward
+
+
+class AllowlistedJob(Job):
+    """A job that resolves to `score_group_job` with an allowlisted reward path, or
+    raises JobRefused before anything it names is imported. Job callbacks (rq imports
+    them by name too) never run. Use `for_paths` to make the class for an allowlist."""
+
+    allowed_paths: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_paths(cls, paths: Sequence[str]) -> type[AllowlistedJob]:
+        return type(cls.__name__, (cls,), {"allowed_paths": frozenset(_same_path(p) for p in paths)})
+
+    def refusal(self) -> str | None:
+        if self.func_name != SCORE_JOB:
+            return f"this reward worker runs only {SCORE_JOB}, not {self.func_name!r}"
+        if self.instance is not None:
+            return "a job on an object instance is not a scoring job"
+        callbacks = [n for n in (self._success_callback_name, self._failure_callback_name,
+                                 self._stopped_callback_name) if n]
+        if callbacks:
+            return f"job callbacks are not run here ({', '.join(callbacks)})"
+        if self.kwargs or len(self.args) != 4 or not isinstance(self.args[0], str):
+            return "malformed scoring job: expected (path, group, args, samples)"
+        if _same_path(self.args[0]) not in self.allowed_paths:
+            return (f"reward {self.args[0]!r} is not allowlisted here (rollout reward-worker --allow): "
+                    f"{', '.join(sorted(self.allowed_paths))}")
+        return None
+
+    @property
+    def func(self):
+        refusal = self.refusal()
+        if refusal:
+            raise JobRefused(f"refused job {self.id}: {refusal}")
+        return score_group_job
+
+    @property
+    def success_callback(self):
+        return None
+
+    @property
+    def failure_callback(self):
+        return None
+
+    @property
+    def stopped_callback(self):
+        return None
+
+
+def run_reward_worker(connection: Redis, allowed_paths: Sequence[str], queue_names: Sequence[str] = (DEFAULT_QUEUE,),
+                      burst: bool = False) -> bool:
+    """Run an rq worker (forking one process per job, as `rq worker` does) that scores
+    groups with the allowlisted rewards only, until stopped (or, with `burst`, until
+    its queues are empty). Returns whether it did any work."""
+    if not allowed_paths:
+        raise ValueError("a reward worker needs at least one allowed reward path")
+    if isinstance(connection, RedisCluster):
+        raise ValueError("a reward worker needs a plain Redis connection; rq does not support Redis Cluster")
+    for path in allowed_paths:  # a path that does not load fails here, not on the first job
+        load_reward(path)
+    worker = Worker(list(queue_names), connection=connection, serializer=JSONSerializer,
+                    job_class=AllowlistedJob.for_paths(allowed_paths))
+    return worker.work(burst=burst)
 
 
 # --------------------------------------------------------------------------- client side
@@ -226,14 +307,14 @@ class RQReward:
                     logger.warning("reward job %s (%s) failed:\n%s", job.id, self.path, text)
                 hint = ""
                 if text and "DeserializationError" in text:
-                    hint = " (the rq worker could not decode the job: start it with --serializer json)"
+                    hint = " (the rq worker could not decode the job: start it with `rollout reward-worker`)"
                 raise RewardError(f"reward job {job.id} ({self.path}) failed: {_last_line(text)}{hint}")
             if status in (JobStatus.STOPPED, JobStatus.CANCELED, None):
                 raise RewardError(f"reward job {job.id} ({self.path}) ended without a result (status={status})")
             if time.monotonic() >= deadline:
                 raise RewardError(
                     f"reward job {job.id} ({self.path}) timed out after {self.timeout:g}s "
-                    f"(status={status.value}; is an rq worker with --serializer json running "
+                    f"(status={status.value}; is `rollout reward-worker --allow {self.path}` running "
                     f"on queue {self.queue_name!r}?)"
                 )
             await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))

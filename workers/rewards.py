@@ -22,8 +22,10 @@ trustworthy; see DESIGN.md invariant 9, "fail loudly"):
   was returned by mistake, and a bool travelling on the wire as ``true`` breaks
   consumers that expect a number. Return ``float(ok)`` instead.
 * NaN and +/-inf are rejected (they poison the advantage computation).
-* A dict must have string keys; when ``args.reward_key`` is set, the dict must
-  contain that key and its value must be a finite real number.
+* A dict is validated field by field: string keys, and every value a finite real
+  number (returned as ``float``; numpy scalars included, numpy bools refused as not
+  numbers), so nothing msgpack cannot encode, or that would poison a metric, is ever
+  published. When ``args.reward_key`` is set, the dict must contain that key.
 * A group function must return exactly ``len(samples)`` values.
 * Any exception raised by a reward function propagates as `RewardError` carrying
   the original message. It is never turned into a 0 reward: the worker retries the
@@ -34,6 +36,7 @@ Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import logging
@@ -41,6 +44,7 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from fractions import Fraction
 from typing import Any
 
@@ -285,30 +289,32 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def validate_reward(value: Any, reward_key: str | None = None, *, name: str = "reward") -> RewardValue:
-    """Return `value` as a valid reward (numbers as float) or raise RewardError."""
+def _finite_number(value: Any, name: str, where: str) -> float:
+    """`value` as a float, or RewardError saying `where` (" under key 'k'" or "") it was."""
     if isinstance(value, bool):
-        raise RewardError(f"reward {name!r} returned a bool ({value}); return float(...) instead")
-    if _is_real(value):
-        number = float(value)
-        if not math.isfinite(number):
-            raise RewardError(f"reward {name!r} returned {number}, which is not a finite number")
-        return number
+        raise RewardError(f"reward {name!r} returned a bool{where} ({value}); return float(...) instead")
+    if not _is_real(value):
+        raise RewardError(f"reward {name!r} returned {type(value).__name__} {value!r:.100}{where}; "
+                          "expected a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise RewardError(f"reward {name!r} returned {number}{where}, which is not a finite number")
+    return number
+
+
+def validate_reward(value: Any, reward_key: str | None = None, *, name: str = "reward") -> RewardValue:
+    """Return `value` as a valid reward (numbers as float, dicts of floats) or raise RewardError."""
     if isinstance(value, dict):
         bad_keys = [k for k in value if not isinstance(k, str)]
         if bad_keys:
             raise RewardError(f"reward {name!r} returned a dict with non-string keys {bad_keys!r:.200}")
-        if reward_key:
-            if reward_key not in value:
-                raise RewardError(
-                    f"reward {name!r} returned a dict without reward_key {reward_key!r}: keys {sorted(value)!r:.200}"
-                )
-            picked = value[reward_key]
-            if not _is_real(picked) or not math.isfinite(float(picked)):
-                raise RewardError(
-                    f"reward {name!r} returned {reward_key!r}={picked!r:.100}, which is not a finite number"
-                )
-        return value
+        if reward_key and reward_key not in value:
+            raise RewardError(
+                f"reward {name!r} returned a dict without reward_key {reward_key!r}: keys {sorted(value)!r:.200}"
+            )
+        return {k: _finite_number(v, name, f" under key {k!r}") for k, v in value.items()}
+    if _is_real(value) or isinstance(value, bool):
+        return _finite_number(value, name, "")
     raise RewardError(
         f"reward {name!r} returned {type(value).__name__} {value!r:.200}; expected a number or a dict"
     )
@@ -340,6 +346,9 @@ class Reward:
         self.fn = fn
         self.group = group
         self.name = name or _describe(fn)
+        # Where sync functions run (None: the loop's default). The worker gives them
+        # threads of their own, apart from the ones its Redis calls use.
+        self.executor: Executor | None = None
 
     @classmethod
     def from_path(cls, path: str, group: bool = False) -> Reward:
@@ -353,7 +362,8 @@ class Reward:
             result = await self.fn(args, arg)
         else:
             # sync judges may block (HTTP, subprocess, heavy parsing): keep the loop free
-            result = await asyncio.to_thread(self.fn, args, arg)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.executor, functools.partial(self.fn, args, arg))
         if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
             result = await result
         return result

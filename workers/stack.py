@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.connection import connect, redact
+from pipeline.control import configure
+from pipeline.keys import Keys
 from pipeline.queue import Queue
-from pipeline.redis_server import (RedisServer, RedisServerError, local_redis_url, register_local, rollout_home,
-                                   unregister_local)
+from pipeline.redis_server import (Fsync, RedisServer, RedisServerError, local_redis_url, register_local,
+                                   rollout_home, unregister_local)
 from pipeline.status import RateTracker, one_line, render, snapshot
 
 from .local import start_worker_process, stop_processes
@@ -42,7 +44,9 @@ class StackOptions:
     engine_urls: list[str] = field(default_factory=list)
     data_dir: Path | None = None  # default: $ROLLOUT_HOME/stack
     redis_port: int | None = None  # None: a unix socket in the data directory
+    fsync: Fsync = Fsync.EVERYSEC  # when Redis's AOF reaches the disk
     worker_args: list[str] = field(default_factory=list)  # extra `rollout worker` options
+    lease_s: float | None = None  # the namespace's worker lease (None: leave it as configured)
     sim_config: dict[str, Any] = field(default_factory=dict)  # SimConfig fields
     refresh_s: float = 1.0
     duration_s: float | None = None  # stop by itself after this long (scripted runs)
@@ -78,14 +82,18 @@ class Stack:
             raise StackError(f"a local Redis is already running at {existing} (from another `rollout up` or "
                              "`rollout demo`): use it, or stop that one first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.server = RedisServer(self.data_dir / "redis", port=self.opts.redis_port)
+        self.server = RedisServer(self.data_dir / "redis", port=self.opts.redis_port, fsync=self.opts.fsync)
         try:
             self.url = self.server.start()
         except RedisServerError as exc:
             raise StackError(f"cannot start the embedded Redis: {exc}") from None
         register_local(self.server)
         self._registered = True
-        say(f"redis {self.url} (data in {self.server.data_dir}, AOF on)")
+        say(f"redis {self.url} (data in {self.server.data_dir}, AOF on, fsync {self.opts.fsync.value})")
+        if self.opts.lease_s is not None:
+            client = connect(self.url)
+            configure(client, Keys(self.opts.namespace), lease_s=self.opts.lease_s)
+            client.close()
         if self.opts.engine_urls:
             self.engine_urls = list(self.opts.engine_urls)
         else:

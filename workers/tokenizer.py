@@ -39,6 +39,10 @@ _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "[CLS]")
 _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
 
 
+class TokenizerError(RuntimeError):
+    """A tokenizer cannot be loaded: its library is missing or the path is wrong."""
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """What the workers and the simulator need from a tokenizer."""
@@ -193,27 +197,33 @@ def _load_tokenizer_json(path: str) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer as RawTokenizer
     except ImportError as exc:
-        raise RuntimeError(
+        raise TokenizerError(
             f"loading {path!r} needs the 'tokenizers' package: {HF_INSTALL_HINT}"
         ) from exc
-    return HFTokenizer(RawTokenizer.from_file(path), path)
+    try:
+        return HFTokenizer(RawTokenizer.from_file(path), path)
+    except Exception as exc:  # the Rust library raises its own exception type
+        raise TokenizerError(f"cannot load tokenizer file {path!r}: {exc}") from exc
 
 
 def _load_transformers(name_or_path: str) -> HFTokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
-        raise RuntimeError(
+        raise TokenizerError(
             f"loading tokenizer {name_or_path!r} needs the 'transformers' package: {HF_INSTALL_HINT}"
         ) from exc
-    return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
+    except (OSError, ValueError) as exc:  # not found, not a tokenizer
+        raise TokenizerError(f"cannot load tokenizer {name_or_path!r}: {exc}") from exc
 
 
 def load_tokenizer(name_or_path: str | None) -> ByteTokenizer | HFTokenizer:
     """None or "byte" → `ByteTokenizer`; a path to a ``*.json`` file → that
     `tokenizers` file; anything else → `transformers.AutoTokenizer.from_pretrained`.
 
-    Raises RuntimeError (with the install hint) when the needed library is missing.
+    Raises TokenizerError (with the install hint when the needed library is missing).
     """
     if name_or_path is None or name_or_path == "byte":
         return ByteTokenizer()

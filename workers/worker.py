@@ -3,13 +3,22 @@
 One asyncio process keeps a fixed pool of samples in flight: capacity is counted in
 samples (`concurrency_per_engine` × engines, like slime's sglang_server_concurrency),
 and a group of n samples takes n slots. Everything it holds is also in Redis (its
-in-flight set and the stored payloads), so `kill -9` loses nothing: the reaper gives
-its groups back after the lease.
+in-flight hash, each group under the token of the claim that took it, and the stored
+payloads), so `kill -9` loses nothing: the reaper gives its groups back after the lease.
 
 Per group: tokenize, call /generate for every unfinished sample (continuing aborted
-ones from their partial tokens), then either requeue (some sample was aborted by a
-pause), score with the reward and publish to results, or dead-letter (engine or
-reward failures past the attempt limit; bad requests at once).
+ones from their partial tokens), then either requeue (a pause interrupted it, or the
+engines went down), score with the reward and publish to results, or dead-letter
+(engine or reward failures past the attempt limit; bad requests at once).
+
+What keeps Redis and this process in agreement:
+* a worker is registered explicitly and extends its lease with heartbeats; one that
+  was reaped (it stalled past its lease) learns it at its next contact, cancels its
+  tasks (their publishes would be refused anyway) and registers under a new id;
+* every heartbeat reconciles: a group Redis says this worker holds with no task here
+  goes back to the prompt list; a task whose group it no longer holds is cancelled;
+* Redis calls run on a thread pool of their own, retried through outages
+  (pipeline/retry.py); rewards run on another, under a time limit.
 """
 from __future__ import annotations
 
@@ -18,56 +27,39 @@ import gc
 import json
 import logging
 import os
+import queue as threadqueue
 import random
 import socket
+import sys
+import threading
 import time
 import uuid
+from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from pipeline import metrics
+from pipeline.codec import EncodeError, encode_group
 from pipeline.connection import connect
-from pipeline.control import read_control
-from pipeline.queue import DEFAULT_LEASE_S, Place, Queue
-from pipeline.types import Group, Sample, Status
+from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE, read_control
+from pipeline.queue import Claim, ClaimedGroup, ClaimStatus, Place, Published, Queue
+from pipeline.retry import Reconnect
+from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
 
-from .engine import EngineRequestError, EngineSet, EngineUnavailable, GenerateResult
+from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .rewards import Reward, RewardError
+from .sampling import SamplingSettings
 from .tokenizer import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
-SEGMENTS_KEY = "rollout_segments"  # sample.metadata: tokens produced by each engine call
-
-
-@dataclass
-class SamplingSettings:
-    """slime's rollout_* arguments, sent as SGLang sampling_params."""
-
-    max_new_tokens: int = 1024  # rollout_max_response_len
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def params(self, max_new_tokens: int) -> dict[str, Any]:
-        p: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            # As slime: keep stop tokens in the output so tokens and text line up.
-            "no_stop_trim": True,
-            "spaces_between_special_tokens": False,
-        }
-        if self.stop:
-            p["stop"] = self.stop
-        if self.stop_token_ids:
-            p["stop_token_ids"] = self.stop_token_ids
-        return p
+#: Requests outstanding with no engine answer for this long: the state says "waiting on engine".
+WAITING_ON_ENGINE_S = 10.0
+#: How often a worker looks for engines joining or leaving behind its router URLs.
+REDISCOVER_S = 30.0
 
 
 @dataclass
@@ -84,17 +76,34 @@ class WorkerSettings:
     reward_key: str | None = None
     rm_url: str | None = None  # for the remote_rm built-in
     reward_queue: str | None = None  # rq queue name: score in rq workers instead of here
+    reward_timeout_s: float = 300.0  # a reward call running longer is abandoned and retried
+    reward_threads: int = 16  # threads for synchronous reward functions
     max_attempts: int = 3  # engine or reward failures per group before dead-lettering
     backoff_s: float = 0.5  # first retry delay; doubles up to backoff_max_s
     backoff_max_s: float = 30.0
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
     request_timeout_s: float = 600.0
-    lease_s: float = DEFAULT_LEASE_S
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
     metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    FULL = "full"  # every sample slot busy
+    IDLE = "idle"  # nothing queued, nothing in flight
+    PAUSED = "paused"  # a weight update is under way
+    BACKLOG = "backlog"  # max_ready results wait for the trainer
+    BUDGET = "budget"  # the staleness budget is spent
+    ISOLATING = "isolating"  # a group whose holders died twice runs alone: claiming waits
+    WAITING_ON_ENGINE = "waiting on engine"  # requests out, no answer for a while
+    ENGINE_DOWN = "engine-down"  # stopped claiming until an engine answers /health
+    REDIS_DOWN = "redis-down"  # retrying Redis; generation goes on
+    STOPPING = "stopping"
 
 
 @dataclass
@@ -102,10 +111,14 @@ class WorkerCounters:
     groups_completed: int = 0
     groups_requeued: int = 0
     groups_dead: int = 0
-    groups_lost: int = 0  # reaped while we worked on them
+    groups_lost: int = 0  # publish refused: reaped or handed back while we worked on them
+    handed_back: int = 0  # held in Redis with no task here, given back by reconciliation
+    cancelled: int = 0  # tasks cancelled because Redis no longer gave us their group
+    reincarnations: int = 0  # times this process was reaped and registered anew
     requests: int = 0
     engine_errors: int = 0
     reward_errors: int = 0
+    versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
 
 
 class GroupFailed(Exception):
@@ -116,33 +129,104 @@ class GroupFailed(Exception):
         self.reason = reason  # short category for metrics: engine, bad_request, reward, input
 
 
+class DaemonPool(Executor):
+    """A fixed set of daemon threads. A call stuck in code we do not control (a reward
+    in an endless loop) is abandoned instead of hanging the process at exit, as a
+    ThreadPoolExecutor would (it joins its threads)."""
+
+    def __init__(self, size: int, name: str):
+        self._work: threadqueue.SimpleQueue = threadqueue.SimpleQueue()
+        for i in range(size):
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._work.get()
+            if future is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # daemon threads: nothing to wait for
+
+
+@dataclass(eq=False)
+class Running:
+    """A group this worker works on, with the token of the claim that took it."""
+
+    group: Group
+    token: str
+    payload: bytes  # as claimed: what a dead letter keeps if the group cannot be encoded
+    serial: int  # unique in this process; request ids start with "<worker id>/<serial>/"
+    slots: int
+    task: asyncio.Task | None = None
+    publishing: bool = False
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings, reward: Reward | Any | None = None):
         self.settings = settings
-        self.id = settings.worker_id
-        self.queue = Queue(connect(settings.redis_url), settings.namespace, lease_s=settings.lease_s)
-        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s)
+        self.name = settings.worker_id
+        self.incarnation = 1
+        self.id = f"{self.name}#{self.incarnation}"
+        self.queue = Queue(connect(settings.redis_url), settings.namespace)
+        # The worker re-discovers engines itself (REDISCOVER_S), so control calls
+        # (aborts on cancel) need not discover first.
+        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
+                                 refresh_before_control=False)
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.reward = reward or self._load_reward()
+        # Synchronous rewards run on threads of their own, never on the ones Redis calls
+        # use: a slow judge cannot delay a heartbeat, a hung one cannot hold up exit.
+        self._reward_pool = DaemonPool(settings.reward_threads, "reward")
+        if isinstance(self.reward, Reward):
+            self.reward.executor = self._reward_pool
         self.reward_args = SimpleNamespace(rm_url=settings.rm_url, reward_key=settings.reward_key,
                                            **asdict(settings.sampling))
         self.counters = WorkerCounters()
-        self.state = "starting"  # running, paused, backlog, budget, idle, engine-down: ..., stopping
+        self.reconnect = Reconnect(f"worker {self.id}")
+        self.lease_s = 0.0  # the namespace's, learned at registration and with every heartbeat
         self.capacity = settings.concurrency_per_engine * len(settings.engine_urls)
         self.inflight_samples = 0
-        self._tasks: dict[str, asyncio.Task] = {}  # group id -> its task
-        self._slots: dict[str, int] = {}  # group id -> sample slots it holds
+        self._running: dict[str, Running] = {}  # group id -> what works on it
+        self._serial = 0
+        self._claims = 0
+        self._claim_status = ClaimStatus.OK
         self._consecutive_engine_failures = 0
-        self._engine_down_since: float | None = None
+        self._engine_down: str | None = None  # why, while the breaker is open
+        self._engine_down_since = 0.0
+        # After /health says an engine is back, the first failure opens the breaker again
+        # (half-open), and each reopening doubles the wait before the next probe.
+        self._engine_trial = False
+        self._engine_probe_s = 1.0
+        self._engine_next_probe = 0.0
+        self._outstanding = 0  # engine requests in flight
+        self._last_answer = time.monotonic()
         # Samples per group, to size claims; unknown until the first claim, so that one
         # takes a single group (slime over-prefetched n-fold by guessing 1).
         self._group_size = self.capacity
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._last_reap = 0.0
+        self._claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
         self._paused = False  # admission paused (a weight update is under way)
-        self._engine_back = asyncio.Event()  # set while engines are considered healthy
-        self._engine_back.set()
+        self._queue_version = 0  # the trainer's weight version, as the last claim or heartbeat said
+        self._versions_ahead_seen: set[str] = set()
+        self.ready = asyncio.Event()  # set once registered
+        self._last_reap = 0.0
+        self._last_orphan_reap = 0.0
+        self._last_discovery = time.monotonic()
+        self._aborts: set[asyncio.Task] = set()
+        self._redis_pool = DaemonPool(6, "redis")  # one of them waits on control events
 
     def _load_reward(self):
         s = self.settings
@@ -152,21 +236,25 @@ class Worker:
             return RQReward(redis=self.queue.redis, path=s.reward, group=s.group_reward, queue_name=s.reward_queue)
         return Reward.from_path(s.reward, group=s.group_reward)
 
+    async def _redis(self, fn: Callable, *args: Any, deadline: float | None = None) -> Any:
+        """A Redis call on the Redis pool, retried through outages."""
+        return await self.reconnect.acall(self._redis_pool, fn, *args, deadline=deadline)
+
     # -- lifecycle -------------------------------------------------------------------
 
     async def run(self) -> None:
         """Work until stop() is called; then hand back whatever is unfinished."""
-        try:
-            await self.engines.refresh()
-            engines = self.engines.engines
-            self.capacity = self.settings.concurrency_per_engine * max(1, len(engines))
-        except Exception as exc:  # keep going: generation goes through the given URLs
-            log.warning("engine discovery failed (%s); using %s as given", exc, self.settings.engine_urls)
+        await self._discover_engines()
+        await self._register()
+        if self.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
+            await self._redis(self.queue.leave, self.id)
+            raise ValueError(f"the namespace's lease ({self.lease_s:g}s) is shorter than {HEARTBEATS_PER_LEASE} "
+                             f"heartbeats of this worker ({self.settings.heartbeat_s:g}s each): raise it with "
+                             f"`rollout configure --lease`")
         if self.settings.metrics_port:
-            metrics.serve_metrics(self.settings.metrics_port)
-        log.info("worker %s: capacity %d samples, engines %s, namespace %s", self.id, self.capacity,
-                 self.engines.engines or self.settings.engine_urls, self.settings.namespace)
-        await self._heartbeat()
+            metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
+        log.info("%s", self.describe())
+        self.ready.set()
         background = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._maintenance_loop()),
                       asyncio.create_task(self._listen_for_control())]
         try:
@@ -176,47 +264,124 @@ class Worker:
                 t.cancel()
             await self._shutdown()
 
+    def describe(self) -> str:
+        """The one line a worker prints when it starts."""
+        engines = self.engines.engines or self.settings.engine_urls
+        reward = getattr(self.reward, "name", self.settings.reward)
+        if self.settings.reward_queue:
+            reward += f" (rq queue {self.settings.reward_queue})"
+        return (f"worker {self.id}: namespace {self.settings.namespace}, {len(engines)} engines "
+                f"({', '.join(engines)}), capacity {self.capacity} samples, lease {self.lease_s:g}s "
+                f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}")
+
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
 
+    async def _register(self) -> None:
+        self.lease_s = await self._redis(self.queue.register, self.id, json.dumps(self.info()))
+
     async def _shutdown(self) -> None:
-        self.state = "stopping"
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        returned = await asyncio.to_thread(self.queue.leave, self.id)
-        log.info("worker %s stopped; %d unfinished groups back to the prompt list", self.id, returned)
+        await self._cancel_all(f"worker {self.id} is stopping")
+        # Give up after a lease: if Redis stays away, the reaper returns the groups anyway.
+        try:
+            returned = await self._redis(self.queue.leave, self.id,
+                                         deadline=time.monotonic() + max(self.lease_s, 1.0))
+            log.info("worker %s stopped; %d unfinished groups back to the prompt list", self.id, returned)
+        except ConnectionError as exc:
+            log.error("worker %s stopped without handing its groups back (%s); they return when its lease "
+                      "expires", self.id, exc)
+        await asyncio.gather(*self._aborts, return_exceptions=True)
         await self.engines.close()
+
+    async def _cancel_all(self, why: str) -> None:
+        """Cancel every group task and abort their requests (one prefix abort)."""
+        runs = list(self._running.values())
+        if not runs:
+            return
+        log.info("%s: cancelling %d group tasks", why, len(runs))
+        self._abort_requests(f"{self.id}/")
+        for run in runs:
+            run.task.cancel()
+        await asyncio.gather(*(r.task for r in runs), return_exceptions=True)
+
+    def _abort_requests(self, rid_prefix: str) -> None:
+        """Best effort, in the background: requests the engines would otherwise finish for
+        nobody (SGLang matches the rid as a prefix)."""
+        async def abort() -> None:
+            try:
+                await self.engines.abort(rid=rid_prefix)
+            except Exception as exc:
+                log.debug("abort of requests %s* failed: %s", rid_prefix, exc)
+
+        task = asyncio.create_task(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _reincarnate(self) -> None:
+        """We were reaped (stalled past the lease): another worker may have our groups.
+        Cancel everything and register as a new worker."""
+        async with self._claim_lock:
+            if self.reconnect.down:
+                return
+            old = self.id
+            log.error("worker %s was reaped (no heartbeat within its %gs lease); cancelling its %d group tasks "
+                      "(their publishes would be refused) and registering anew", old, self.lease_s,
+                      len(self._running))
+            await self._cancel_all(f"worker {old} was reaped")
+            await self._redis(self.queue.reap, old)  # in case its lease ran out and nobody reaped it yet
+            self.incarnation += 1
+            self.counters.reincarnations += 1
+            self.id = f"{self.name}#{self.incarnation}"
+            self.reconnect.what = f"worker {self.id}"
+            await self._register()
+            log.warning("worker %s registered as %s", old, self.id)
 
     # -- claiming --------------------------------------------------------------------
 
     async def _claim_loop(self) -> None:
         idle_wait = 0.01
         while not self._stopping.is_set():
-            if self._engine_down_since is not None:
+            if self._engine_down is not None:
                 await self._sleep(1.0)
                 continue
             free = self.capacity - self.inflight_samples
-            if free < self._group_size:
-                await self._sleep(1.0)  # woken when a group finishes
+            # A group larger than the whole capacity is still claimed, alone.
+            if free < self._group_size and self._running:
+                await self._sleep(1.0)  # woken when a sample slot frees
                 continue
-            claim = await asyncio.to_thread(self.queue.claim, self.id, max(1, free // self._group_size))
-            self._paused = claim.status == "paused"
-            if self._stopping.is_set():
-                break  # what this claim took goes back with leave() in _shutdown
-            for claimed in claim.groups:
-                if claimed.group is not None:
-                    self._start(claimed.group)
+            claim = await self._claim(max(1, free // self._group_size))
+            if claim is None:
+                continue
             if claim.groups:
-                self.state, idle_wait = "running", 0.01
+                idle_wait = 0.01
                 continue
-            self.state = {"empty": "idle"}.get(claim.status, claim.status)
             # Control changes arrive as events (pub/sub) and wake us; this wait is the
             # fallback, short at first so a trickle of prompts is picked up quickly.
             await self._sleep(idle_wait)
             idle_wait = min(idle_wait * 2, 0.1)
+
+    async def _claim(self, want: int) -> Claim | None:
+        async with self._claim_lock:
+            self._claims += 1
+            # The claim id is the groups' fencing token; a retry after a lost reply
+            # presents the same id and gets the same groups.
+            claim = await self._redis(self.queue.claim, self.id, f"{self.id}:{self._claims}", want)
+            self._claim_status = claim.status
+            self._queue_version = claim.weight_version
+            if claim.status not in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED):  # answered before `paused`
+                self._paused = claim.status == ClaimStatus.PAUSED
+            if self._stopping.is_set():
+                return claim  # what this claim took goes back with leave() in _shutdown
+            for claimed in claim.groups:
+                self._start(claimed)
+        if claim.status == ClaimStatus.UNREGISTERED:
+            await self._reincarnate()
+            return None
+        if claim.status == ClaimStatus.EXPIRED:
+            await self._heartbeat()  # renews the lease, or finds we were reaped meanwhile
+            return None
+        return claim
 
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()
@@ -225,64 +390,108 @@ class Worker:
         except asyncio.TimeoutError:
             pass
 
-    def _start(self, group: Group) -> None:
+    def _start(self, claimed: ClaimedGroup) -> None:
+        group = claimed.group
+        if group is None:
+            return  # malformed: the queue dead-lettered it
+        old = self._running.get(group.group_id)
+        if old is not None:  # claimed again while an old task lingers: that one's token is stale
+            old.task.cancel()
+            self._release_slots(old)
         group.worker = self.id
         group.claimed_at = time.time()
+        if group.n_samples > self.capacity:
+            log.warning("group %s has %d samples, more than this worker's capacity of %d: running it alone",
+                        group.group_id, group.n_samples, self.capacity)
         self._group_size = max(1, group.n_samples)
         # A slot per sample to generate, given back as each request finishes: a group
         # waiting on its slowest sample holds one slot, not n (the engine sees the rest free).
         slots = max(1, sum(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples))
-        self._slots[group.group_id] = slots
+        self._serial += 1
+        run = Running(group, claimed.token, claimed.payload, self._serial, slots)
+        self._running[group.group_id] = run
         self.inflight_samples += slots
-        task = asyncio.create_task(self._process(group))
-        self._tasks[group.group_id] = task
+        run.task = asyncio.create_task(self._process(run))
         # A done callback, not a finally: it also runs for a task cancelled before it started.
-        task.add_done_callback(lambda _t, gid=group.group_id: self._finished(gid))
+        run.task.add_done_callback(lambda _t, r=run: self._finished(r))
 
-    def _finished(self, group_id: str) -> None:
-        self.inflight_samples -= self._slots.pop(group_id, 0)
-        self._tasks.pop(group_id, None)
+    def _release_slots(self, run: Running) -> None:
+        self.inflight_samples -= run.slots
+        run.slots = 0
+
+    def _finished(self, run: Running) -> None:
+        self._release_slots(run)
+        if self._running.get(run.group.group_id) is run:
+            del self._running[run.group.group_id]
         self._wake.set()
 
     # -- one group -------------------------------------------------------------------
 
-    async def _process(self, group: Group) -> None:
-        gid = group.group_id
+    async def _process(self, run: Running) -> None:
+        group = run.group
         try:
-            place, error = await self._generate_group(group)
+            place, error = await self._generate_group(run)
             group.finished_at = time.time()
             group.error = error
-            entry = await asyncio.to_thread(self.queue.publish_group, self.id, group, place, error,
-                                            self.settings.keep_response_text)
-            metrics.GROUPS_PUBLISHED.labels(place if entry else "lost").inc()
-            if entry is None:
-                self.counters.groups_lost += 1
-            elif place == Place.RESULTS:
-                self.counters.groups_completed += 1
-            elif place == Place.REQUEUE:
-                self.counters.groups_requeued += 1
-                log.info("group %s: aborted mid-generation; partial output requeued", gid)
-            else:
-                self.counters.groups_dead += 1
-                log.error("group %s: dead-lettered: %s", gid, error)
+            await self._publish(run, place, error)
+        except asyncio.CancelledError:
+            self.counters.cancelled += 1
+            if not self._stopping.is_set():
+                self._abort_requests(f"{self.id}/{run.serial}/")
+            raise
         except Exception as exc:  # one bad group must never take the worker down
-            log.exception("group %s: unexpected error; dead-lettering it", gid)
+            log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
             metrics.DEAD_LETTERS.labels("worker_error").inc()
-            await asyncio.to_thread(self.queue.publish_group, self.id, group, Place.DEAD,
-                                    f"worker error: {type(exc).__name__}: {exc}")
-            self.counters.groups_dead += 1
+            # What was claimed, not the group as generated: that may be what cannot be stored.
+            # If even this fails, the group stays held in Redis with no task, and the next
+            # reconciliation gives it back (and max_claims ends a group that keeps doing it).
+            run.publishing = True
+            try:
+                outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, run.payload,
+                                            Place.DEAD, f"worker error: {type(exc).__name__}: {exc}")
+            except Exception as again:
+                log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
+                          group.group_id, again)
+                return
+            if outcome != Published.REFUSED:
+                self.counters.groups_dead += 1
 
-    async def _generate_group(self, group: Group) -> tuple[str, str | None]:
-        """Returns where the group goes and, for dead letters, why."""
+    async def _publish(self, run: Running, place: Place, error: str | None) -> None:
+        group = run.group
         try:
+            payload = encode_group(group, self.settings.keep_response_text or place != Place.RESULTS)
+        except EncodeError as exc:
+            # What was generated breaks the schema: it must not reach the trainer.
+            log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",
+                      group.group_id, exc)
+            place, error, payload = Place.DEAD, f"cannot store the generated group: {exc}", run.payload
+            metrics.DEAD_LETTERS.labels("encode").inc()
+        run.publishing = True
+        outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, payload, place, error)
+        metrics.GROUPS_PUBLISHED.labels(place.value if outcome != Published.REFUSED else "lost").inc()
+        if outcome == Published.REFUSED:
+            self.counters.groups_lost += 1
+        elif place == Place.RESULTS:
+            self.counters.groups_completed += 1
+        elif place == Place.REQUEUE:
+            self.counters.groups_requeued += 1
+            log.info("group %s: unfinished (paused or engines down); partial output requeued", group.group_id)
+        else:
+            self.counters.groups_dead += 1
+            log.error("group %s: dead-lettered: %s", group.group_id, error)
+
+    async def _generate_group(self, run: Running) -> tuple[Place, str | None]:
+        """Returns where the group goes and, for dead letters, why."""
+        group = run.group
+        try:
+            if not group.samples:
+                raise GroupFailed("group has no samples", "input")
             if not group.prompt_ids:
                 group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
                                                  self.settings.apply_chat_template)
-            if not group.samples:
-                raise GroupFailed("group has no samples", "input")
-            await asyncio.gather(*(self._generate_sample_in_slot(group, s) for s in group.samples
+            await asyncio.gather(*(self._generate_sample_in_slot(run, s) for s in group.samples
                                    if s.status in (Status.PENDING, Status.ABORTED)))
-            if any(s.status == Status.ABORTED for s in group.samples):
+            if any(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples):
                 return Place.REQUEUE, None
             await self._score(group)
             return Place.RESULTS, None
@@ -293,61 +502,89 @@ class Worker:
             metrics.DEAD_LETTERS.labels("input").inc()
             return Place.DEAD, f"bad prompt: {exc}"
 
-    async def _generate_sample_in_slot(self, group: Group, sample: Sample) -> None:
+    async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
         try:
-            await self._generate_sample(group, sample)
+            await self._generate_sample(run, sample)
         finally:
-            if self._slots.get(group.group_id, 0) > 1:  # the group's last slot goes with the group
-                self._slots[group.group_id] -= 1
+            if run.slots > 1:  # the group's last slot goes with the group
+                run.slots -= 1
                 self.inflight_samples -= 1
                 self._wake.set()
 
-    async def _generate_sample(self, group: Group, sample: Sample) -> None:
-        s = self.settings
+    async def _generate_sample(self, run: Running, sample: Sample) -> None:
+        s, group = self.settings, run.group
         if not sample.tokens:
             sample.tokens = list(group.prompt_ids)
-        remaining = s.sampling.max_new_tokens - sample.response_length
-        if remaining <= 0:
-            sample.status = Status.TRUNCATED  # nothing left to generate: no request
-            return
-        rid = f"{group.group_id}/{sample.index}/{uuid.uuid4().hex[:8]}"
         failures = group.attempts  # carried over from earlier claims of this group
+        attempt = 0
         while True:
-            if self._paused:
-                # A weight update is under way: a request sent now would wait at the
-                # paused engine where an abort cannot reach it. Requeue the sample as
-                # it is; it continues after the resume, under the new weights.
-                sample.status = Status.ABORTED
+            remaining = s.sampling.max_new_tokens - sample.response_length
+            if remaining <= 0:
+                sample.status = Status.TRUNCATED  # nothing left to generate: no request
                 return
+            if self._paused or self._engine_down is not None:
+                # A weight update is under way (a request sent now would wait at the paused
+                # engine where an abort cannot reach it), or the engines are down: leave the
+                # sample as it is; the group is requeued and continues later, maybe elsewhere.
+                return
+            attempt += 1
+            # A new request id per attempt: an engine still holding the first would refuse a
+            # duplicate. "<worker>/<serial>/" prefixes let one abort reach a group's requests.
+            rid = f"{self.id}/{run.serial}/{sample.index}/{attempt}"
             try:
-                self.counters.requests += 1
-                started = time.monotonic()
-                result = await self.engines.generate(sample.tokens, s.sampling.params(remaining), rid=rid)
-                metrics.GENERATION_LATENCY.observe(time.monotonic() - started)
-                metrics.OUTPUT_TOKENS.observe(len(result.output_ids))
-                self._engine_ok()
-                break
+                result = await self._request(rid, sample.tokens, s.sampling.params(remaining))
+                self._append(sample, result)
+                if result.finish_type != "abort":
+                    self._engine_ok()
+                    return
+                if await self._pause_explains_abort():
+                    return  # requeued with its partial output; continues after the resume
+                error = EngineError(f"engine aborted request {rid} while nothing was paused "
+                                    f"({(result.finish_reason or {}).get('message', 'no message')})")
             except EngineRequestError as exc:
                 metrics.ENGINE_ERRORS.labels("bad_request").inc()
                 raise GroupFailed(f"engine rejected the request: {exc}", "bad_request") from None
-            except EngineUnavailable as exc:
-                self._engine_failed(exc)
-                if self._engine_down_since is not None:
-                    # The engine is down, not this group's fault: wait for it without
-                    # spending the group's attempts, then try again.
-                    await self._engine_back.wait()
-                    continue
-                # Attempts count per sample: the n samples of a group failing in the same
-                # moment are one bad moment, not n. The group keeps its worst count.
-                failures += 1
-                group.attempts = max(group.attempts, failures)
-                if failures >= s.max_attempts:
-                    raise GroupFailed(f"engine failed {failures} times; last error: {exc}", "engine") from None
-                delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
-                log.warning("group %s: engine error (%s); retry %d in %.1fs", group.group_id, exc,
-                            failures, delay)
-                await asyncio.sleep(delay)
-        self._append(sample, result)
+            except EngineError as exc:  # unavailable, timed out, or an answer that breaks the protocol
+                error = exc
+            self._engine_failed(error)
+            if self._engine_down is not None:
+                return  # not this group's fault: it is requeued for a worker with engines
+            # Attempts count per sample: the n samples of a group failing in the same
+            # moment are one bad moment, not n. The group keeps its worst count.
+            failures += 1
+            group.attempts = max(group.attempts, failures)
+            if failures >= s.max_attempts:
+                raise GroupFailed(f"engine failed {failures} times; last error: {error}", "engine") from None
+            delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
+            log.debug("group %s: engine error (%s); retry %d in %.1fs", group.group_id, error, failures, delay)
+            await asyncio.sleep(delay)
+
+    async def _request(self, rid: str, tokens: list[int], params: dict) -> GenerateResult:
+        self.counters.requests += 1
+        self._outstanding += 1
+        started = time.monotonic()
+        try:
+            result = await self.engines.generate(tokens, params, rid=rid)
+        except asyncio.CancelledError:
+            raise
+        except EngineError as exc:
+            if exc.status is None and not isinstance(exc, EngineProtocolError):
+                self._abort_requests(rid)  # timed out or cut off: the engine may still be generating it
+            raise
+        finally:
+            self._outstanding -= 1
+        self._last_answer = time.monotonic()
+        metrics.GENERATION_LATENCY.observe(self._last_answer - started)
+        metrics.OUTPUT_TOKENS.observe(len(result.output_ids))
+        return result
+
+    async def _pause_explains_abort(self) -> bool:
+        """An abort answer is a pause's doing when admission is paused. The controller
+        sets `paused` in Redis before it pauses the engines, so Redis knows first."""
+        if self._paused:
+            return True
+        self._paused = (await self._redis(read_control, self.queue.redis, self.queue.keys)).paused
+        return self._paused
 
     def _append(self, sample: Sample, result: GenerateResult) -> None:
         """Add one engine answer to a sample; a continuation extends the previous one."""
@@ -361,6 +598,7 @@ class Worker:
         if n_new:  # a call that produced nothing (aborted while queued) adds no version
             sample.weight_versions.append(result.weight_version)
             segments.append(n_new)
+            self._check_version(result.weight_version)
         sample.status = FINISH_STATUS[result.finish_type]
         if sample.status == Status.ABORTED:
             metrics.SAMPLES_ABORTED.inc()
@@ -369,14 +607,33 @@ class Worker:
         if self.settings.mask_offpolicy_prefix and sample.status != Status.ABORTED:
             sample.loss_mask = offpolicy_mask(sample.weight_versions, segments)
 
+    def _check_version(self, version: str) -> None:
+        """An engine ahead of the queue's weight version means the trainer updates the
+        engines without telling the queue: staleness checks would be off. Say so."""
+        v = parse_version(version)
+        if v is None or v <= self._queue_version:
+            return
+        self.counters.versions_ahead += 1
+        if version not in self._versions_ahead_seen:
+            self._versions_ahead_seen.add(version)
+            log.warning("worker %s: an engine generates with weight version %s, ahead of the queue's %d: bump "
+                        "the queue's version with every weight update (Controller.resume(weight_version=...), "
+                        "`rollout resume --weight-version`)", self.id, version, self._queue_version)
+
     async def _score(self, group: Group) -> None:
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                rewards = await self.reward.score(self.reward_args, group.samples)
+                rewards = await asyncio.wait_for(self.reward.score(self.reward_args, group.samples),
+                                                 self.settings.reward_timeout_s)
                 for s, r in zip(group.samples, rewards):
                     s.reward = r
                 return
-            except RewardError as exc:
+            except (RewardError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    # A synchronous reward keeps its thread until it returns; the pool has
+                    # others, and the group is retried or dead-lettered meanwhile.
+                    exc = RewardError(f"reward took longer than {self.settings.reward_timeout_s:g}s "
+                                      f"(--reward-timeout); abandoned")
                 self.counters.reward_errors += 1
                 if attempt == self.settings.max_attempts:
                     raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", "reward") from None
@@ -387,103 +644,188 @@ class Worker:
 
     def _engine_ok(self) -> None:
         self._consecutive_engine_failures = 0
+        if self._engine_trial:
+            self._engine_trial, self._engine_probe_s = False, 1.0
 
-    def _engine_failed(self, exc: EngineUnavailable) -> None:
+    def _engine_failed(self, exc: EngineError) -> None:
         metrics.ENGINE_ERRORS.labels("unavailable" if exc.status is None else str(exc.status)).inc()
         self.counters.engine_errors += 1
         self._consecutive_engine_failures += 1
-        if self._consecutive_engine_failures >= self.settings.engine_down_after and self._engine_down_since is None:
-            self._engine_down_since = time.monotonic()
-            self._engine_back.clear()
-            self.state = f"engine-down: {exc}"
-            log.error("worker %s: %d engine failures in a row (%s); stopped claiming until the engine is back",
-                      self.id, self._consecutive_engine_failures, exc)
+        if self._engine_down is not None:
+            return
+        if self._engine_trial:  # back too early: wait twice as long before the next probe
+            self._engine_probe_s = min(30.0, self._engine_probe_s * 2)
+        elif self._consecutive_engine_failures < self.settings.engine_down_after:
+            return
+        self._engine_down, self._engine_trial = str(exc), False
+        self._engine_down_since = time.monotonic()
+        self._engine_next_probe = self._engine_down_since + self._engine_probe_s
+        log.error("worker %s: engine-down after %d failures in a row (last: %s); stopped claiming and handing "
+                  "unfinished groups on; next /health probe in %gs", self.id, self._consecutive_engine_failures,
+                  exc, self._engine_probe_s)
 
-    async def _probe_engines(self) -> None:
-        if self._engine_down_since is None:
+    async def _check_engines(self) -> None:
+        """While down: any engine answering /health brings the worker back (one
+        decommissioned engine behind a router must not keep it down), on trial."""
+        if self._engine_down is None or time.monotonic() < self._engine_next_probe:
             return
         healthy = await self.engines.health()
-        if healthy and all(healthy.values()):
-            down = time.monotonic() - self._engine_down_since
-            log.warning("worker %s: engines healthy again after %.0fs; claiming again", self.id, down)
-            self._engine_down_since = None
+        if any(healthy.values()):
+            log.warning("worker %s: engines answer /health again after %.0fs (%s); claiming again", self.id,
+                        time.monotonic() - self._engine_down_since, ", ".join(u for u, ok in healthy.items() if ok))
+            self._engine_down, self._engine_trial = None, True
             self._consecutive_engine_failures = 0
-            self.state = "running"
-            self._engine_back.set()
             self._wake.set()
+        else:
+            self._engine_next_probe = time.monotonic() + self._engine_probe_s
 
-    # -- heartbeat and upkeep ----------------------------------------------------------
+    async def _discover_engines(self) -> None:
+        """Engines behind the given router URLs come and go: capacity follows them."""
+        try:
+            engines = await self.engines.refresh()
+        except EngineError as exc:  # keep going: generation goes through the given URLs
+            log.warning("engine discovery failed (%s); using %s as given", exc, self.settings.engine_urls)
+            return
+        capacity = self.settings.concurrency_per_engine * max(1, len(engines))
+        if capacity != self.capacity and self.lease_s:
+            log.warning("worker %s: %d engines now (%s); capacity %d -> %d samples", self.id, len(engines),
+                        ", ".join(engines), self.capacity, capacity)
+        self.capacity = capacity
+        self._wake.set()
+
+    # -- heartbeat, reconciliation and upkeep ------------------------------------------
+
+    def state(self) -> str:
+        """What the worker does or waits on, for status (one line)."""
+        if self._stopping.is_set():
+            return WorkerState.STOPPING.value
+        if self.reconnect.down:
+            return f"{WorkerState.REDIS_DOWN.value}: {self.reconnect.last_error}"
+        if self._engine_down is not None:
+            return f"{WorkerState.ENGINE_DOWN.value}: {self._engine_down}"
+        if self._paused:
+            return WorkerState.PAUSED.value
+        silent = time.monotonic() - self._last_answer
+        if self._outstanding and silent > WAITING_ON_ENGINE_S:
+            return (f"{WorkerState.WAITING_ON_ENGINE.value}: {self._outstanding} requests out, "
+                    f"no answer for {silent:.0f}s")
+        if self._claim_status == ClaimStatus.BACKLOG:
+            return WorkerState.BACKLOG.value
+        if self._claim_status == ClaimStatus.BUDGET:
+            return WorkerState.BUDGET.value
+        if self._claim_status == ClaimStatus.ISOLATING:
+            return (f"{WorkerState.ISOLATING.value}: a group whose workers died twice runs alone"
+                    + ("; finishing the groups held first" if self._running else ""))
+        if self._running and self.capacity - self.inflight_samples < self._group_size:
+            return f"{WorkerState.FULL.value}: {self.inflight_samples} of {self.capacity} sample slots"
+        if self._running:
+            return WorkerState.RUNNING.value
+        if self._claim_status == ClaimStatus.EMPTY:
+            return WorkerState.IDLE.value
+        return WorkerState.STARTING.value if not self._claims else WorkerState.RUNNING.value
 
     def info(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "engines": self.engines.engines or self.settings.engine_urls,
-            "state": self.state,
+            "state": self.state(),
             "capacity": self.capacity,
             "inflight_samples": self.inflight_samples,
-            "inflight_groups": len(self._tasks),
+            "inflight_groups": len(self._running),
+            "lease_s": self.lease_s,
+            "heartbeat_s": self.settings.heartbeat_s,
+            "redis_outages": self.reconnect.outages,
+            "last_redis_outage_s": round(self.reconnect.last_outage_s, 3),
             "counters": asdict(self.counters),
         }
 
     async def _listen_for_control(self) -> None:
         """Pause and resume are published on the events channel: wake the claim loop
-        at once, so admission follows control changes within milliseconds."""
+        at once, so admission follows control changes within milliseconds. The
+        heartbeat carries the same state, should an event be missed."""
         loop = asyncio.get_running_loop()
-        pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
-        await asyncio.to_thread(pubsub.subscribe, self.queue.keys.events)
-        try:
-            while True:
-                message = await asyncio.to_thread(pubsub.get_message, timeout=1.0)
-                if message is None:
-                    continue
-                try:
-                    paused = bool(json.loads(message["data"])["paused"])
-                except (ValueError, KeyError, TypeError):
-                    log.warning("worker %s: ignoring malformed control event %r", self.id, message["data"])
-                    continue
-                self._set_paused(paused)
-                loop.call_soon_threadsafe(self._wake.set)
-                await self._heartbeat()  # so status shows the new state at once
-        finally:
-            await asyncio.to_thread(pubsub.close)
-
-    def _set_paused(self, paused: bool) -> None:
-        if paused:
-            self.state = "paused"
-        elif self.state == "paused":
-            self.state = "running"
-        self._paused = paused
+        while True:
+            pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await loop.run_in_executor(self._redis_pool, pubsub.subscribe, self.queue.keys.events)
+                while True:
+                    message = await loop.run_in_executor(self._redis_pool, lambda: pubsub.get_message(timeout=1.0))
+                    if message is None:
+                        continue
+                    try:
+                        paused = bool(json.loads(message["data"])["paused"])
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("worker %s: ignoring malformed control event %r", self.id, message["data"])
+                        continue
+                    self._paused = paused
+                    self._wake.set()
+                    await self._heartbeat()  # so status shows the new state at once
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis went away: the heartbeat carries the state meanwhile
+                log.debug("worker %s: control events interrupted (%s); resubscribing", self.id, exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await loop.run_in_executor(self._redis_pool, pubsub.close)
 
     async def _heartbeat(self) -> None:
         metrics.INFLIGHT_SAMPLES.set(self.inflight_samples)
-        beat = await asyncio.to_thread(self.queue.heartbeat, self.id, json.dumps(self.info()))
-        if beat.paused != self._paused:  # a missed event: the heartbeat carries the truth
-            self._set_paused(beat.paused)
-        if not beat.was_registered and self._tasks:
-            # We were presumed dead and our groups went back to the queue; another
-            # worker may have them now, and publish would refuse ours anyway.
-            log.error("worker %s was reaped (heartbeat late); abandoning %d groups now owned by the queue",
-                      self.id, len(self._tasks))
-            for t in list(self._tasks.values()):
-                t.cancel()
+        beat = await self._redis(self.queue.heartbeat, self.id, json.dumps(self.info()))
+        if beat.reaped:
+            await self._reincarnate()
+            return
+        self._paused = beat.paused  # a missed event: the heartbeat carries the truth
+        self._queue_version = beat.weight_version
+        if beat.lease_s != self.lease_s:
+            log.warning("worker %s: the namespace's lease is now %gs (was %gs)", self.id, beat.lease_s, self.lease_s)
+            if beat.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
+                log.error("worker %s: a %gs lease is shorter than %d of this worker's %gs heartbeats; it may be "
+                          "reaped while alive", self.id, beat.lease_s, HEARTBEATS_PER_LEASE, self.settings.heartbeat_s)
+            self.lease_s = beat.lease_s
+
+    async def _reconcile(self) -> None:
+        """Make this process and Redis agree on what it holds."""
+        async with self._claim_lock:
+            held = await self._redis(self.queue.held, self.id)
+            for gid, run in list(self._running.items()):
+                if held.get(gid) != run.token and not run.publishing:
+                    log.warning("group %s: worker %s no longer holds it in Redis (claim %s); cancelling its task",
+                                gid, self.id, run.token)
+                    run.task.cancel()
+            stray = {gid: token for gid, token in held.items()
+                     if (run := self._running.get(gid)) is None or run.token != token}
+            if stray:
+                n = await self._redis(self.queue.hand_back, self.id, stray)
+                self.counters.handed_back += n
+                log.warning("worker %s: %d groups held in Redis with no task here (a lost claim reply, or a task "
+                            "that failed to publish) went back to the prompt list: %s", self.id, n,
+                            ", ".join(list(stray)[:5]))
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
                 await self._heartbeat()
-                await self._probe_engines()
-            except Exception as exc:  # Redis blips must not kill the worker
+                await self._reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
                 log.warning("worker %s: heartbeat failed: %s", self.id, exc)
 
     async def _maintenance_loop(self) -> None:
         """Reap dead workers and release aborted groups while admission is open, so
-        nothing waits on one process being alive."""
+        nothing waits on one process being alive; watch the engines."""
         while True:
             await asyncio.sleep(1.0)
             try:
-                await asyncio.to_thread(self._upkeep)
+                await self._redis(self._upkeep)
+                await self._check_engines()
+                if time.monotonic() - self._last_discovery >= REDISCOVER_S or self._engine_down is not None:
+                    self._last_discovery = time.monotonic()
+                    await self._discover_engines()
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:
                 log.warning("worker %s: maintenance failed: %s", self.id, exc)
 
@@ -491,9 +833,13 @@ class Worker:
         depths = self.queue.depths()
         for place, depth in depths.items():
             metrics.QUEUE_DEPTH.labels(place).set(depth)
-        if time.monotonic() - self._last_reap >= self.settings.lease_s / 4:
-            self._last_reap = time.monotonic()
+        now = time.monotonic()
+        if now - self._last_reap >= self.lease_s / 4:
+            self._last_reap = now
             self.queue.reap_expired()
+        if now - self._last_orphan_reap >= 10 * self.lease_s:
+            self._last_orphan_reap = now
+            self.queue.reap_orphans()
         if depths["requeue"]:
             control = read_control(self.queue.redis, self.queue.keys)
             if not control.paused:
@@ -524,4 +870,10 @@ async def run_worker(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
-    await worker.run()
+    running = asyncio.create_task(worker.run())
+    ready = asyncio.create_task(worker.ready.wait())
+    await asyncio.wait([running, ready], return_when=asyncio.FIRST_COMPLETED)
+    if worker.ready.is_set():
+        print(worker.describe(), file=sys.stderr, flush=True)
+    ready.cancel()
+    await running

@@ -1,10 +1,12 @@
--- Record a worker's heartbeat (server time) and its self-description.
+-- Extend a registered worker's lease and record its self-description. It never registers
+-- a worker: one that was reaped is told so (and must cancel its work and register anew).
 -- KEYS: workers, worker_info, control
--- ARGV: worker, info JSON
--- Returns {was_registered (0: new or reaped meanwhile), paused, weight_version}.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local added = redis.call('ZADD', KEYS[1], now, ARGV[1])
+-- ARGV: worker, info JSON, default lease ms
+-- Returns {'ok' or 'reaped', paused (0/1), weight_version, lease ms}.
+local ctl = redis.call('HMGET', KEYS[3], 'paused', 'weight_version', 'lease_ms')
+local lease = tonumber(ctl[3]) or tonumber(ARGV[3])
+local paused, version = ctl[1] == '1' and 1 or 0, tonumber(ctl[2]) or 0
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {'reaped', paused, version, lease} end
+redis.call('ZADD', KEYS[1], 'XX', now_ms() + lease, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-local ctl = redis.call('HMGET', KEYS[3], 'paused', 'weight_version')
-return {1 - added, ctl[1] == '1' and 1 or 0, tonumber(ctl[2]) or 0}
+return {'ok', paused, version, lease}

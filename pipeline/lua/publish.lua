@@ -1,32 +1,46 @@
--- Publish a group a worker finished, only if that worker still holds it: a worker
--- that was reaped (presumed dead) cannot publish afterwards.
--- KEYS: inflight, payloads, target stream (results, requeue or dead), stats, admitted
---       and, for results only: the staged payload key, the result payload key
--- ARGV: group id, encoded group ('' when staged), counter to increment, error text ('' for none)
--- Results entries carry only the group id; the payload, staged with a plain SET, is
--- renamed into its result key. Redis would copy a large argument into Lua (about
--- 1.6 us per KB, more than all the rest of a publish), a RENAME moves a pointer.
--- Returns the new stream entry id, or false when the worker no longer holds it.
-local staged = #KEYS == 7
-if staged and redis.call('EXISTS', KEYS[6]) == 0 then
-  return redis.error_reply('publish: staged payload ' .. KEYS[6] .. ' is missing')
+-- Publish a group a worker finished, only if the worker still holds it under this claim's
+-- token: a worker that was reaped, or whose claim was given back, cannot publish it.
+-- KEYS: inflight, payloads, target stream (results, requeue or dead), stats, admitted, claims,
+--       history, and for results only: the staged payload key, the result payload key
+-- ARGV: group id, token, encoded group ('' when staged), place, error text ('' for none), worker
+-- Results entries carry the group id and token; the payload, staged with a plain SET, is
+-- renamed into its result key: Redis would copy a large argument into Lua (about 1.6 us per
+-- KB, more than all the rest of a publish), a RENAME moves a pointer.
+-- Returns {'ok', entry id}, {'already'} (a retry of a publish that went through) or {'refused'}.
+local gid, token, place, worker = ARGV[1], ARGV[2], ARGV[4], ARGV[6]
+local staged = #KEYS == 9
+local done = 'published ' .. worker .. ' ' .. place .. ' ' .. token
+if redis.call('HGET', KEYS[1], gid) ~= token then
+  if staged then redis.call('DEL', KEYS[8]) end
+  local history = redis.call('HGET', KEYS[7], gid)
+  if history and string.find(history, done, 1, true) then return {'already'} end
+  return {'refused'}
 end
-if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then
-  if staged then redis.call('DEL', KEYS[6]) end
-  return false
+if staged and redis.call('EXISTS', KEYS[8]) == 0 then
+  return redis.error_reply('publish: staged payload ' .. KEYS[8] .. ' is missing')
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
--- A dead letter stops counting against the staleness budget; a retry admits it anew.
-if ARGV[3] == 'dead' then redis.call('HDEL', KEYS[5], ARGV[1]) end
+redis.call('HDEL', KEYS[1], gid)
+redis.call('HDEL', KEYS[2], gid)
+if place == 'dead' then
+  -- A dead letter stops counting against the staleness budget; a retry admits it anew.
+  redis.call('HDEL', KEYS[5], gid)
+  redis.call('HDEL', KEYS[6], gid)
+elseif place == 'requeue' then
+  -- Interrupted by a pause, or handed on by a worker whose engines are down: not the group's doing.
+  if redis.call('HINCRBY', KEYS[6], gid, -1) <= 0 then redis.call('HDEL', KEYS[6], gid) end
+else
+  redis.call('HDEL', KEYS[6], gid)  -- finished: a later restart (too stale) starts a new count
+end
 local id
 if staged then
-  redis.call('RENAME', KEYS[6], KEYS[7])
-  redis.call('PERSIST', KEYS[7])
-  id = redis.call('XADD', KEYS[3], '*', 'gid', ARGV[1])
-elseif ARGV[4] ~= '' then
-  id = redis.call('XADD', KEYS[3], '*', 'gid', ARGV[1], 'data', ARGV[2], 'error', ARGV[4])
+  redis.call('RENAME', KEYS[8], KEYS[9])
+  redis.call('PERSIST', KEYS[9])
+  id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'tok', token)
+elseif ARGV[5] ~= '' then
+  id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'data', ARGV[3], 'error', ARGV[5])
 else
-  id = redis.call('XADD', KEYS[3], '*', 'gid', ARGV[1], 'data', ARGV[2])
+  id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'data', ARGV[3])
 end
-redis.call('HINCRBY', KEYS[4], ARGV[3], 1)
-return id
+redis.call('HINCRBY', KEYS[4], place, 1)
+record(KEYS[7], gid, now_ms(), 'published', worker, place .. ' ' .. token)
+return {'ok', id}

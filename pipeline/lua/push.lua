@@ -1,25 +1,37 @@
 -- Push a chunk of dataset rows, advancing the dataset cursor in the same step so a
 -- (dataset, epoch, row) is never pushed twice, even by two producers at once.
 -- KEYS: prompts, payloads, stats, dataset, dead
--- ARGV: cursor field, expected cursor, then triples (destination, group id, payload)
---       with destination 'prompt' or an error text for a row that goes to dead letters.
--- Returns {'ok', new cursor} or {'moved', actual cursor} when another producer got there first.
-local cursor = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
-if cursor ~= tonumber(ARGV[2]) then return {'moved', cursor} end
-local pushed, dead = 0, 0
+-- ARGV: cursor field ('' for none: no cursor), expected cursor, then triples
+--       (destination, group id, payload) with destination 'prompt' or an error text for a
+--       row that goes to dead letters.
+-- A group id already queued or in flight is not pushed again (one copy per group id).
+-- Returns {'ok', new cursor, duplicates} or {'moved', actual cursor} when another producer
+-- got there first.
+local cursor = 0
+if ARGV[1] ~= '' then
+  cursor = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')
+  if cursor ~= tonumber(ARGV[2]) then return {'moved', cursor} end
+end
+local rows, pushed, dead, duplicates = 0, 0, 0, 0
 for i = 3, #ARGV, 3 do
   local dest, gid, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if dest == 'prompt' then
-    redis.call('HSET', KEYS[2], gid, payload)
-    redis.call('RPUSH', KEYS[1], gid)
+    if redis.call('HSETNX', KEYS[2], gid, payload) == 1 then
+      redis.call('RPUSH', KEYS[1], gid)
+      pushed = pushed + 1
+    else
+      duplicates = duplicates + 1
+    end
   else
     redis.call('XADD', KEYS[5], '*', 'gid', gid, 'data', payload, 'error', dest)
     dead = dead + 1
   end
-  pushed = pushed + 1
+  rows = rows + 1
 end
-cursor = cursor + pushed
-redis.call('HSET', KEYS[4], ARGV[1], cursor)
-redis.call('HINCRBY', KEYS[3], 'pushed', pushed)
+if ARGV[1] ~= '' then
+  cursor = cursor + rows
+  redis.call('HSET', KEYS[4], ARGV[1], cursor)
+end
+if pushed + dead > 0 then redis.call('HINCRBY', KEYS[3], 'pushed', pushed + dead) end
 if dead > 0 then redis.call('HINCRBY', KEYS[3], 'dead', dead) end
-return {'ok', cursor}
+return {'ok', cursor, duplicates}

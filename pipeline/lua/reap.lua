@@ -1,18 +1,30 @@
--- Return a worker's in-flight groups to the head of the prompt list if its last
--- heartbeat is older than the lease (ARGV[2] = 0 reaps unconditionally: a worker
--- leaving cleanly), and forget the worker.
--- KEYS: workers, inflight, prompts, worker_info, stats
--- ARGV: worker, lease_ms
--- Returns the number of groups returned, or -1 when the worker is alive after all.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local seen = redis.call('ZSCORE', KEYS[1], ARGV[1])
-local lease = tonumber(ARGV[2])
-if seen and lease > 0 and now - tonumber(seen) < lease then return -1 end
-local gids = redis.call('SMEMBERS', KEYS[2])
-for i = 1, #gids do redis.call('LPUSH', KEYS[3], gids[i]) end
+-- Return a worker's in-flight groups to the head of the prompt list and forget the worker.
+--   expired: only if its lease deadline has passed (a crash or a stall: the claims count)
+--   leave:   unconditionally, the worker's own hand-back on shutdown (the claims do not count)
+-- KEYS: workers, inflight, prompts, worker_info, stats, claims, history, last_claim, reaped, isolated
+-- ARGV: worker, mode
+-- Returns the number of groups returned, or -1 when the lease has not expired.
+local worker, mode = ARGV[1], ARGV[2]
+local now = now_ms()
+local deadline = redis.call('ZSCORE', KEYS[1], worker)
+if mode == 'expired' and deadline and tonumber(deadline) >= now then return -1 end
+local gids = redis.call('HKEYS', KEYS[2])
+local event = mode == 'leave' and 'handed_back' or 'reaped'
+for _, gid in ipairs(gids) do
+  redis.call('LPUSH', KEYS[3], gid)
+  if mode == 'leave' and redis.call('HINCRBY', KEYS[6], gid, -1) <= 0 then redis.call('HDEL', KEYS[6], gid) end
+  record(KEYS[7], gid, now, event, worker)
+end
 redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-if #gids > 0 then redis.call('HINCRBY', KEYS[5], 'reaped', #gids) end
+redis.call('ZREM', KEYS[1], worker)
+redis.call('HDEL', KEYS[4], worker)
+redis.call('HDEL', KEYS[8], worker)
+redis.call('HDEL', KEYS[10], worker)
+if #gids > 0 then redis.call('HINCRBY', KEYS[5], event, #gids) end
+if deadline or #gids > 0 then
+  local overdue = deadline and math.max(0, now - tonumber(deadline)) or 0
+  redis.call('LPUSH', KEYS[9], cjson.encode({worker = worker, at_ms = now, groups = #gids, how = event,
+                                              overdue_ms = overdue}))
+  redis.call('LTRIM', KEYS[9], 0, 49)
+end
 return #gids

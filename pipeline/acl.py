@@ -1,0 +1,217 @@
+"""Least-privilege Redis ACL users for the roles that touch a pipeline, and clear
+errors when Redis refuses one of their commands.
+
+Each role (worker, trainer, admin) may use only its namespace's keys (`{ns}:*`), the
+events channel, and the commands it sends. Those are listed here and nowhere else:
+the commands of the Lua scripts a role runs are read from the scripts themselves
+(Redis checks every command a script calls against the caller's ACL), the commands
+a role sends itself are listed by hand. tests/test_acl.py runs each role's whole
+cycle under its ACL user, so a command missing here fails a test.
+
+Taking entries out of a stream (XACK, XDEL) is allowed only on the streams a role
+settles: a worker can release the requeue stream but cannot settle the trainer's
+results, even though both go through the same settle script.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+import redis
+
+from . import scripts
+from .admin import namespace_pattern
+from .keys import Keys
+
+#: Commands that take an entry out of a stream; a role gets them only on the streams it settles.
+SETTLING = frozenset({"xack", "xdel"})
+
+_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
+
+
+class Role(str, Enum):
+    WORKER = "worker"
+    TRAINER = "trainer"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a role does to its namespace. Commands are lower case, subcommands as
+    `container|sub`, as ACL SETUSER spells them."""
+
+    scripts: frozenset[str] = frozenset()  # pipeline/lua scripts it runs (their commands are read from them)
+    commands: frozenset[str] = frozenset()  # commands it sends itself
+    settles: frozenset[str] = frozenset()  # names of the streams it takes entries out of
+    publishes: bool = False  # PUBLISH on the events channel
+    subscribes: bool = False  # SUBSCRIBE to it
+
+    def __or__(self, other: Access) -> Access:
+        return Access(self.scripts | other.scripts, self.commands | other.commands, self.settles | other.settles,
+                      self.publishes or other.publishes, self.subscribes or other.subscribes)
+
+    def all_commands(self) -> frozenset[str]:
+        found = set(self.commands)
+        for name in self.scripts:
+            found |= script_commands(name)
+        if self.publishes:
+            found.add("publish")
+        if self.subscribes:
+            found.add("subscribe")
+        return frozenset(found)
+
+
+def script_commands(name: str) -> frozenset[str]:
+    """The commands lua/<name>.lua calls, with those of the prelude every script carries."""
+    return frozenset(c.lower() for c in _CALL.findall(scripts.source(name)))
+
+
+def _access(scripts=(), commands=(), settles=(), publishes=False, subscribes=False) -> Access:
+    return Access(frozenset(scripts), frozenset(commands), frozenset(settles), publishes, subscribes)
+
+
+#: Every client: connect() asks INFO whether the server runs a cluster; redis-py pings
+#: idle connections and loads a script the server does not know yet (after a restart).
+CLIENT = _access(commands=("info", "ping", "evalsha", "script|load"))
+#: control.read_control: one MULTI over the control hash, the stats and the admitted hash.
+READ_CONTROL = _access(commands=("multi", "exec", "hmget", "hget", "hlen"))
+#: Queue.release (workers while admission is open, the trainer on resume): requeue → prompts.
+RELEASE = _access(scripts=("settle",), commands=("xrange",), settles=("requeue",))
+
+#: Queue.reap_expired (workers, and the trainer while it waits): deadlines by server time.
+REAP = _access(scripts=("reap",), commands=("time", "zrangebyscore"))
+
+WORKER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
+    scripts=("register", "claim", "heartbeat", "publish", "handback"),
+    # publish stages a result with SET; depths; held() for reconciliation; reap_orphans
+    commands=("set", "llen", "xlen", "hgetall", "zrange", "scan"),
+    subscribes=True,
+)
+
+TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
+    # the consumer's session, reads and hand-backs; settle (with RELEASE) for commits; push_groups
+    scripts=("session", "read", "redeliver", "push"),
+    commands=(
+        "xread", "xpending", "xrange", "mget", "zmscore",  # Consumer.next_batch
+        "llen", "xlen", "zrevrange", "zrange", "hlen",  # the timeout error's diagnosis, in-flight count
+        "hset", "hdel",  # control fields (Controller, configure)
+        "hincrby",  # the producer's cursor
+    ),
+    settles=("results",),
+    publishes=True,
+)
+
+ADMIN = TRAINER | _access(
+    scripts=("audit", "check_results"),
+    commands=(
+        "scan", "unlink", "exists",  # purge, namespace_is_empty
+        "lrange", "hkeys", "hgetall", "zcount",  # status, dead letters, inspect
+    ),
+    settles=("dead",),
+)
+
+ROLES: dict[Role, Access] = {Role.WORKER: WORKER, Role.TRAINER: TRAINER, Role.ADMIN: ADMIN}
+
+
+def password_hash(password: str) -> str:
+    """The `#<sha256>` form of a password: an ACL line that does not reveal it."""
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def default_user(role: Role, namespace: str) -> str:
+    return f"{namespace}-{role.value}"
+
+
+def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[str]:
+    """Arguments of `ACL SETUSER` for `role` on `namespace` (after the command name).
+    `reset` first, so running it again replaces whatever the user had."""
+    keys = Keys(namespace)
+    access = ROLES[role]
+    commands = access.all_commands()
+    args = [user, "reset", "on", password_hash(password), f"~{namespace_pattern(namespace)}", "resetchannels"]
+    if access.publishes or access.subscribes:
+        args.append(f"&{keys.events}")
+    args += ["-@all"] + [f"+{c}" for c in sorted(commands - SETTLING)]
+    settling = sorted(commands & SETTLING)
+    if settling and access.settles:
+        streams = " ".join(f"~{getattr(keys, s)}" for s in sorted(access.settles))
+        args.append(f"({streams} -@all {' '.join('+' + c for c in settling)})")
+    return args
+
+
+def setuser_line(role: Role, namespace: str, user: str, password: str) -> str:
+    """One `ACL SETUSER ...` line, as redis-cli reads it from stdin (ACL SETUSER joins
+    the words of a selector in parentheses itself)."""
+    return " ".join(["ACL", "SETUSER", *setuser_args(role, namespace, user, password)])
+
+
+# -- refusals that name the command --------------------------------------------------------
+
+
+class PermissionDenied(redis.exceptions.NoPermissionError):
+    """Redis refused a command under the user's ACL; the message names the command
+    (inside a script: the script, its line and the command there)."""
+
+
+_SCRIPT_PLACE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
+_SCRIPT_REFUSAL = "The user executing the script can't"
+
+
+def _user(client: redis.Redis) -> str:
+    return client.connection_pool.connection_kwargs.get("username") or "default"
+
+
+class ExplainingPipeline(redis.client.Pipeline):
+    """A pipeline whose refusals say "permission denied" (redis-py names the command)."""
+
+    def execute(self, raise_on_error: bool = True):
+        try:
+            return super().execute(raise_on_error)
+        except redis.exceptions.NoPermissionError as exc:
+            raise PermissionDenied(f"permission denied for Redis user {_user(self)!r}: {exc}") from None
+
+
+class ExplainingRedis(redis.Redis):
+    """redis.Redis whose ACL refusals raise PermissionDenied saying which command was
+    refused. Redis's own text names no command for a key refusal, and inside a script
+    only its sha and line."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._script_sources: dict[str, str] = {}
+
+    def register_script(self, script: str | bytes):
+        registered = super().register_script(script)
+        self._script_sources[registered.sha] = script if isinstance(script, str) else script.decode()
+        return registered
+
+    def pipeline(self, transaction: bool = True, shard_hint=None) -> ExplainingPipeline:
+        return ExplainingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+    def execute_command(self, *args, **options):
+        try:
+            return super().execute_command(*args, **options)
+        except redis.exceptions.ResponseError as exc:
+            text = str(exc)
+            if not isinstance(exc, redis.exceptions.NoPermissionError) and _SCRIPT_REFUSAL not in text:
+                raise
+            raise PermissionDenied(self._explain(args, text)) from None
+
+    def _explain(self, args: tuple, text: str) -> str:
+        command = str(args[0]).upper()
+        reason = text.split(" script: ")[0]
+        if command == "EVALSHA" and len(args) > 1 and args[1] in self._script_sources:
+            command = f"EVALSHA of {scripts.name_of(self._script_sources[args[1]])}"
+        place = _SCRIPT_PLACE.search(text)
+        if place and place.group(1) in self._script_sources:
+            source = self._script_sources[place.group(1)]
+            line_no = int(place.group(2))
+            lines = source.splitlines()
+            line = lines[line_no - 1] if 0 < line_no <= len(lines) else ""
+            called = _CALL.search(line)
+            inner = called.group(1).upper() if called else "a command"
+            name, file_line = scripts.origin(source, line_no)
+            command = f"{inner} in {name} line {file_line} (run by {command})"
+        return f"permission denied for Redis user {_user(self)!r}: {command}: {reason}"

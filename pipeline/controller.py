@@ -1,0 +1,138 @@
+"""The weight-update protocol, trainer side: pause → update weights → resume.
+
+pause(mode): admission stops (`paused=1`: the claim script refuses at once; workers
+hear it on the events channel), then every engine pauses. In `abort` mode it waits
+until the interrupted groups are in the requeue stream. resume(v): record version v,
+continue the engines, release the requeue stream to the head of the prompt list,
+reopen admission.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .control import read_control, set_paused, set_weight_version
+from .types import PauseMode, ReleasePolicy, choices
+
+if TYPE_CHECKING:
+    from .queue import Queue
+
+log = logging.getLogger(__name__)
+
+
+class EngineControl(Protocol):
+    """What the controller needs from the engines; workers.engine.EngineSet is one.
+    (pipeline/ owns Redis state and never imports the HTTP client.)"""
+
+    async def pause_generation(self, mode: str = "abort") -> Any: ...
+
+    async def continue_generation(self) -> Any: ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all_requests: bool = False) -> Any: ...
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed; the pipeline stays paused. The message names the engines."""
+
+
+@dataclass
+class PauseReport:
+    mode: PauseMode
+    quiesce_s: float  # pause() to every in-flight group settled (abort) or frozen
+    requeued: int  # groups in the requeue stream after the pause
+    # abort mode: groups still held by workers when pause() returned. Their requests
+    # reached the engines after the engines paused (claimed just before admission
+    # stopped), so the abort never saw them: they wait at the engine, generate nothing,
+    # and start under the new weights on resume.
+    still_inflight: int = 0
+
+
+@dataclass
+class ResumeReport:
+    weight_version: int
+    released: int  # aborted groups put back at the head of the prompt list
+
+
+class Controller:
+    """pause → (update weights) → resume, for one pipeline and its engines."""
+
+    def __init__(self, queue: "Queue", engines: EngineControl | None = None,
+                 release_policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, settle_s: float = 0.25):
+        self.queue = queue
+        self.redis = queue.redis
+        self.keys = queue.keys
+        self.engines = engines
+        try:
+            self.release_policy = ReleasePolicy(release_policy)
+        except ValueError:
+            raise ValueError(f"unknown release policy {release_policy!r}: use one of "
+                             f"{', '.join(choices(ReleasePolicy))}") from None
+        # abort mode: stop waiting for in-flight groups once their number has not moved
+        # for this long after the engines paused (see PauseReport.still_inflight).
+        self.settle_s = settle_s
+
+    async def pause(self, mode: PauseMode | str = PauseMode.ABORT, timeout_s: float = 60.0) -> PauseReport:
+        """Stop admission, then pause every engine. With `abort`, wait until the
+        workers have requeued every interrupted group."""
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
+            raise ValueError(f"unknown pause mode {mode!r}: use one of {', '.join(choices(PauseMode))}") from None
+        started = time.monotonic()
+        set_paused(self.redis, self.keys, True)
+        if self.engines is not None:
+            await self.engines.pause_generation(mode.value)
+        remaining = 0
+        if mode == PauseMode.ABORT:
+            # Aborted requests return at once and their groups are requeued within
+            # milliseconds. A group claimed just before admission stopped may send its
+            # requests after the engines paused: they block at the engine (SGLang holds
+            # new /generate calls while paused, where abort cannot reach them) and would
+            # never settle. So: wait until nothing is in flight, or until the count has
+            # stopped moving for settle_s.
+            deadline = started + timeout_s
+            remaining, last_change = self.queue.inflight_count(), time.monotonic()
+            while remaining > 0:
+                await asyncio.sleep(0.005)
+                now, count = time.monotonic(), self.queue.inflight_count()
+                if count != remaining:
+                    remaining, last_change = count, now
+                elif now - last_change >= self.settle_s:
+                    log.info("pause: %d groups still in flight %.2fs after the engines paused; their "
+                             "requests arrived after the pause and wait for resume", remaining, self.settle_s)
+                    break
+                if now > deadline:
+                    raise TimeoutError(f"pause: {remaining} groups still in flight after {timeout_s:g}s")
+        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue), remaining)
+
+    async def resume(self, weight_version: int | None = None) -> ResumeReport:
+        """Record the new version, continue the engines, release aborted groups to the
+        head of the prompt list, reopen admission. Returns at once: timing the first
+        claim after a resume is the benchmark's business (bench/pause.py)."""
+        if weight_version is not None:
+            set_weight_version(self.redis, self.keys, weight_version)
+        if self.engines is not None:
+            await self.engines.continue_generation()
+        # Recorded so the workers' own releases (of groups aborted later) follow it too.
+        self.redis.hset(self.keys.control, "release_policy", self.release_policy.value)
+        released = self.queue.release(self.release_policy)
+        set_paused(self.redis, self.keys, False)
+        return ResumeReport(read_control(self.redis, self.keys).weight_version, released)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int,
+                                       mode: PauseMode | str = PauseMode.ABORT) -> tuple[PauseReport, ResumeReport]:
+        """pause → every engine loads `model_path` as `weight_version` → resume. If an
+        engine fails, the pipeline stays paused and the error names it."""
+        if self.engines is None:
+            raise WeightUpdateError("no engines configured for this controller")
+        pause = await self.pause(mode)
+        try:
+            await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version))
+        except Exception as exc:
+            raise WeightUpdateError(f"weight update to version {weight_version} from {model_path} failed; "
+                                    f"the pipeline stays paused: {exc}") from exc
+        return pause, await self.resume(weight_version)

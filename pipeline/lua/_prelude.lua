@@ -1,0 +1,28 @@
+-- Prepended to every script (pipeline/scripts.py): server time, and a group's history.
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A group's history is one HASH field: a line "ms event who detail" per event, the
+-- oldest lines cut once it passes HISTORY_BYTES. `rollout inspect` shows it; the claim
+-- script reads it to say who held a group it dead-letters.
+local HISTORY_BYTES = 2048
+
+local function record(history, gid, now, event, who, detail)
+  local line = now .. ' ' .. event .. ' ' .. (who ~= '' and who or '-')
+  if detail and detail ~= '' then line = line .. ' ' .. detail end
+  local text = redis.call('HGET', history, gid)
+  text = text and (text .. '\n' .. line) or line
+  if #text > HISTORY_BYTES then
+    local cut = string.find(text, '\n', #text - HISTORY_BYTES, true)
+    if cut then text = string.sub(text, cut + 1) end
+  end
+  redis.call('HSET', history, gid, text)
+end
+
+-- The formula of pipeline/control.py:staleness_limit (AReaL pacing); a test checks they agree.
+local function staleness_limit(max_staleness, version, batch_size)
+  return (max_staleness + version + 1) * batch_size
+end

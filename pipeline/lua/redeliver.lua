@@ -1,0 +1,22 @@
+-- Hand a batch back to the session it was delivered to (its training step failed): each
+-- entry is claimed again by that session, which counts one more delivery. Fenced like
+-- every trainer call, so a replaced session cannot take entries back.
+-- KEYS: results, trainer
+-- ARGV: consumer group, consumer, generation, then entry ids
+-- Returns the delivery count of each entry still pending for this session (0: it is not).
+local current = redis.call('HMGET', KEYS[2], 'generation', 'session')
+if current[1] ~= ARGV[3] then
+  return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
+                           tostring(current[2]) .. ' (generation ' .. tostring(current[1]) .. ')')
+end
+local out = {}
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i])
+    out[#out + 1] = p[1][4] + 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
