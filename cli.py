@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import click
 import redis
@@ -24,7 +27,7 @@ from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
-from pipeline.redis_server import Fsync, local_redis_url
+from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
 from workers.local import REDIS_URL_ENV
 
@@ -100,6 +103,25 @@ def _console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+@contextmanager
+def _stop_on_sigterm(stopped: Callable[[], str] | None = None):
+    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, exit
+    code 0, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if stopped is not None:
+            click.echo(stopped(), err=True)
+        sys.exit(0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _dump(obj) -> str:
@@ -195,19 +217,21 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                        count_tokens=_token_counter(tokenizer, apply_chat_template) if tokenizer else None,
                        restart_cursor=restart_cursor)
     queue = obj.queue()
-    try:
-        data = load_dataset(file, opts)
-        if not data.rows:
-            click.echo(f"warning: {file} holds no rows: nothing pushed", err=True)
-            return
-        with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
-            task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
-            report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n))
-    except DatasetError as exc:
-        raise click.ClickException(str(exc)) from None
-    except redis.RedisError as exc:
-        raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
-                                             "recorded in the cursor: run the same push again to resume")) from None
+    # Each chunk and its cursor move in one script: stopping anywhere loses nothing.
+    with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor"):
+        try:
+            data = load_dataset(file, opts)
+            if not data.rows:
+                click.echo(f"warning: {file} holds no rows: nothing pushed", err=True)
+                return
+            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+                task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
+                report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n))
+        except DatasetError as exc:
+            raise click.ClickException(str(exc)) from None
+        except redis.RedisError as exc:
+            raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
+                                                 "recorded in the cursor: run the same push again to resume")) from None
     click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
                f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
                f"({report.rows} rows x {epochs} epochs)")
@@ -239,8 +263,12 @@ _METRICS_HOST_OPTION = click.option(
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
 @click.option("--concurrency", default=512, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
-@click.option("--tokenizer", help="Hugging Face tokenizer path. Default: the byte-level tokenizer.")
-@click.option("--apply-chat-template", is_flag=True, help="Template string prompts as a user message.")
+@click.option("--tokenizer", help="Hugging Face tokenizer name or path, or `byte`. Default: the model the engines "
+              "serve (/get_model_info); bytes for the simulator.")
+@click.option("--allow-byte-tokenizer", is_flag=True,
+              help="Allow --tokenizer byte against engines that are not the simulator.")
+@click.option("--apply-chat-template", is_flag=True,
+              help="Template string prompts as a user message (instruct models).")
 @click.option("--reward", default="math_boxed", show_default=True,
               help="Built-in (exact_match, math_boxed, remote_rm) or dotted path to `async def rm(args, sample)`.")
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
@@ -273,26 +301,29 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
-def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_template, reward, group_reward,
-           reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-           max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix, metrics_port,
-           metrics_host, keep_response_text) -> None:
+def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
+           group_reward, reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
+           stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
+           metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
-    It claims prompt groups, generates every sample through SGLang's /generate,
-    scores them and publishes finished groups; on shutdown it hands back what it
-    holds. Run as many as you like, on any host. Given a router URL, it finds
-    the engines behind it, and looks again every 30 s (and while engines are
-    down): its capacity is --concurrency per engine found. If Redis restarts, it
-    waits for it and carries on; if it was presumed dead meanwhile (its lease
-    ran out), it drops its work and registers anew.
+    It first waits for the engines to say which model they serve and loads that
+    model's tokenizer (a real model needs `pip install 'rollout-queue[hf]'`; the
+    simulator takes bytes). Then it claims prompt groups, generates every sample
+    through SGLang's /generate, scores them and publishes finished groups; on
+    shutdown it hands back what it holds. Run as many as you like, on any host.
+    Given a router URL, it finds the engines behind it, and looks again every
+    30 s (and while engines are down): its capacity is --concurrency per engine
+    found. If Redis restarts, it waits for it and carries on; if it was presumed
+    dead meanwhile (its lease ran out), it drops its work and registers anew.
 
     \b
     Example:
-      rollout worker --engine-url http://router:30000 --concurrency 256 --reward math_boxed
+      rollout worker --engine-url http://router:30000 --apply-chat-template --reward math_boxed
     """
+    from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
-    from workers.tokenizer import TokenizerError
+    from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
     from workers.worker import WorkerSettings, run_worker
 
     urls = _given_engine_urls(engine_urls)
@@ -303,8 +334,14 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, apply_chat_templat
                                     top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
     except SamplingError as exc:
         raise click.ClickException(f"bad sampling settings: {exc}") from None
+    redis_url = obj.url()
+    with _stop_on_sigterm():
+        try:
+            tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template))
+        except (TokenizerChoiceError, TokenizerError, EngineError) as exc:
+            raise click.ClickException(obj.scrub(str(exc))) from None
     settings = WorkerSettings(
-        redis_url=obj.url(), engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
+        redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
@@ -397,10 +434,8 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
         raise click.ClickException(f"bad simulator settings: {exc}") from None
     _check_port_free(host, port, "--port")
     click.echo(f"SGLang simulator on http://{host}:{port}", err=True)
-    try:
+    with _stop_on_sigterm():
         asyncio.run(serve(config, host, port))
-    except KeyboardInterrupt:
-        pass
 
 
 # -- demo ------------------------------------------------------------------------------
@@ -426,8 +461,11 @@ def demo(steps, batch_size, n_samples, n_workers, as_json) -> None:
     """
     from workers.demo import DemoOptions, run_demo
 
-    summary = run_demo(DemoOptions(steps=steps, batch_size=batch_size, n_samples=n_samples, workers=n_workers),
-                       echo=None if as_json else click.echo)
+    try:
+        summary = run_demo(DemoOptions(steps=steps, batch_size=batch_size, n_samples=n_samples, workers=n_workers),
+                           echo=None if as_json else click.echo)
+    except RedisServerError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     if not summary["ok"]:
@@ -505,7 +543,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     )
     try:
         run_stack(opts, _console())
-    except StackError as exc:
+    except (StackError, RedisServerError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -557,6 +595,13 @@ def status(obj: Context, as_json, watch, interval, sample_s) -> None:
         else:
             _console().print(render(snap))
         return
+    with _stop_on_sigterm():
+        _watch(queue, tracker, as_json, interval)
+
+
+def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
+    from pipeline.status import render, snapshot
+
     try:
         if as_json:
             while True:
@@ -1085,7 +1130,9 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     console = _console()
     started = time.monotonic()
     done = 0
-    with Progress(transient=True, console=_console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+    # A batch taken but not committed when stopped is delivered again to this consumer name.
+    with _stop_on_sigterm(lambda: f"stopped after {done} of {steps} batches"), \
+            Progress(transient=True, console=_console(stderr=True), disable=not sys.stderr.isatty()) as progress:
         task = progress.add_task(f"batches of {batch_size}", total=steps)
         for step in range(steps):
             try:

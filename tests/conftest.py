@@ -64,6 +64,26 @@ def run(redis_url, namespace, monkeypatch, tmp_path):
     return invoke
 
 
+@pytest.fixture
+def tokenizer_json(tmp_path):
+    """A tiny byte-level BPE trained here and saved as tokenizer.json."""
+    import tokenizers  # in the test extra
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["What is 2 + 3? The answer is 5.", "Let me think step by step.", "héllo wörld"] * 20
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
 
 def _server_version(binary: str) -> str | None:
     try:

@@ -186,3 +186,61 @@ class RouterProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
+
+
+class FakeModelEngine:
+    """An HTTP server answering like SGLang serving a real model (not the simulator):
+    /get_model_info names `tokenizer_path`; /generate records each request and answers
+    `reply_ids` with log-probs, finished by a stop. For the workers' tokenizer choice."""
+
+    def __init__(self, tokenizer_path: str, model_path: str = "Qwen/Qwen2.5-0.5B-Instruct",
+                 reply_ids: tuple[int, ...] = (1, 2)):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        engine = self
+        self.requests: list[dict] = []
+        self.model_info = {"model_path": model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
+                           "preferred_sampling_params": None, "weight_version": "default",
+                           "has_image_understanding": False, "has_audio_understanding": False,
+                           "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self, status: int, body: Any = None) -> None:
+                data = b"" if body is None else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path in ("/get_model_info", "/model_info"):
+                    self.answer(200, engine.model_info)
+                elif self.path == "/health":
+                    self.answer(200)
+                else:
+                    self.answer(404, {"error": {"message": f"no route {self.path}"}})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+                if self.path != "/generate":
+                    self.answer(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                engine.requests.append(body)
+                self.answer(200, {"text": "\\boxed{2}", "output_ids": list(reply_ids), "meta_info": {
+                    "id": body.get("rid") or "r", "finish_reason": {"type": "stop", "matched": reply_ids[-1]},
+                    "prompt_tokens": len(body.get("input_ids") or []), "completion_tokens": len(reply_ids),
+                    "cached_tokens": 0, "weight_version": "default", "e2e_latency": 0.001,
+                    "output_token_logprobs": [[-0.5, t, None] for t in reply_ids]}})
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

