@@ -16,7 +16,7 @@ and record per update:
                   paused and, in abort mode, every in-flight group requeued
                   (PauseReport.quiesce_s)
   first_claim_s   Controller.resume() reopened admission → the first new claim by any
-                  worker (ResumeReport.first_claim_s)
+                  worker (the stats counter `claims` polled here; resume() itself does not wait)
   state_s         pause() called → every worker's in-process state is "paused" (each
                   worker child reports state changes with a timestamp; a worker
                   that never shows it within the window counts as missing)
@@ -53,7 +53,8 @@ if str(REPO) not in sys.path:
 from pipeline.audit import audit  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import BatchTimeout, Consumer  # noqa: E402
-from pipeline.control import Controller, read_control  # noqa: E402
+from pipeline.control import read_control  # noqa: E402
+from pipeline.controller import Controller  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
 from pipeline.types import Group  # noqa: E402
@@ -282,6 +283,15 @@ class TimedEngines:
         return await self.engines.update_weights_from_disk(model_path, weight_version, abort_all_requests)
 
 
+def first_claim(queue: Queue, claims_before: int, since: float, timeout_s: float = 5.0) -> float | None:
+    """Seconds from `since` to the first claim after it (None: none within the timeout)."""
+    while time.monotonic() - since < timeout_s:
+        if queue.stats().get("claims", 0) > claims_before:
+            return time.monotonic() - since
+        time.sleep(0.001)
+    return None
+
+
 def summarize(values: list[float | None]) -> dict:
     got = [v for v in values if v is not None]
     return {"median": round(statistics.median(got), 4) if got else None,
@@ -313,18 +323,21 @@ def run_bench(args: argparse.Namespace) -> dict:
                 for _ in range(args.updates):
                     time.sleep(args.run_s)  # generation under load between updates
                     version += 1
-                    inflight_before = sum(queue.redis.scard(queue.keys.inflight(w)) for w in workers)
+                    inflight_before = queue.inflight_count()
                     watcher = InfoWatcher(stack.redis.url, queue, workers, window=args.heartbeat * 3 + 1)
                     called = time.time()
                     pause = loop.run_until_complete(controller.pause(mode, timeout_s=args.pause_timeout))
                     loop.run_until_complete(engines.update_weights_from_disk(f"/ckpt/step{version}",
                                                                              weight_version=str(version)))
                     time.sleep(args.hold_s)  # as if the weight sync took this long
+                    claims_before = queue.stats().get("claims", 0)
+                    resumed_at = time.monotonic()
                     resume = loop.run_until_complete(controller.resume(version))
+                    first_claim_s = first_claim(queue, claims_before, resumed_at)
                     info_s = watcher.result()
                     states = paused_times(queue, workers, called)
                     rows.append({"quiesce_s": pause.quiesce_s, "engines_pause_s": timed.last_pause_s,
-                                 "still_inflight": pause.still_inflight, "first_claim_s": resume.first_claim_s,
+                                 "still_inflight": pause.still_inflight, "first_claim_s": first_claim_s,
                                  "state_s": None if None in states.values() else max(states.values()),
                                  "state_per_worker_s": states, "info_s": info_s,
                                  "requeued": pause.requeued, "released": resume.released,

@@ -61,7 +61,7 @@ from pipeline.codec import decode_group, encode_group
 from pipeline.connection import PROTOCOL, connect
 from pipeline.consumer import Consumer
 from pipeline.keys import CONSUMER_GROUP, Keys
-from pipeline.queue import Place, Queue
+from pipeline.queue import Place, Published, Queue
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import Group, Status
 
@@ -196,6 +196,8 @@ class PipelineLoop:
         self.queue = Queue(self.client, ns)
         self.consumer = Consumer(self.client, ns, consumer="bench-trainer", block_s=1.0)
         self.worker = "bench-worker"
+        self.queue.register(self.worker)
+        self.claims = 0
         self.row = 0
 
     def step(self, n: int, t: Timer) -> None:
@@ -209,17 +211,18 @@ class PipelineLoop:
         s["push"] += t1 - t0
         claimed = []
         while len(claimed) < n:
-            claim = self.queue.claim(self.worker, n - len(claimed))
+            self.claims += 1
+            claim = self.queue.claim(self.worker, f"{self.worker}:{self.claims}", n - len(claimed))
             if claim.status not in ("ok", "empty"):
                 raise RuntimeError(f"claim refused: {claim.status}")
-            claimed += [c.group for c in claim.groups if c.group is not None]
+            claimed += [c for c in claim.groups if c.group is not None]
             if claim.status == "empty" and len(claimed) < n:
                 raise RuntimeError(f"prompts ran out after {len(claimed)} of {n} groups")
         t2 = pc()
         s["claim"] += t2 - t1
         c0 = time.process_time()
-        for g in claimed:
-            fill(g, self.content, self.worker)
+        for c in claimed:
+            fill(c.group, self.content, self.worker)
         t.fill_cpu += time.process_time() - c0
         t3 = pc()
         s["fill"] += t3 - t2
@@ -227,12 +230,12 @@ class PipelineLoop:
         # text) + Queue.publish; called apart here so the encoding (the worker's cost)
         # shows as its own column.
         encoded = 0.0
-        for g in claimed:
+        for c in claimed:
             e0 = pc()
-            data = encode_group(g, with_response_text=False)
+            data = encode_group(c.group, with_response_text=False)
             encoded += pc() - e0
-            if self.queue.publish(self.worker, g.group_id, data, Place.RESULTS) is None:
-                raise RuntimeError(f"publish of {g.group_id} refused")
+            if self.queue.publish(self.worker, c.group_id, c.token, data, Place.RESULTS) != Published.OK:
+                raise RuntimeError(f"publish of {c.group_id} refused")
         t4 = pc()
         s["encode"] += encoded
         s["publish"] += t4 - t3 - encoded
@@ -305,7 +308,7 @@ class BareLoop:
         s["claim"] += t2 - t1
         for gid in gids:
             pipe = r.pipeline(transaction=False)
-            pipe.set(k.result(gid.decode()), encode_group(self.done, with_response_text=False)
+            pipe.set(k.result(gid.decode(), "t"), encode_group(self.done, with_response_text=False)
                      if self.serialize else self.result_payload)
             pipe.srem(self.inflight, gid)
             pipe.hdel(k.payloads, gid)
@@ -319,7 +322,7 @@ class BareLoop:
             reply = r.xreadgroup(CONSUMER_GROUP, "bare-trainer", {k.results: ">"}, count=n - len(ids), block=1000)
             if reply:
                 rows = [(eid, fields) for eid, fields in reply[0][1] if fields]
-                keys = [k.result(fields[b"gid"].decode()) for _, fields in rows]
+                keys = [k.result(fields[b"gid"].decode(), "t") for _, fields in rows]
                 payloads = r.mget(keys)
                 if not all(payloads):
                     raise RuntimeError("bare: missing result payload")
@@ -395,23 +398,25 @@ def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: 
         queue.ensure_consumer_group()
         queue.push_groups([fresh_group(content, ns, i) for i in range(k_groups)])
         claimed = []
+        queue.register("mem-worker")
         while len(claimed) < k_groups:
-            claim = queue.claim("mem-worker", k_groups - len(claimed))
-            claimed += [c.group for c in claim.groups]
+            claim = queue.claim("mem-worker", f"mem-worker:{len(claimed)}", k_groups - len(claimed))
+            claimed += claim.groups
             if claim.status != "ok":
                 break
         payload = 0
-        for g in claimed:
-            fill(g, content, "mem-worker")
-            data = encode_group(g, with_response_text=with_text)
+        for c in claimed:
+            fill(c.group, content, "mem-worker")
+            data = encode_group(c.group, with_response_text=with_text)
             payload += len(data)
-            queue.publish("mem-worker", g.group_id, data, Place.RESULTS)
+            queue.publish("mem-worker", c.group_id, c.token, data, Place.RESULTS)
         if client.xlen(queue.keys.results) != k_groups:
             raise RuntimeError("bytes-per-token stream does not hold K groups")
+        result_keys = [queue.keys.result(c.group_id, c.token) for c in claimed]
         used = client.memory_usage(queue.keys.results, samples=0) + sum(
-            client.memory_usage(queue.keys.result(g.group_id), samples=0) for g in claimed)
+            client.memory_usage(key, samples=0) for key in result_keys)
         tokens = k_groups * N_SAMPLES * RESPONSE_TOKENS
-        client.delete(*queue.keys.all_fixed(), *(queue.keys.result(g.group_id) for g in claimed))
+        client.delete(*queue.keys.all_fixed(), *result_keys)
         return {
             "groups": k_groups,
             "memory_usage_bytes": used,

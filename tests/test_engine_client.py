@@ -582,6 +582,57 @@ def test_engine_set_direct_engines_round_robin_and_fanout():
         assert f.paths("/abort_request") == [{"abort_all": True}]
 
 
+def test_engine_set_discovers_a_plain_engine_once():
+    # Only a router gains and loses engines: asking an engine again before every
+    # control call costs two round trips (404s) per engine per call.
+    fake = FakeEngine()
+
+    async def go():
+        async with engines(fake) as (url,):
+            es = EngineSet([url])
+            try:
+                await es.pause_generation("in_place")
+                await es.update_weight_version("v1")
+                await es.continue_generation()
+            finally:
+                await es.close()
+
+    run(go())
+    assert len(fake.paths("/workers")) == 1
+    assert len(fake.paths("/continue_generation")) == 1
+
+
+def test_engine_set_sends_each_request_to_the_engine_with_the_fewest_in_flight():
+    # Round-robin would send the third request to the slow engine, where it queues
+    # behind the first while the fast engine is free.
+    release = asyncio.Event()
+
+    async def slow_generate(request):
+        await release.wait()
+        return web.json_response(slow.default_generate(request[BODY]))
+
+    slow = FakeEngine({("POST", "/generate"): slow_generate})
+    fast = FakeEngine()
+
+    async def go():
+        async with engines(slow, fast) as urls:
+            es = EngineSet(urls)
+            try:
+                first = asyncio.create_task(es.generate([1], {"max_new_tokens": 1}))
+                while not slow.paths("/generate"):
+                    await asyncio.sleep(0.005)
+                for ids in ([2], [3]):  # a request queued behind the slow one would time out
+                    await asyncio.wait_for(es.generate(ids, {"max_new_tokens": 1}), timeout=5)
+            finally:
+                release.set()
+                await first
+                await es.close()
+
+    run(go())
+    assert len(slow.paths("/generate")) == 1
+    assert len(fast.paths("/generate")) == 2
+
+
 def test_engine_set_behind_fake_router_reports_each_failing_engine():
     good = FakeEngine()
     bad = FakeEngine({("POST", "/pause_generation"): fixed(500, {"error": {"message": "scheduler died"}})})

@@ -610,8 +610,9 @@ async def discover_engines(url: str, session: aiohttp.ClientSession | None) -> l
 class EngineSet:
     """The engines a worker or trainer uses, given as engine and/or router URLs.
 
-    ``generate`` goes through the given URLs (round-robin when several; a router
-    balances by itself). Control calls go to every discovered engine directly and
+    ``generate`` goes through the given URLs (when several, to the one with the fewest
+    requests in flight from this set, round-robin among ties; a router balances by
+    itself). Control calls go to every discovered engine directly and
     concurrently; they return ``{engine_url: result}`` or raise
     ``EngineControlError`` naming each failing engine.
     """
@@ -638,6 +639,7 @@ class EngineSet:
         self._owns_session = session is None
         self._rr = itertools.count()
         self._gen_clients: list[EngineClient] | None = None
+        self._in_flight: list[int] = []  # generate requests per given URL, from this set
         self._by_source: dict[str, list[str]] = {}  # given URL -> engines behind it
         self._engine_clients: dict[str, EngineClient] = {}
 
@@ -653,18 +655,20 @@ class EngineSet:
         return list(self._engine_clients)
 
     async def refresh(self) -> list[str]:
-        """Re-discover the engines behind every given URL.
+        """Re-discover the engines behind every given URL. A URL that answered as an
+        engine itself is not asked again: only routers gain and lose engines.
 
         A source that fails discovery keeps its previously known engines (they
         can still be reached directly while a router restarts); one never
         discovered raises EngineControlError.
         """
         session = self._get_session()
+        sources = [u for u in self.urls if self._by_source.get(u) != [u]]
         found = await asyncio.gather(
-            *(discover_engines(u, session) for u in self.urls), return_exceptions=True
+            *(discover_engines(u, session) for u in sources), return_exceptions=True
         )
         errors: dict[str, BaseException] = {}
-        for source, res in zip(self.urls, found):
+        for source, res in zip(sources, found):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
@@ -699,8 +703,16 @@ class EngineSet:
         if self._gen_clients is None:
             session = self._get_session()
             self._gen_clients = [EngineClient(u, session, self.timeout_s, self.vocab_size) for u in self.urls]
-        client = self._gen_clients[next(self._rr) % len(self._gen_clients)]
-        return await client.generate(input_ids, sampling_params, rid, return_logprob)
+            self._in_flight = [0] * len(self.urls)
+        # Fewest in flight, not plain round-robin: request times vary a lot, so
+        # round-robin queues requests at one engine while another has free slots.
+        n, start = len(self._gen_clients), next(self._rr)
+        i = min(range(n), key=lambda j: (self._in_flight[j], (j - start) % n))
+        self._in_flight[i] += 1
+        try:
+            return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
+        finally:
+            self._in_flight[i] -= 1
 
     # -- control fan-out --------------------------------------------------------------
 

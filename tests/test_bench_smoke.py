@@ -1,0 +1,52 @@
+"""Both benchmarks of issue 11 at their smallest settings: the JSON they print has its
+keys, and its figures are sane (positive rates, token and group counts that add up)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(script: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--json", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_async_vs_sync_smallest_run_reports_consistent_rows():
+    steps, batch, n = 2, 4, 2
+    out = run_bench("async_vs_sync.py", "--engines", "2", "--slots", "8", "--n-samples", str(n), "--batch",
+                    str(batch), "--median", "32", "--steps", str(steps), "--warmup", "1", "--etas", "2",
+                    "--tails", "10")
+    assert set(out) == {"speedup_eta2", "vs_inmemory_eta2", "utilization_eta2", "rows", "settings"}
+    assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
+    assert out["speedup_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["utilization_eta2"] <= 1
+    for row in out["rows"]:
+        assert row["samples_per_s"] > 0 and row["ratio_to_sync"] > 0
+        assert 0 <= row["trainer_idle"] < 1 and 0 < row["utilization"] <= 1
+        assert sum(row["staleness"].values()) == steps * batch  # every trained group, once
+        tokens = row["tokens"]
+        assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
+        assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
+    assert out["rows"][0]["staleness"] == {"0": steps * batch}  # sync trains on fresh groups only
+    assert out["rows"][2]["audit"].endswith(": OK")
+
+
+def test_redis_capacity_smallest_run_reports_every_fsync_mode():
+    out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1")
+    for key in ("server_us_per_group", "groups_per_s_saturated", "engines_per_core", "publish_to_delivery_p99_ms"):
+        assert out[key] > 0, key
+    assert set(out["by_fsync"]) == {"everysec", "always"}
+    for mode in out["by_fsync"].values():
+        assert mode["groups_per_s_measured"] > 0 and 0 < mode["server_cpu_at_measured"] <= 1.5
+        for load in ("50%", "90%"):
+            latency = mode["latency_ms"][load]
+            assert 0 < latency["p50"] <= latency["p99"] and latency["groups"] > 0
