@@ -51,7 +51,7 @@ from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .rewards import Reward, RewardError
 from .sampling import SamplingSettings
-from .tokenizer import encode_prompt, load_tokenizer
+from .tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,15 @@ class Worker:
         self.incarnation = 1
         self.id = f"{self.name}#{self.incarnation}"
         self.queue = Queue(connect(settings.redis_url), settings.namespace)
-        # The worker re-discovers engines itself (REDISCOVER_S), so control calls
-        # (aborts on cancel) need not discover first.
-        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
-                                 refresh_before_control=False)
         self.tokenizer = load_tokenizer(settings.tokenizer)
+        # The worker re-discovers engines itself (REDISCOVER_S), so control calls
+        # (aborts on cancel) need not discover first. Answers' token ids are checked
+        # against the vocabulary where it is exact: the byte tokenizer's. (A Hugging
+        # Face tokenizer can be smaller than the model's padded vocabulary.)
+        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
+                                 refresh_before_control=False,
+                                 vocab_size=ByteTokenizer.vocab_size if isinstance(self.tokenizer, ByteTokenizer)
+                                 else None)
         self.reward = reward or self._load_reward()
         # Synchronous rewards run on threads of their own, never on the ones Redis calls
         # use: a slow judge cannot delay a heartbeat, a hung one cannot hold up exit.
