@@ -287,17 +287,17 @@ class Queue:
             total += max(0, self.reap(text(worker)))
         return total
 
+    def inflight_holders(self) -> set[str]:
+        """Every worker id with an in-flight hash, registered or not. By SCAN over the
+        server's keys: for operators' tools and rare upkeep, not per claim."""
+        prefix = len(self.keys.inflight(""))
+        return {text(key)[prefix:] for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000)}
+
     def reap_orphans(self) -> int:
         """In-flight hashes of workers not registered (foreign data, or left by an older
         version): give their groups back. By SCAN, so call it rarely."""
-        prefix = len(self.keys.inflight(""))
         registered = {text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)}
-        total = 0
-        for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000):
-            worker = text(key)[prefix:]
-            if worker not in registered:
-                total += max(0, self.reap(worker))
-        return total
+        return sum(max(0, self.reap(worker)) for worker in sorted(self.inflight_holders() - registered))
 
     def workers(self) -> dict[str, float]:
         """Registered workers -> seconds until their lease deadline (negative: overdue)."""
