@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -78,12 +79,27 @@ class Context:
         return queue
 
 
+#: The options of `rollout` itself (they go before the command), and whether each takes a value.
+GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
+
+
 class RolloutGroup(click.Group):
-    """Turns Redis failures anywhere below into one clear line (password masked)."""
+    """Turns Redis failures anywhere below into one clear line (password masked), and a
+    global option given after the command into the command line that works."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["rollout.argv"] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.NoSuchOption as exc:
+            fixed = _global_options_first(ctx.meta.get("rollout.argv", []), exc)
+            if fixed is None:
+                raise
+            raise click.UsageError(f"{exc.option_name} is a global option: it goes before the command, as in "
+                                   f"`{ctx.info_name} {fixed}`", ctx=exc.ctx) from None
         except ConnectionFailed as exc:
             raise click.ClickException(_scrub(ctx, str(exc))) from None
         except redis.AuthenticationError as exc:
@@ -92,6 +108,35 @@ class RolloutGroup(click.Group):
             raise click.ClickException(_scrub(ctx, f"lost the connection to Redis: {exc}")) from None
         except redis.RedisError as exc:
             raise click.ClickException(_scrub(ctx, f"Redis error: {exc}")) from None
+
+
+def _global_options_first(argv: list[str], exc: click.NoSuchOption) -> str | None:
+    """The command line `argv` with the global options given after the command moved
+    before it (a Redis password masked), if the unknown option is one of them."""
+    from pipeline.connection import redact
+
+    def name(token: str) -> str:
+        return "-v" if token.startswith("-v") and set(token[1:]) == {"v"} else token.split("=", 1)[0]
+
+    if exc.ctx is None or name(exc.option_name) not in GLOBAL_OPTIONS:
+        return None
+    own = {o for p in exc.ctx.command.params for o in (*p.opts, *p.secondary_opts)}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):  # the global options already in front
+        i += 2 if GLOBAL_OPTIONS.get(argv[i]) else 1
+    front, rest, moved = argv[:i], [], []
+    tokens = iter(argv[i:])
+    for token in tokens:
+        if token == "--":
+            rest += [token, *tokens]
+        elif name(token) in GLOBAL_OPTIONS and name(token) not in own:
+            moved.append(token)
+            if GLOBAL_OPTIONS[name(token)] and "=" not in token:
+                moved.append(next(tokens, ""))
+        else:
+            rest.append(token)
+    words = [redact(w) if "://" in w else w for w in front + moved + rest]
+    return shlex.join(words)
 
 
 def _scrub(ctx: click.Context, text: str) -> str:
@@ -186,10 +231,11 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--context-length", type=click.IntRange(min=1),
               help="The engine's context in tokens (SGLang's --context-length); needs --tokenizer.")
 @click.option("--apply-chat-template", is_flag=True, help="Count string prompts templated as a user message.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.pass_obj
 def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples, epochs, shuffle, seed,
          skip_bad, dataset_name, restart_cursor, max_queued, max_prompt_bytes, tokenizer, context_length,
-         apply_chat_template) -> None:
+         apply_chat_template, as_json) -> None:
     """Push prompt groups from a JSONL or Parquet FILE.
 
     The cursor lives in Redis: pushing the same dataset again resumes where the
@@ -197,7 +243,13 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     with a fingerprint of the file and options: resuming with another file, seed,
     shuffle or group size is refused (use --dataset-name or --restart-cursor).
     A row dead-lettered by --skip-bad can be fixed in the file and sent again
-    with `rollout dead retry`.
+    with `rollout dead retry`. Rows without a label are pushed with a warning:
+    the default reward (math_boxed) needs one and dead-letters such groups on
+    their first attempt.
+
+    \b
+    JSON keys (stable; docs/cli.md): namespace, file, dataset, rows, epochs,
+    n_samples, pushed, dead, already, without_label.
 
     \b
     Example:
@@ -205,7 +257,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     """
     from rich.progress import Progress
 
-    from pipeline.producer import DatasetError, PushOptions, load_dataset, push_dataset
+    from pipeline.producer import DatasetError, PushOptions, PushReport, load_dataset, push_dataset
 
     if (tokenizer is None) != (context_length is None):
         raise click.UsageError("--tokenizer and --context-length go together: the prompt length is checked "
@@ -223,6 +275,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
             data = load_dataset(file, opts)
             if not data.rows:
                 click.echo(f"warning: {file} holds no rows: nothing pushed", err=True)
+                if as_json:
+                    click.echo(_dump(_push_record(obj, file, PushReport(dataset_name or file.name, 0), epochs,
+                                                  n_samples)))
                 return
             with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
                 task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
@@ -232,11 +287,24 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
         except redis.RedisError as exc:
             raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
                                                  "recorded in the cursor: run the same push again to resume")) from None
-    click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
-               f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
-               f"({report.rows} rows x {epochs} epochs)")
+    if report.without_label:
+        click.echo(f"warning: {report.without_label} of {report.rows} rows have no {label_key!r} field: the default "
+                   "reward math_boxed (and exact_match) needs a label and dead-letters their groups on the first "
+                   "attempt (use --label-key, or a reward that needs none)", err=True)
+    if as_json:
+        click.echo(_dump(_push_record(obj, file, report, epochs, n_samples)))
+    else:
+        click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
+                   f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
+                   f"({report.rows} rows x {epochs} epochs)")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
+
+
+def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) -> dict:
+    from dataclasses import asdict
+
+    return {"namespace": obj.namespace, "file": str(file), **asdict(report), "epochs": epochs, "n_samples": n_samples}
 
 
 def _token_counter(name: str, apply_chat_template: bool):
@@ -419,7 +487,10 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
 
     It answers SGLang's native HTTP API (/generate, /abort_request,
     /pause_generation, /update_weights_from_disk, ...) with long-tailed latencies
-    and optional faults; more faults via POST /sim/faults.
+    and optional faults; more faults via POST /sim/faults. GET /sim/stats
+    answers what it did and is doing: counters (requests submitted, finished
+    by outcome, weight updates, injected faults), its load (running and
+    waiting requests, tokens in use), whether it is paused, its weight version.
 
     \b
     Example:
@@ -513,6 +584,15 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
     `--engine torch` the engines run a real PyTorch model that a GRPO trainer
     improves (see examples/grpo_tiny.py); the log-probs of every trained token are
     checked against the trainer's own, under the weights that generated it.
+
+    \b
+    JSON keys (stable; docs/cli.md), --engine sim: ok, error, steps (step,
+    wait_s, groups, samples, mean_reward, truncated, max_staleness, group_ids,
+    update_s, requeued), groups_trained, trained_twice, mean_reward, audit.
+    --engine torch: ok, error, steps, reward_first, reward_last,
+    reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
+    weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
+    audit, seconds, curve.
 
     \b
     Example:
@@ -626,39 +706,62 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
 @click.option("--sample", "sample_s", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Without --watch: seconds between the two counter samples behind the published and "
                    "claimed rates (0: skip them; the committed rate is exact either way).")
+@click.option("--worker", "worker_name", metavar="W",
+              help="Instead: the groups worker W holds (an id, or its start: every incarnation), with how long "
+                   "each has been held, its claims and attempts.")
 @click.pass_obj
-def status(obj: Context, as_json, watch, interval, sample_s) -> None:
+def status(obj: Context, as_json, watch, interval, sample_s, worker_name) -> None:
     """Show the pipeline: queue depths, workers, throughput, staleness.
 
     Depths: prompts, in flight per worker, results ready and pending (delivered
     to a trainer, not yet committed), requeue, dead letters. Workers: engines,
-    state and last heartbeat. Rates over the last minute: committed (exact,
-    from commit times), published and claimed (from counter samples). Staleness
-    of the waiting results and the age of the oldest one.
+    state, last heartbeat and lease (a worker whose lease ran out shows as dead
+    until it is reaped); workers reaped or departed lately. Rates over the last
+    minute: committed (exact, from commit times), published and claimed (from
+    counter samples). Staleness of the waiting results and the age of the
+    oldest one. Alerts last: among them workers reaped repeatedly and groups
+    claimed again and again (a group that kills its workers).
+
+    On an empty namespace, --json prints the object with "empty": true (exit
+    0) and the hint goes to stderr; the text form is an error (exit 1).
 
     \b
-    JSON keys (stable): namespace, empty, prompts, inflight, inflight_by_worker,
-    results_ready, results_pending, requeue, dead, workers_alive, workers,
-    weight_version, paused, throughput, staleness, backlog_age_s, alerts, ...
+    JSON keys (stable; docs/cli.md): namespace, time, empty, prompts, inflight,
+    inflight_by_worker, unregistered_inflight, results_ready, results_pending,
+    requeue, dead, workers_alive, workers, departed, claimed_repeatedly,
+    most_claimed, weight_version, paused, max_staleness, batch_size, max_ready,
+    lease_s, max_claims, admitted, counters, throughput, staleness,
+    backlog_age_s, requeue_age_s, alerts.
+    With --worker: namespace, workers (worker, registered, alive, lease_left_s,
+    groups: group_id, token, held_s, claims, attempts, restarts, n_samples).
 
     \b
     Example:
       rollout status
       rollout --namespace exp1 status --json | jq .results_ready
       rollout status --watch --interval 1
+      rollout status --worker host-1234-ab12cd
     """
-    from pipeline.status import RateTracker, empty_message, render, snapshot
+    from pipeline.status import RateTracker, empty_message, snapshot
+    from pipeline.status_render import render
 
     queue = obj.queue()
+    if worker_name is not None:
+        if watch:
+            raise click.UsageError("--worker shows one worker's groups once: drop --watch")
+        _status_of_worker(obj, queue, worker_name, as_json)
+        return
     tracker = RateTracker()
     if not watch:
         if sample_s > 0:
             snapshot(queue, tracker, staleness_sample=0)
             time.sleep(sample_s)
         snap = snapshot(queue, tracker)
-        if snap.empty:
+        if snap.empty and not as_json:
             raise click.ClickException(empty_message(queue.redis, obj.namespace))
         if as_json:
+            if snap.empty:
+                click.echo(f"warning: {empty_message(queue.redis, obj.namespace)}", err=True)
             click.echo(snap.to_json())
         else:
             _console().print(render(snap))
@@ -667,8 +770,73 @@ def status(obj: Context, as_json, watch, interval, sample_s) -> None:
         _watch(queue, tracker, as_json, interval)
 
 
+def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from pipeline.inspect import UnknownWorker, worker_groups
+    from pipeline.status_render import age
+
+    try:
+        found = worker_groups(queue, name)
+    except UnknownWorker as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(_dump({"namespace": obj.namespace, "workers": [asdict(w) for w in found]}))
+        return
+    for w in found:
+        if not w.registered:
+            state = "not registered (an in-flight hash left behind; a live worker's orphan reap gives it back)"
+        elif w.alive:
+            state = f"alive, lease {age(w.lease_left_s)} left"
+        else:
+            state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
+        click.echo(f"worker {w.worker}: {state}; holds {len(w.groups)} groups")
+        for g in w.groups:
+            held = "held " + (age(g.held_s) if g.held_s is not None else "?")
+            tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
+            click.echo(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}")
+    click.echo("`rollout inspect GROUP_ID` for a group's history")
+
+
+@main.command("inspect")
+@click.argument("group_id")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.pass_obj
+def inspect_cmd(obj: Context, group_id, as_json) -> None:
+    """Say where one group is, and what happened to it.
+
+    Where: queued in the prompt list (at which position), in flight (which
+    worker, alive or not, since when), requeued, in the results (delivered to
+    which trainer session, how often), a dead letter (why), committed (when, in
+    which batch), dropped (why), or nowhere. Read in one atomic step. Then its
+    claim count and attempts, and its history: claims with their tokens, reaps,
+    hand-backs, publishes, releases and the batch that trained it.
+
+    \b
+    JSON keys (stable; docs/cli.md): namespace, group_id, place (prompts,
+    inflight, requeue, results, dead, committed, dropped, nowhere, several),
+    where (place, age_s, position, worker, alive, token, entry_id, session,
+    current_session, deliveries, error, reason, batch), claims, max_claims,
+    admitted_version, attempts, restarts, n_samples, history (at_ms, age_s,
+    event, who, detail).
+
+    \b
+    Example:
+      rollout inspect prompts.jsonl:0:17
+      rollout inspect prompts.jsonl:0:17 --json | jq .history
+    """
+    from pipeline.inspect import locate
+
+    report = locate(obj.nonempty_queue(), group_id)
+    if as_json:
+        click.echo(_dump(report.to_dict()))
+    else:
+        click.echo("\n".join(report.lines()))
+
+
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
-    from pipeline.status import render, snapshot
+    from pipeline.status import snapshot
+    from pipeline.status_render import render
 
     try:
         if as_json:
@@ -709,11 +877,12 @@ def audit_cmd(obj: Context, as_json) -> None:
     atomic snapshot, so a busy pipeline cannot make groups look missing.
 
     \b
-    JSON keys (stable): pushed, prompts, inflight (worker -> groups),
-    requeue, results_undelivered, results_pending, dead, dropped, committed,
-    discarded, duplicates_discarded, accounted, lost, extra, in_two_places
-    (group ids), committed_and_live (group ids), orphan_payloads,
-    missing_payloads, unregistered_inflight (worker ids), ok.
+    JSON keys (stable; docs/cli.md): pushed, prompts, inflight (groups),
+    inflight_by_worker (worker -> groups), requeue, results_undelivered,
+    results_pending, dead, dropped, committed, discarded,
+    duplicates_discarded, accounted, lost, extra, in_two_places (group ids),
+    committed_and_live (group ids), orphan_payloads, missing_payloads,
+    unregistered_inflight (worker ids), ok.
 
     \b
     Example:
@@ -947,8 +1116,9 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     batch, or admission stops when the budget is spent.
 
     \b
-    JSON keys: paused, weight_version, max_staleness, batch_size, max_ready, lease_s,
-    max_claims, release_policy, admitted, committed, staleness_limit.
+    JSON keys (stable; docs/cli.md): paused, weight_version, max_staleness,
+    batch_size, max_ready, lease_s, max_claims, release_policy, admitted,
+    committed, staleness_limit.
 
     \b
     Example:
@@ -1002,6 +1172,16 @@ def dead() -> None:
 def dead_list(obj: Context, limit, as_json) -> None:
     """List dead letters, oldest first, with their errors.
 
+    An error too long for the line keeps its first clause and its end (the
+    last error), the informative parts: `engine failed 3 times; …503 from
+    http://e:30000`.
+
+    \b
+    JSON keys (stable; docs/cli.md): namespace, total, dead_letters (entry_id,
+    group_id, error, reason, age_s, retriable, not_retriable_because, bad_row,
+    decode_error, payload_bytes, dataset, epoch, row, attempts, restarts,
+    worker, n_samples, statuses).
+
     \b
     Example:
       rollout dead list --limit 20
@@ -1027,16 +1207,20 @@ def dead_list(obj: Context, limit, as_json) -> None:
     for l in letters:
         g = l.group
         rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                     _retry_mark(l) + (l.error or "-")))
-    # Fixed columns as wide as their contents (group ids capped); the error takes the rest.
+                     _retry_mark(l), l.error or "-"))
+    # Fixed columns as wide as their contents (group ids capped); the error takes the rest
+    # (each column is padded by one space on either side), on up to two lines.
     widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
     widths[1] = min(widths[1], 24)
+    room = max(console.width - sum(widths) - 2 * 5 - 1, 20)  # rich gives the last column one less
+    errors = [r[4] + deadletters.informative_end(r[5], 2 * room - len(r[4])) for r in rows]
+    rows = [(*r[:4], e if len(e) <= room else e[:room] + "\n" + e[room:]) for r, e in zip(rows, errors)]
     table = Table(box=None, padding=(0, 1), header_style="bold", expand=True)
     table.add_column("id", no_wrap=True, min_width=widths[0])
     table.add_column("group", overflow="ellipsis", no_wrap=True, min_width=widths[1], max_width=24)
     table.add_column("age", justify="right", no_wrap=True, min_width=widths[2])
     table.add_column("try", justify="right", no_wrap=True, min_width=widths[3])
-    table.add_column("error", overflow="ellipsis", no_wrap=True, ratio=1)
+    table.add_column("error", no_wrap=True, ratio=1)
     for r in rows:
         table.add_row(*(Text(c) for c in r))
     console.print(table)
@@ -1051,7 +1235,7 @@ def _retry_mark(letter) -> str:
 
 
 def _age(seconds) -> str:
-    from pipeline.status import _age as age
+    from pipeline.status_render import age
 
     return age(seconds)
 
@@ -1061,7 +1245,16 @@ def _age(seconds) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object with every field.")
 @click.pass_obj
 def dead_show(obj: Context, ident, as_json) -> None:
-    """Show one dead letter in full: error, group, samples, raw row.
+    """Show one dead letter in full: error, group, samples, raw row, and the
+    group's history (which workers held it, and whether each was reaped or
+    handed it back).
+
+    \b
+    JSON (one object per dead letter, one per line; stable, docs/cli.md): the
+    keys of `dead list --json`'s dead_letters, and payload_head, prompt, label,
+    admitted_version, created_at, claimed_at, finished_at, raw_row, samples
+    (index, status, response_length, reward, weight_versions, response),
+    history (at_ms, age_s, event, who, detail).
 
     \b
     Example:
@@ -1075,14 +1268,15 @@ def dead_show(obj: Context, ident, as_json) -> None:
     if missing:
         raise click.ClickException(f"no dead letter {ident!r} in namespace {obj.namespace!r} "
                                    "(`rollout dead list` shows the ids)")
+    now_ms = queue.now_ms()
+    details = [l.details(queue.history(l.group_id), now_ms) for l in letters]
     if as_json:
-        for l in letters:
-            click.echo(_dump(l.details()))
+        for d in details:
+            click.echo(_dump(d))
         return
-    for l in letters:
-        d = l.details()
+    for l, d in zip(letters, details):
         lines = [f"dead letter {l.entry_id}", f"  group      {l.group_id}", f"  age        {_age(l.age_s)}",
-                 f"  error      {l.error or '-'}"]
+                 f"  error      {l.error or '-'}" + (f" ({l.reason})" if l.reason else "")]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
         elif l.bad_row:
@@ -1101,6 +1295,11 @@ def dead_show(obj: Context, ident, as_json) -> None:
             for s in d["samples"]:
                 lines.append(f"  sample {s['index']}: {s['status']}, {s['response_length']} tokens, reward "
                              f"{s['reward']}, versions {','.join(s['weight_versions']) or '-'}")
+        # Who held it, and how each let go of it: reaped (died holding it) or handed back.
+        lines.append("  history" if d["history"] else "  history    none kept")
+        for e in d["history"]:
+            lines.append(f"    {_age(e['age_s']):>7} ago  {e['event']:<11} {e['who']}"
+                         + (f"  {e['detail']}" if e["detail"] else ""))
         click.echo("\n".join(lines))
 
 
@@ -1180,6 +1379,12 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     committed (gone from the queue) without training.
 
     \b
+    JSON (one object per batch, one per line; stable, docs/cli.md): step,
+    groups (group_id, statuses, rewards, weight_versions, staleness),
+    group_ids, weight_version, wait_s, mean_reward, staleness (lag -> groups),
+    dropped (reason -> groups), restarted, dead, duplicates_discarded.
+
+    \b
     Example:
       rollout consume --batch-size 16 --steps 10
       rollout consume --batch-size 4 --steps 1 --json | jq '.groups[].rewards'
@@ -1213,8 +1418,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
                                            f"namespace (the batch in hand is theirs now): {exc}") from None
             done += 1
             if metrics_port:
-                for place, depth in queue.depths().items():
-                    prom.QUEUE_DEPTH.labels(place).set(depth)
+                prom.sample_namespace(queue.depths(), queue.stats())
             progress.advance(task)
             row = _batch_record(step, batch)
             if as_json:

@@ -104,10 +104,11 @@ TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
 )
 
 ADMIN = TRAINER | _access(
-    scripts=("audit", "check_results"),
+    scripts=("audit", "check_results", "locate"),
     commands=(
         "scan", "unlink", "exists",  # purge, namespace_is_empty
         "lrange", "hkeys", "hgetall", "zcount",  # status, dead letters, inspect
+        "hmget", "get", "xrevrange",  # status --worker, inspect (a result's payload, the drop log)
     ),
     settles=("dead",),
 )

@@ -17,9 +17,9 @@ from .queue import Queue, text
 
 #: The keys of AuditReport.to_dict(), documented in docs/cli.md (`rollout audit --json`).
 AUDIT_JSON_KEYS = (
-    "pushed", "prompts", "inflight", "requeue", "results_undelivered", "results_pending", "dead", "dropped",
-    "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra", "in_two_places",
-    "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight", "ok",
+    "pushed", "prompts", "inflight", "inflight_by_worker", "requeue", "results_undelivered", "results_pending",
+    "dead", "dropped", "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra",
+    "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight", "ok",
 )
 
 
@@ -64,7 +64,9 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(accounted=self.accounted, lost=self.lost, extra=self.extra, ok=self.ok)
+        # As `rollout status --json` names them: inflight the total, inflight_by_worker the split.
+        d.update(inflight=sum(self.inflight.values()), inflight_by_worker=d["inflight"], accounted=self.accounted,
+                 lost=self.lost, extra=self.extra, ok=self.ok)
         return {k: d[k] for k in AUDIT_JSON_KEYS}
 
     def summary(self) -> str:
@@ -98,11 +100,8 @@ def _snapshot(queue: Queue) -> dict:
     register between listing them and the script."""
     r, k = queue.redis, queue.keys
     script = scripts.load(r, "audit")["audit"]
-    prefix = len(k.inflight(""))
     while True:
-        workers = {text(w) for w in r.zrange(k.workers, 0, -1)}
-        workers |= {text(key)[prefix:] for key in r.scan_iter(match=k.inflight_pattern, count=1000)}
-        ordered = sorted(workers)
+        ordered = sorted({text(w) for w in r.zrange(k.workers, 0, -1)} | queue.inflight_holders())
         reply = script(keys=[k.prompts, k.payloads, k.workers, k.requeue, k.results, k.dead, k.stats, k.committed,
                              *(k.inflight(w) for w in ordered)],
                        args=[CONSUMER_GROUP, *ordered])

@@ -40,6 +40,7 @@ class DeadLetter:
     group_id: str
     error: str
     age_s: float
+    reason: str | None = None  # the short category, when the writer gave one (max_claims, missing_label, ...)
     group: Group | None = None
     decode_error: str | None = None
     data: bytes = b""
@@ -63,54 +64,74 @@ class DeadLetter:
         return f"dead letter {self.entry_id} (group {self.group_id})"
 
     def summary(self) -> dict[str, Any]:
+        """`rollout dead list --json`: the same keys for every dead letter; what does not
+        apply (the group's fields when the payload does not decode) is None."""
         g = self.group
-        d: dict[str, Any] = {
-            "id": self.entry_id,
+        return {
+            "entry_id": self.entry_id,
             "group_id": self.group_id,
             "error": self.error,
+            "reason": self.reason,
             "age_s": round(self.age_s, 3),
             "retriable": self.not_retriable is None,
             "not_retriable_because": self.not_retriable,
             "bad_row": self.bad_row,
+            "decode_error": self.decode_error,
+            "payload_bytes": len(self.data),
+            "dataset": g.dataset if g else None,
+            "epoch": g.epoch if g else None,
+            "row": g.row if g else None,
+            "attempts": g.attempts if g else None,
+            "restarts": g.restarts if g else None,
+            "worker": g.worker if g else None,
+            "n_samples": g.n_samples if g else None,
+            "statuses": [s.status.value for s in g.samples] if g else None,
         }
-        if g is None:
-            d.update(decode_error=self.decode_error, payload_bytes=len(self.data))
-            return d
-        d.update(
-            dataset=g.dataset, epoch=g.epoch, row=g.row, attempts=g.attempts, restarts=g.restarts,
-            worker=g.worker, n_samples=g.n_samples,
-            statuses=[s.status.value for s in g.samples],
-        )
-        return d
 
-    def details(self) -> dict[str, Any]:
+    def details(self, history: list[tuple[int, str, str, str]], now_ms: int) -> dict[str, Any]:
+        """`rollout dead show --json`: the summary, the group in full and its history
+        (`history` as Queue.history gives it)."""
         d = self.summary()
         g = self.group
-        if g is None:
-            d["payload_head"] = self.data[:64].hex()
-            return d
-        first = g.samples[0] if g.samples else None
+        first = g.samples[0] if g and g.samples else None
+        raw = first.metadata.get("raw") if first else None
         d.update(
+            payload_head=self.data[:64].hex() if g is None else None,
             prompt=first.prompt if first else None,
             label=first.label if first else None,
-            admitted_version=g.admitted_version,
-            created_at=g.created_at, claimed_at=g.claimed_at, finished_at=g.finished_at,
+            admitted_version=g.admitted_version if g else None,
+            created_at=g.created_at if g else None,
+            claimed_at=g.claimed_at if g else None,
+            finished_at=g.finished_at if g else None,
+            raw_row=raw or None,
             samples=[{
                 "index": s.index, "status": s.status.value, "response_length": s.response_length,
                 "reward": s.reward, "weight_versions": s.weight_versions,
                 "response": s.response[:200],
-            } for s in g.samples],
+            } for s in g.samples] if g else None,
+            history=[{"at_ms": ms, "age_s": round(max(0, now_ms - ms) / 1000, 3), "event": event, "who": who,
+                      "detail": detail} for ms, event, who, detail in history],
         )
-        raw = first.metadata.get("raw") if first else None
-        if raw:
-            d["raw_row"] = raw
         return d
+
+
+def informative_end(error: str, width: int) -> str:
+    """`error` in at most `width` characters, keeping what says most: its first clause
+    ("engine failed 3 times") and its end (the last error), with "…" between."""
+    if len(error) <= width:
+        return error
+    if width < 8:
+        return error[:width]
+    head = error.split("; ", 1)[0] + "; " if "; " in error else ""
+    if len(head) > width - 12:  # leave the end room to say something
+        head = ""
+    return head + "…" + error[len(error) - (width - len(head) - 1):]
 
 
 def _letter(entry: StreamEntry, now_s: float) -> DeadLetter:
     ms = int(entry.entry_id.split("-", 1)[0])
     letter = DeadLetter(entry_id=entry.entry_id, group_id=entry.group_id, error=entry.error or "",
-                        age_s=max(0.0, now_s - ms / 1000), data=entry.data)
+                        age_s=max(0.0, now_s - ms / 1000), reason=entry.reason, data=entry.data)
     try:
         letter.group = entry.decode()
         if not letter.error and letter.group.error:

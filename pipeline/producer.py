@@ -147,6 +147,9 @@ class PushReport:
     pushed: int = 0
     dead: int = 0
     already: int = 0  # positions an earlier push had covered
+    #: Good rows without a label: a reward that needs one (the default, math_boxed) dead-letters
+    #: their groups on the first attempt.
+    without_label: int = 0
 
 
 # -- reading ------------------------------------------------------------------------
@@ -380,7 +383,8 @@ def push_dataset(queue: Queue, source: str | Path | Dataset, opts: PushOptions |
         more = f" (and {len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
         raise DatasetError(f"{bad[0].where}: {bad[0].error}{more}; fix it or pass --skip-bad to dead-letter bad rows")
     dataset = opts.dataset_name or data.path.name
-    report = PushReport(dataset=dataset, rows=len(rows))
+    report = PushReport(dataset=dataset, rows=len(rows),
+                        without_label=sum(1 for r in rows if not r.error and r.label is None))
     if not rows:
         log.warning("%s holds no rows: nothing to push", data.path)
         return report

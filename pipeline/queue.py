@@ -101,6 +101,7 @@ class StreamEntry:
     data: bytes
     error: str | None = None
     token: str = ""  # results entries: the claim token naming the payload key
+    reason: str | None = None  # dead letters: the short category (max_claims, missing_label, engine, ...)
 
     def decode(self) -> Group:
         return decode_group(self.data)
@@ -189,16 +190,17 @@ class Queue:
         except (DecodeError, UnicodeDecodeError) as exc:
             error = "group id is not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"malformed payload: {exc}"
             log.error("group %s: %s; dead-lettering it", gid, error)
-            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error)
+            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error, reason="malformed")
             return ClaimedGroup(gid, token, payload, None)
         if group.admitted_version is None and admitted is not None:
             group.admitted_version = int(admitted)
         return ClaimedGroup(gid, token, payload, group)
 
     def publish(self, worker: str, group_id: str | bytes, token: str, payload: bytes, place: Place,
-                error: str | None = None) -> Published:
+                error: str | None = None, reason: str = "") -> Published:
         """Move a group out of `worker`'s in-flight hash into a stream, if the worker
-        still holds it under `token`."""
+        still holds it under `token`. A dead letter's `reason` is its short category
+        (for `dead list` and the `dead_<reason>` counter behind the metrics)."""
         k = self.keys
         stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[place]
         keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history]
@@ -212,7 +214,8 @@ class Queue:
             self.redis.set(staged, payload, ex=STAGED_TTL_S)
             keys += [staged, k.result(text(group_id), token)]
             payload = b""
-        reply = self._scripts["publish"](keys=keys, args=[group_id, token, payload, place.value, error or "", worker])
+        reply = self._scripts["publish"](keys=keys, args=[group_id, token, payload, place.value, error or "", worker,
+                                                          reason])
         outcome = Published(text(reply[0]))
         if outcome == Published.REFUSED:
             log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
@@ -220,13 +223,13 @@ class Queue:
         return outcome
 
     def publish_group(self, worker: str, group: Group, token: str, place: Place, error: str | None = None,
-                      keep_response_text: bool = False) -> Published:
+                      keep_response_text: bool = False, reason: str = "") -> Published:
         """Encode and publish. Results leave out the response texts unless asked: the
         trainer trains on tokens, and text is ~20% of a finished group's bytes. Requeued
         and dead-lettered groups keep them (a continuation appends to the text).
         Raises EncodeError for a group that breaks the schema (nothing is moved)."""
         with_text = keep_response_text or place != Place.RESULTS
-        return self.publish(worker, group.group_id, token, encode_group(group, with_text), place, error)
+        return self.publish(worker, group.group_id, token, encode_group(group, with_text), place, error, reason)
 
     def heartbeat(self, worker: str, info: str) -> Heartbeat:
         k = self.keys
@@ -284,17 +287,17 @@ class Queue:
             total += max(0, self.reap(text(worker)))
         return total
 
+    def inflight_holders(self) -> set[str]:
+        """Every worker id with an in-flight hash, registered or not. By SCAN over the
+        server's keys: for operators' tools and rare upkeep, not per claim."""
+        prefix = len(self.keys.inflight(""))
+        return {text(key)[prefix:] for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000)}
+
     def reap_orphans(self) -> int:
         """In-flight hashes of workers not registered (foreign data, or left by an older
         version): give their groups back. By SCAN, so call it rarely."""
-        prefix = len(self.keys.inflight(""))
         registered = {text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)}
-        total = 0
-        for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000):
-            worker = text(key)[prefix:]
-            if worker not in registered:
-                total += max(0, self.reap(worker))
-        return total
+        return sum(max(0, self.reap(worker)) for worker in sorted(self.inflight_holders() - registered))
 
     def workers(self) -> dict[str, float]:
         """Registered workers -> seconds until their lease deadline (negative: overdue)."""
@@ -436,11 +439,18 @@ class Queue:
 
     def history(self, group_id: str) -> list[tuple[int, str, str, str]]:
         """A group's recent events: (server ms, event, who, detail), oldest first."""
-        out = []
-        for line in (text(self.redis.hget(self.keys.history, group_id)) or "").splitlines():
-            ms, event, who, *detail = line.split(" ", 3)
-            out.append((int(ms), event, who, detail[0] if detail else ""))
-        return out
+        return parse_history(text(self.redis.hget(self.keys.history, group_id)) or "")
+
+
+def parse_history(lines: str) -> list[tuple[int, str, str, str]]:
+    """The lines of a `history` field (lua/_prelude.lua `record`) as (server ms, event,
+    who, detail); a line that is not one is skipped."""
+    out = []
+    for line in lines.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) >= 3 and parts[0].isdigit():
+            out.append((int(parts[0]), parts[1], parts[2], parts[3] if len(parts) > 3 else ""))
+    return out
 
 
 def _entry(entry_id, fields: dict) -> StreamEntry:
@@ -450,4 +460,5 @@ def _entry(entry_id, fields: dict) -> StreamEntry:
         data=fields.get(b"data", b""),
         error=text(fields.get(b"error")),
         token=text(fields.get(b"tok", b"")),
+        reason=text(fields.get(b"reason")),
     )

@@ -1,7 +1,16 @@
 """A point-in-time picture of one pipeline, for `rollout status` and the `rollout up`
-dashboard: depths, workers, control state, throughput, staleness, backlog age.
+dashboard: depths, workers, control state, throughput, staleness, backlog age, the
+workers reaped or departed lately and the groups claimed again and again. Drawing it
+is pipeline/status_render.py's job.
 
 Everything is read with a handful of round trips; nothing is written.
+
+Liveness. A worker is alive while its lease deadline (its score in `workers`, set
+by each heartbeat to now + the namespace's lease) has not passed, so a worker killed
+with SIGKILL shows as dead at most one lease after its last heartbeat. Its in-flight
+hash stays until someone reaps it; the reap is logged in `reaped` and shown here.
+In-flight hashes of workers not registered at all (left by an older version, or
+written by hand) are counted too, as the audit counts them (`unregistered_inflight`).
 
 Throughput. Two sources, both over the last minute:
   * committed groups: exact, from the `committed` sorted set, whose scores are the
@@ -28,9 +37,9 @@ status is what an operator runs to find out what is wrong.
 from __future__ import annotations
 
 import json
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -42,6 +51,13 @@ from .queue import Queue, text
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
+#: Reaps (not clean departures) within this window, this many or more: an alert, a worker crash loop.
+REAP_ALERT_WINDOW_S = 300.0
+REAP_ALERT_COUNT = 2
+#: Most-claimed groups listed by name (the count covers them all).
+MOST_CLAIMED_SHOWN = 10
+#: Dead (not yet reaped) workers named in the alerts, each with its state.
+DEAD_WORKERS_NAMED = 5
 
 
 class EmptyNamespace(LookupError):
@@ -94,17 +110,38 @@ class Throughput:
 
 @dataclass
 class WorkerStatus:
-    name: str
-    alive: bool  # heartbeat within the lease
+    worker: str  # its id, `<name>#<incarnation>`
+    alive: bool  # its lease deadline has not passed
     last_heartbeat_s: float  # seconds since its last heartbeat
-    inflight_groups: int  # size of its in-flight set in Redis
+    lease_left_s: float  # seconds until its lease deadline; negative: overdue by that much
+    inflight_groups: int  # size of its in-flight hash in Redis
     state: str = "unknown"  # what the worker says it is doing
     engines: list[str] = field(default_factory=list)
     capacity: int | None = None  # samples
     inflight_samples: int | None = None
     host: str | None = None
     pid: int | None = None
+    lease_s: float | None = None  # the lease it last heard of (None: it did not say)
+    heartbeat_s: float | None = None  # its heartbeat interval
     counters: dict[str, int] = field(default_factory=dict)
+
+
+class Departure(StrEnum):
+    """How a worker left, as lua/reap.lua logs it in `reaped`."""
+
+    REAPED = "reaped"  # its lease ran out: a crash or a stall; its claims count against its groups
+    HANDED_BACK = "handed_back"  # it left cleanly (SIGTERM) and gave its groups back
+
+
+@dataclass
+class DepartedWorker:
+    """One record of the `reaped` log."""
+
+    worker: str
+    how: Departure
+    groups: int  # in-flight groups that went back to the prompt list
+    age_s: float  # seconds ago
+    overdue_s: float  # how long past its lease deadline it was reaped (0 for a clean departure)
 
 
 @dataclass
@@ -143,6 +180,12 @@ class StatusSnapshot:
     staleness: Staleness
     backlog_age_s: float | None  # age of the oldest entry in the results stream
     requeue_age_s: float | None
+    lease_s: float = 0.0  # the namespace's lease
+    max_claims: int = 0  # the namespace's claims per group before it is dead-lettered
+    unregistered_inflight: list[str] = field(default_factory=list)  # in-flight hashes of unregistered workers
+    departed: list[DepartedWorker] = field(default_factory=list)  # the `reaped` log, newest first
+    claimed_repeatedly: int = 0  # groups claimed 2+ times without finishing (a holder was reaped or lost it)
+    most_claimed: dict[str, int] = field(default_factory=dict)  # group id -> claims, most first
     alerts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,8 +272,10 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     pipe.xrange(k.results, "-", "+", count=max(1, staleness_sample))
     pipe.xrange(k.requeue, "-", "+", count=1)
     pipe.hgetall(k.control)
+    pipe.lrange(k.reaped, 0, -1)
+    pipe.hgetall(k.claims)
     (prompts, results, requeue, dead, workers, info, stats, committed_recent, oldest, oldest_requeue,
-     control_raw) = pipe.execute()
+     control_raw, reaped_log, claims) = pipe.execute()
     poison: list[str] = []
     counters = _numbers(stats, "stats", poison)
     _numbers({f: v for f, v in control_raw.items() if f in _NUMERIC_CONTROL}, "control", poison)
@@ -241,37 +286,17 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         pending = 0
 
     names = [text(w) for w, _ in workers]
+    unregistered = sorted(queue.inflight_holders() - set(names))
     sizes = []
-    if names:
+    if names or unregistered:
         pipe = r.pipeline(transaction=False)
-        for w in names:
+        for w in names + unregistered:
             pipe.hlen(k.inflight(w))
         sizes = pipe.execute()
-    worker_rows: list[WorkerStatus] = []
-    lease_ms = int(control.lease_s * 1000)
-    for (raw_name, deadline), name, size in zip(workers, names, sizes):
-        # Scores are lease deadlines: the last heartbeat was one lease before.
-        row = WorkerStatus(name=name, alive=deadline >= now_ms,
-                           last_heartbeat_s=max(0.0, (now_ms - (deadline - lease_ms)) / 1000),
-                           inflight_groups=int(size))
-        raw = info.get(raw_name) or info.get(name.encode())
-        if raw:
-            try:
-                d = json.loads(raw)
-                row.state = str(d.get("state", "unknown"))
-                row.engines = [str(e) for e in d.get("engines") or []]
-                row.capacity = d.get("capacity")
-                row.inflight_samples = d.get("inflight_samples")
-                row.host = d.get("host")
-                row.pid = d.get("pid")
-                row.counters = {str(a): b for a, b in (d.get("counters") or {}).items() if isinstance(b, int)}
-            except (ValueError, AttributeError, TypeError, RecursionError):
-                row.state = "unreadable info"
-        if not row.alive:
-            row.state = (f"dead (no heartbeat for {row.last_heartbeat_s:.0f}s; its groups return at the next "
-                         f"reap)")
-        worker_rows.append(row)
-    worker_rows.sort(key=lambda w: (not w.alive, w.name))
+    worker_rows = [_worker_row(name, deadline, int(size), info.get(raw_name), now_ms, control.lease_s)
+                   for (raw_name, deadline), name, size in zip(workers, names, sizes)]
+    worker_rows.sort(key=lambda w: (not w.alive, w.worker))
+    stray = {w: int(n) for w, n in zip(unregistered, sizes[len(names):]) if n}
 
     # Staleness of the oldest waiting results.
     by_lag: dict[int, int] = {}
@@ -301,7 +326,7 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         claimed_per_min=_round(tracker.per_min("claims")) if tracker else None,
         sampled_s=round(tracker.span_s(), 3) if tracker else 0.0)
 
-    inflight_by_worker = {w.name: w.inflight_groups for w in worker_rows if w.inflight_groups}
+    inflight_by_worker = {w.worker: w.inflight_groups for w in worker_rows if w.inflight_groups} | stray
     snap = StatusSnapshot(
         namespace=k.namespace,
         time=round(now, 3),
@@ -326,11 +351,63 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         staleness=staleness,
         backlog_age_s=round((now_ms - _id_ms(oldest[0][0])) / 1000, 3) if oldest else None,
         requeue_age_s=round((now_ms - _id_ms(oldest_requeue[0][0])) / 1000, 3) if oldest_requeue else None,
+        lease_s=control.lease_s,
+        max_claims=control.max_claims,
+        unregistered_inflight=sorted(stray),
+        departed=_departed(reaped_log, now_ms, poison),
     )
-    snap.empty = (not counters and not names and not any((snap.prompts, results, snap.requeue, snap.dead))
+    repeated = sorted(((n, text(g)) for g, n in _numbers(claims, "claims", poison).items() if n >= 2), reverse=True)
+    snap.claimed_repeatedly = len(repeated)
+    snap.most_claimed = {gid: n for n, gid in repeated[:MOST_CLAIMED_SHOWN]}
+    snap.empty = (not counters and not names and not stray and not any((snap.prompts, results, snap.requeue,
+                                                                       snap.dead))
                   and namespace_is_empty(r, k))
     snap.alerts = poison + alerts(snap)
     return snap
+
+
+def _worker_row(name: str, deadline: float, size: int, raw_info: bytes | None, now_ms: int,
+                namespace_lease_s: float) -> WorkerStatus:
+    row = WorkerStatus(worker=name, alive=deadline >= now_ms, last_heartbeat_s=0.0,
+                       lease_left_s=round((deadline - now_ms) / 1000, 3), inflight_groups=size)
+    if raw_info:
+        try:
+            d = json.loads(raw_info)
+            row.state = str(d.get("state", "unknown"))
+            row.engines = [str(e) for e in d.get("engines") or []]
+            row.capacity = d.get("capacity")
+            row.inflight_samples = d.get("inflight_samples")
+            row.host = d.get("host")
+            row.pid = d.get("pid")
+            row.lease_s = _seconds(d.get("lease_s"))
+            row.heartbeat_s = _seconds(d.get("heartbeat_s"))
+            row.counters = {str(a): b for a, b in (d.get("counters") or {}).items() if isinstance(b, int)}
+        except (ValueError, AttributeError, TypeError, RecursionError):
+            row.state = "unreadable info"
+    # The deadline is the last heartbeat plus the lease that heartbeat was given.
+    lease_ms = (row.lease_s or namespace_lease_s) * 1000
+    row.last_heartbeat_s = round(max(0.0, (now_ms - (deadline - lease_ms)) / 1000), 3)
+    if not row.alive:
+        row.state = f"dead (no heartbeat for {row.last_heartbeat_s:.0f}s; its groups return at the next reap)"
+    return row
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _departed(records: list[bytes], now_ms: int, alerts: list[str]) -> list[DepartedWorker]:
+    """The `reaped` log (JSON records from lua/reap.lua, newest first); a foreign record is an alert."""
+    out = []
+    for raw in records:
+        try:
+            d = json.loads(raw)
+            out.append(DepartedWorker(worker=str(d["worker"]), how=Departure(d["how"]), groups=int(d["groups"]),
+                                      age_s=round(max(0.0, (now_ms - int(d["at_ms"])) / 1000), 3),
+                                      overdue_s=round(int(d.get("overdue_ms") or 0) / 1000, 3)))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            alerts.append(f"reaped log record {text(raw)[:60]!r} is not one rollout wrote")
+    return out
 
 
 _NUMERIC_CONTROL = {b"paused", b"weight_version", b"max_staleness", b"batch_size", b"max_ready"}
@@ -359,12 +436,27 @@ def alerts(s: StatusSnapshot) -> list[str]:
         out.append("admission is paused (`rollout resume` reopens it)")
     if s.workers_alive == 0 and (s.prompts or s.requeue):
         out.append(f"no live workers, {s.prompts + s.requeue} groups waiting (start `rollout worker`)")
-    expired = [w.name for w in s.workers if not w.alive]
-    if expired:
-        out.append(f"{len(expired)} workers missed their lease; their groups return at the next reap")
+    expired = [w for w in s.workers if not w.alive]
+    for w in expired[:DEAD_WORKERS_NAMED]:
+        out.append(f"worker {w.worker} missed its lease: {w.state}")
+    if len(expired) > DEAD_WORKERS_NAMED:
+        out.append(f"... and {len(expired) - DEAD_WORKERS_NAMED} more workers missed their lease")
     down = [w for w in s.workers if w.alive and w.state.startswith("engine-down")]
     for w in down:
-        out.append(f"worker {w.name}: {w.state}")
+        out.append(f"worker {w.worker}: {w.state}")
+    if s.unregistered_inflight:
+        held = sum(s.inflight_by_worker.get(w, 0) for w in s.unregistered_inflight)
+        out.append(f"{held} groups sit in the in-flight hashes of workers that are not registered "
+                   f"({', '.join(s.unregistered_inflight[:3])}); a live worker's orphan reap gives them back")
+    reaps = [d for d in s.departed if d.how == Departure.REAPED and d.age_s <= REAP_ALERT_WINDOW_S]
+    if len(reaps) >= REAP_ALERT_COUNT:
+        out.append(f"workers are being reaped repeatedly: {len(reaps)} in the last {REAP_ALERT_WINDOW_S / 60:.0f} "
+                   f"min ({sum(d.groups for d in reaps)} groups back to the queue); are they crashing?")
+    if s.claimed_repeatedly:
+        gid, n = next(iter(s.most_claimed.items()))
+        out.append(f"{s.claimed_repeatedly} groups were claimed 2+ times without finishing (their workers died "
+                   f"holding them); past {s.max_claims} claims a group is dead-lettered; most: {gid} ({n} claims, "
+                   f"`rollout inspect {gid}`)")
     if s.dead:
         out.append(f"{s.dead} dead letters (`rollout dead list`)")
     if s.max_ready is not None and s.results_ready >= s.max_ready:
@@ -381,108 +473,3 @@ def alerts(s: StatusSnapshot) -> list[str]:
     if s.prompts == 0 and s.inflight == 0 and s.requeue == 0 and s.results_ready == 0 and s.results_pending == 0:
         out.append("nothing queued: push prompts with `rollout push FILE`")
     return out
-
-
-# -- rendering (rich) --------------------------------------------------------------------
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}/min"
-
-
-def render(s: StatusSnapshot, title: str | None = None):
-    """A rich renderable of the snapshot, laid out for 80 columns."""
-    from rich.console import Group as RichGroup
-    from rich.table import Table
-    from rich.text import Text
-
-    parts: list = []
-    head = Text()
-    head.append(title or f"namespace {s.namespace}", style="bold")
-    head.append(f"   weight version {s.weight_version}   admission ")
-    head.append("PAUSED" if s.paused else "open", style="bold red" if s.paused else "green")
-    parts.append(head)
-    if s.empty:
-        parts.append(Text(f"namespace {s.namespace!r} is empty: nothing has been pushed", style="yellow"))
-        return RichGroup(*parts)
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column(overflow="fold")
-    grid.add_row("queue", f"prompts {s.prompts:,}   in flight {s.inflight:,}   requeue {s.requeue:,}   "
-                          f"dead {s.dead:,}")
-    limit = f" (max {s.max_ready:,})" if s.max_ready is not None else ""
-    grid.add_row("results", f"ready {s.results_ready:,}{limit}   pending {s.results_pending:,}   "
-                            f"oldest {_age(s.backlog_age_s)}")
-    t = s.throughput
-    window = (f"counter samples over the last {t.sampled_s:.0f}s" if t.sampled_s >= 0.2
-              else "not sampled yet")
-    grid.add_row("rate", f"committed {_rate(t.committed_per_min)} (last {t.window_s:.0f}s)   "
-                         f"published {_rate(t.published_per_min)}   claimed {_rate(t.claimed_per_min)}")
-    grid.add_row("", f"(published and claimed: {window})")
-    st = s.staleness
-    if st.checked:
-        lags = " ".join(f"{lag}:{n}" for lag, n in sorted(st.by_lag.items()))
-        of = f" of {st.waiting}" if st.waiting > st.checked else ""
-        limit = f", limit {s.max_staleness}" if s.max_staleness is not None else ""
-        grid.add_row("staleness", f"{st.checked}{of} waiting: max {st.max}, mean {st.mean:g}{limit}   lag:groups {lags}")
-    else:
-        grid.add_row("staleness", "no waiting results" + (f" (limit {s.max_staleness})" if s.max_staleness is not None
-                                                        else ""))
-    c = s.counters
-    grid.add_row("totals", f"pushed {c.get('pushed', 0):,}   committed {c.get('committed', 0):,}   "
-                           f"dropped {c.get('dropped', 0):,}   requeued {c.get('requeue', 0):,}   "
-                           f"reaped {c.get('reaped', 0):,}")
-    if s.batch_size or s.max_staleness is not None:
-        grid.add_row("pacing", f"batch size {s.batch_size or '-'}   max staleness "
-                               f"{'-' if s.max_staleness is None else s.max_staleness}   admitted {s.admitted:,}")
-    parts.append(grid)
-
-    workers = Table(title=f"workers: {s.workers_alive} alive" + (f", {len(s.workers) - s.workers_alive} expired"
-                                                                 if len(s.workers) > s.workers_alive else ""),
-                    title_justify="left", box=None, padding=(0, 1), header_style="bold")
-    workers.add_column("worker", overflow="ellipsis", no_wrap=True, max_width=24)
-    workers.add_column("state", overflow="ellipsis", no_wrap=True, max_width=16)
-    workers.add_column("engines", overflow="ellipsis", no_wrap=True, max_width=18)
-    workers.add_column("groups", justify="right")
-    workers.add_column("samples", justify="right", no_wrap=True)
-    workers.add_column("done", justify="right")
-    workers.add_column("beat", justify="right")
-    for w in s.workers:
-        engines = w.engines[0] if len(w.engines) == 1 else (f"{len(w.engines)} engines" if w.engines else "-")
-        engines = engines.replace("http://", "")
-        samples = "-" if w.inflight_samples is None else (
-            f"{w.inflight_samples}/{w.capacity}" if w.capacity else str(w.inflight_samples))
-        workers.add_row(w.name, w.state, engines, str(w.inflight_groups), samples,
-                        str(w.counters.get("groups_completed", "-")), _age(w.last_heartbeat_s),
-                        style=None if w.alive else "dim")
-    if s.workers:
-        parts.append(workers)
-    else:
-        parts.append(Text("workers: none registered", style="bold"))
-    for a in s.alerts:
-        parts.append(Text("! " + a, style="yellow"))
-    return RichGroup(*parts)
-
-
-def one_line(s: StatusSnapshot) -> str:
-    """A compact line for logs (the dashboard when stdout is not a terminal)."""
-    if s.empty:
-        return f"{time.strftime('%H:%M:%S')} {s.namespace}: empty (nothing pushed yet)"
-    t = s.throughput
-    return (f"{time.strftime('%H:%M:%S')} {s.namespace}: prompts {s.prompts} in flight {s.inflight} "
-            f"results {s.results_ready}+{s.results_pending} requeue {s.requeue} dead {s.dead} "
-            f"workers {s.workers_alive} v{s.weight_version}{' PAUSED' if s.paused else ''} "
-            f"committed {t.committed_per_min:.0f}/min")

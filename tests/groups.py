@@ -64,6 +64,20 @@ def produce(q: Queue, n: int, prefix: str = "g", worker: str = "w", version: int
     return out
 
 
+def expire(q: Queue, worker: str) -> None:
+    """Force a worker's lease deadline into the past (no sleeping past a lease)."""
+    q.redis.zadd(q.keys.workers, {worker: 0}, xx=True)
+
+
+def die_holding(q: Queue, worker: str, n: int = 1) -> list[str]:
+    """`worker` claims n groups and dies holding them: its lease runs out, it is reaped.
+    Returns the ids of the groups it held."""
+    held = [c.group_id for c in claim(q, worker, n).groups]
+    expire(q, worker)
+    assert q.reap(worker) == len(held)
+    return held
+
+
 def prompts(q: Queue) -> list[str]:
     return [g.decode() for g in q.redis.lrange(q.keys.prompts, 0, -1)]
 

@@ -183,6 +183,9 @@ def test_admin_role_runs_status_audit_dead_retry_pause_resume_and_purge(admin, s
         return result.output
 
     assert '"dead": 2' in rollout("status", "--json", "--sample", "0")
+    assert "worker w:" in rollout("status", "--worker", "w")
+    assert "results: finished" in rollout("inspect", claimed[0].group_id)
+    assert '"place": "nowhere"' in rollout("inspect", "never-pushed", "--json")  # the drop log searched too
     rollout("audit")
     assert "engine failed" in rollout("dead", "list")
     rollout("dead", "show", claimed[1].group_id)

@@ -306,7 +306,8 @@ ENGINE_KINDS: dict[str, tuple[bytes, str]] = {
     "infinite_log_prob": (json.dumps(_answer(logprobs=(-math.inf, -0.1))).encode(), "log-prob -inf"),
     "log_prob_beyond_float32": (json.dumps(_answer(logprobs=(-1e300, -0.1))).encode(), "not a finite float32"),
     "log_prob_a_string": (json.dumps(_answer(logprobs=("x", -0.1))).encode(), "log-probs that are not numbers"),
-    "token_id_beyond_int32": (json.dumps(_answer(ids=(104, 2**31))).encode(), "outside int32"),
+    # (a worker with the byte tokenizer knows its vocabulary: then that is the bound it names)
+    "token_id_beyond_int32": (json.dumps(_answer(ids=(104, 2**31))).encode(), "token id 2147483648, outside"),
     "negative_token_id": (json.dumps(_answer(ids=(-1, 105))).encode(), "token id -1"),
     "float_token_id": (json.dumps(_answer(ids=(104.0, 105))).encode(), "not integers"),
     "completion_tokens_disagree": (json.dumps(_answer(completion_tokens=5)).encode(),

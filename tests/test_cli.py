@@ -118,9 +118,17 @@ def test_invalid_namespace(run):
 
 
 def test_status_empty_namespace(run, namespace):
-    for args in (["status"], ["status", "--json"], ["audit"], ["dead", "list"]):
-        line = one_error_line(run(*args, "--sample", "0") if args[0] == "status" else run(*args))
+    for args in (["status", "--sample", "0"], ["audit"], ["dead", "list"]):
+        line = one_error_line(run(*args))
         assert f"namespace {namespace!r} is empty: nothing has been pushed" in line
+
+
+def test_status_json_on_an_empty_namespace_is_the_object_with_the_hint_on_stderr(run, namespace):
+    result = run("status", "--json", "--sample", "0")
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.stdout)
+    assert d["empty"] is True and d["namespace"] == namespace and d["prompts"] == 0
+    assert f"namespace {namespace!r} is empty: nothing has been pushed" in result.stderr
 
 
 def test_status_json_shape(run, queue, client):
@@ -264,10 +272,12 @@ def test_dead_list_show(run, queue, tmp_path):
     assert max(len(l.rstrip()) for l in lines) <= 80
     assert lines[0].split() == ["id", "group", "age", "try", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
+    # Too long for the line: the first clause and the end (the last error) are what is kept.
+    assert "engine failed 3 times; …" in result.output and "(fail0)" in result.output
     assert "[bad row]" in result.output and "3 dead letters" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
-    assert {"id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
+    assert {"entry_id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
 
     show = run("dead", "show", ids["fail1"])
     assert show.exit_code == 0 and "HTTP 503" in show.output and "attempts   3" in show.output

@@ -18,6 +18,7 @@ from workers.byte_lm import ByteLM, ModelConfig, token_logprobs
 from workers.case_task import case_reward, prompt_for
 from workers.grpo import AGREEMENT_TOLERANCE, AgreementError, Trainer, TrainerSettings
 from pipeline.types import SEGMENTS_KEY
+from tests.test_json_schemas import DEMO_TORCH_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(context_length=64, d_model=64, n_heads=2)
@@ -118,6 +119,7 @@ def test_grpo_tiny_learns_with_exact_logprobs_across_weight_updates(tmp_path):
     steps = 30
     summary = _run(["examples/grpo_tiny.py", "--steps", str(steps), "--seed", "0", "--json",
                     "--png", str(tmp_path / "curve.png")], timeout=240)
+    assert set(summary) == DEMO_TORCH_KEYS  # `rollout demo --engine torch --json`, docs/cli.md
     assert summary["ok"] and summary["steps"] == steps and summary["error"] is None
     assert summary["reward_last"] >= summary["reward_first"] + REWARD_MARGIN, summary["curve"]
     assert all(row["logprob_max_abs_diff"] <= AGREEMENT_TOLERANCE for row in summary["curve"])

@@ -16,16 +16,11 @@ from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import ClaimStatus, Place, Published, Queue, SessionFenced, Settle, TrainerSession
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
-from tests.groups import assert_audit_ok, claim, finish, fresh, inflight, produce, prompts, publish
+from tests.groups import assert_audit_ok, claim, expire, finish, fresh, inflight, produce, prompts, publish
 
 
 def ids(c) -> list[str]:
     return [x.group_id for x in c.groups]
-
-
-def expire(q: Queue, worker: str) -> None:
-    """Force a worker's lease deadline into the past (no sleeping past a lease)."""
-    q.redis.zadd(q.keys.workers, {worker: 0}, xx=True)
 
 
 # -- register and claim ---------------------------------------------------------------

@@ -13,7 +13,8 @@ from pipeline.consumer import Consumer
 from pipeline.control import configure, set_paused, set_weight_version
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Place, Queue
-from pipeline.status import RateTracker, empty_message, namespace_is_empty, render, snapshot
+from pipeline.status import RateTracker, empty_message, namespace_is_empty, snapshot
+from pipeline.status_render import render
 from pipeline.types import Group, Status
 from tests.groups import claim, publish
 from tests.helpers import wait_for
@@ -79,7 +80,7 @@ def test_snapshot_counts_every_place(queue, client):
     assert snap.inflight_by_worker == {"w1": 1}
     assert snap.workers_alive == 1
     w = snap.workers[0]
-    assert (w.name, w.alive, w.state, w.engines, w.capacity, w.inflight_samples, w.inflight_groups) == \
+    assert (w.worker, w.alive, w.state, w.engines, w.capacity, w.inflight_samples, w.inflight_groups) == \
         ("w1", True, "running", ["http://e1:30000"], 64, 8, 1)
     assert w.counters == {"groups_completed": 3}
     assert 0 <= w.last_heartbeat_s < 5
@@ -104,7 +105,8 @@ def test_expired_worker_is_shown_dead(queue):
     snap = snapshot(queue)
     assert snap.workers_alive == 0 and not snap.workers[0].alive
     assert snap.workers[0].state == "dead (no heartbeat for 13s; its groups return at the next reap)"
-    assert any("missed their lease" in a for a in snap.alerts)
+    assert "worker gone missed its lease: dead (no heartbeat for 13s; its groups return at the next reap)" in \
+        snap.alerts
 
 
 def test_throughput_committed_is_exact_and_counters_give_rates(queue, client):
@@ -188,9 +190,9 @@ def test_list_and_find_dead_letters(queue, tmp_path):
     assert deadletters.list_dead(queue, limit=2)[1].group_id == "fail1"
     found, missing = deadletters.find(queue, [ids["fail1"], "fail0", "nope", "1-1"])
     assert [l.group_id for l in found] == ["fail1", "fail0"] and missing == ["nope", "1-1"]
-    details = by_gid["rows.jsonl:0:1"].details()
+    details = by_gid["rows.jsonl:0:1"].details([], queue.now_ms())
     assert "no input key" in details["raw_row"] and details["bad_row"] is True
-    json.dumps([l.details() for l in letters], default=str)  # every field serializes
+    json.dumps([l.details(queue.history(l.group_id), queue.now_ms()) for l in letters])  # every field serializes
 
 
 def test_retry_resets_and_returns_groups_to_the_head(queue, tmp_path):

@@ -101,6 +101,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
                 "truncated": sum(s.status.value == "truncated" for s in samples),
                 "max_staleness": max(batch.metrics.staleness, default=0),
                 "group_ids": [g.group_id for g in batch.groups],
+                "update_s": None,  # without weight updates
+                "requeued": None,
             }
             trained += row["group_ids"]
             consumer.commit(batch)
@@ -116,7 +118,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             steps.append(row)
             say(f"{step:>4} {row['wait_s']:>7.3f} {row['groups']:>6} {row['samples']:>7} "
                 f"{row['mean_reward'] if row['mean_reward'] is not None else '-':>7} {row['truncated']:>9} "
-                f"{row['max_staleness']:>9} {row.get('update_s', '-'):>8} {row.get('requeued', '-'):>8}")
+                f"{row['max_staleness']:>9} {_or_dash(row['update_s']):>8} {_or_dash(row['requeued']):>8}")
         stop_processes(procs)
         result = audit(queue)
         duplicates = len(trained) - len(set(trained))
@@ -127,6 +129,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         say(f"audit: {result.summary()}")
         return {
             "ok": ok,
+            "error": None,
             "steps": steps,
             "groups_trained": len(trained),
             "trained_twice": duplicates,
@@ -138,7 +141,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         for i, p in enumerate(procs):
             tail = (workdir / f"worker-{i}.log").read_text()[-2000:]
             say(f"--- worker {i} log (last lines) ---\n{tail}")
-        return {"ok": False, "error": str(exc), "steps": steps}
+        return {"ok": False, "error": str(exc), "steps": steps, "groups_trained": len(trained),
+                "trained_twice": len(trained) - len(set(trained)), "mean_reward": None, "audit": None}
     finally:
         stop_processes(procs)
         if loop is not None:
@@ -150,3 +154,6 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)

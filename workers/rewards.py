@@ -29,7 +29,8 @@ trustworthy; see DESIGN.md invariant 9, "fail loudly"):
 * A group function must return exactly ``len(samples)`` values.
 * Any exception raised by a reward function propagates as `RewardError` carrying
   the original message. It is never turned into a 0 reward: the worker retries the
-  group and eventually dead-letters it.
+  group and eventually dead-letters it. `MissingLabel` (a sample without the label
+  the reward needs) is not retried: the group is dead-lettered on its first attempt.
 
 Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``.
 """
@@ -61,6 +62,7 @@ RewardFn = Callable[..., Any]
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "MissingLabel",
     "Reward",
     "RewardError",
     "RewardFn",
@@ -78,7 +80,14 @@ __all__ = [
 
 class RewardError(RuntimeError):
     """A reward could not be computed (the function raised, timed out, or returned
-    something that is not a valid reward). The group must not be published."""
+    something that is not a valid reward). The group must not be published; the
+    worker retries it, up to its attempt limit."""
+
+
+class MissingLabel(RewardError):
+    """A sample has no label and the reward needs one. The row is wrong, not the
+    moment: the worker dead-letters the group at once, without retries. A custom
+    reward may raise it too."""
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -87,7 +96,7 @@ class RewardError(RuntimeError):
 async def exact_match(args: Any, sample: Sample) -> float:
     """1.0 when the stripped response equals the stripped label, else 0.0."""
     if sample.label is None:
-        raise RewardError("exact_match needs a label, but sample.label is None")
+        raise MissingLabel("exact_match needs a label, but sample.label is None")
     return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
 
 
@@ -176,7 +185,7 @@ async def math_boxed(args: Any, sample: Sample) -> float:
     a legitimate reward); a missing label is a data error and raises.
     """
     if sample.label is None:
-        raise RewardError("math_boxed needs a label, but sample.label is None")
+        raise MissingLabel("math_boxed needs a label, but sample.label is None")
     answer = extract_boxed(sample.response)
     if answer is None:
         return 0.0
@@ -373,7 +382,8 @@ class Reward:
             detail = str(exc)
         else:
             detail = f"{type(exc).__name__}: {exc}"
-        return RewardError(f"reward {self.name!r} failed on {where}: {detail}")
+        kind = MissingLabel if isinstance(exc, MissingLabel) else RewardError  # not retriable stays so
+        return kind(f"reward {self.name!r} failed on {where}: {detail}")
 
     async def score(self, args: Any, samples: Sequence[Sample]) -> list[RewardValue]:
         """One validated reward per sample, in order. Raises RewardError."""

@@ -23,7 +23,8 @@ from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import (Fsync, RedisServer, RedisServerError, local_redis_url, register_local,
                                    rollout_home, unregister_local)
-from pipeline.status import RateTracker, one_line, render, snapshot
+from pipeline.status import RateTracker, snapshot
+from pipeline.status_render import one_line, render
 
 from .local import start_worker_process, stop_processes
 

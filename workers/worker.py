@@ -49,7 +49,7 @@ from pipeline.retry import Reconnect
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
 
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
-from .rewards import Reward, RewardError
+from .rewards import MissingLabel, Reward, RewardError
 from .sampling import SamplingSettings
 from .tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
 
@@ -126,7 +126,7 @@ class GroupFailed(Exception):
 
     def __init__(self, message: str, reason: str):
         super().__init__(message)
-        self.reason = reason  # short category for metrics: engine, bad_request, reward, input
+        self.reason = reason  # short category: engine, bad_request, reward, missing_label, input, encode
 
 
 class DaemonPool(Executor):
@@ -437,10 +437,10 @@ class Worker:
     async def _process(self, run: Running) -> None:
         group = run.group
         try:
-            place, error = await self._generate_group(run)
+            place, failure = await self._generate_group(run)
             group.finished_at = time.time()
-            group.error = error
-            await self._publish(run, place, error)
+            group.error = None if failure is None else str(failure)
+            await self._publish(run, place, failure)
         except asyncio.CancelledError:
             self.counters.cancelled += 1
             raise
@@ -453,7 +453,7 @@ class Worker:
             run.publishing = True
             try:
                 outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, run.payload,
-                                            Place.DEAD, f"worker error: {type(exc).__name__}: {exc}")
+                                            Place.DEAD, f"worker error: {type(exc).__name__}: {exc}", "worker_error")
             except Exception as again:
                 log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
                           group.group_id, again)
@@ -461,7 +461,7 @@ class Worker:
             if outcome != Published.REFUSED:
                 self.counters.groups_dead += 1
 
-    async def _publish(self, run: Running, place: Place, error: str | None) -> None:
+    async def _publish(self, run: Running, place: Place, failure: GroupFailed | None) -> None:
         group = run.group
         try:
             payload = encode_group(group, self.settings.keep_response_text or place != Place.RESULTS)
@@ -469,10 +469,14 @@ class Worker:
             # What was generated breaks the schema: it must not reach the trainer.
             log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",
                       group.group_id, exc)
-            place, error, payload = Place.DEAD, f"cannot store the generated group: {exc}", run.payload
-            metrics.DEAD_LETTERS.labels("encode").inc()
+            place, payload = Place.DEAD, run.payload
+            failure = GroupFailed(f"cannot store the generated group: {exc}", "encode")
+        if failure is not None:
+            metrics.DEAD_LETTERS.labels(failure.reason).inc()
+        error, reason = (None, "") if failure is None else (str(failure), failure.reason)
         run.publishing = True
-        outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, payload, place, error)
+        outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, payload, place, error,
+                                    reason)
         metrics.GROUPS_PUBLISHED.labels(place.value if outcome != Published.REFUSED else "lost").inc()
         if outcome == Published.REFUSED:
             self.counters.groups_lost += 1
@@ -485,7 +489,7 @@ class Worker:
             self.counters.groups_dead += 1
             log.error("group %s: dead-lettered: %s", group.group_id, error)
 
-    async def _generate_group(self, run: Running) -> tuple[Place, str | None]:
+    async def _generate_group(self, run: Running) -> tuple[Place, GroupFailed | None]:
         """Returns where the group goes and, for dead letters, why."""
         group = run.group
         try:
@@ -501,11 +505,9 @@ class Worker:
             await self._score(group)
             return Place.RESULTS, None
         except GroupFailed as exc:
-            metrics.DEAD_LETTERS.labels(exc.reason).inc()
-            return Place.DEAD, str(exc)
+            return Place.DEAD, exc
         except ValueError as exc:  # the tokenizer refused the prompt
-            metrics.DEAD_LETTERS.labels("input").inc()
-            return Place.DEAD, f"bad prompt: {exc}"
+            return Place.DEAD, GroupFailed(f"bad prompt: {exc}", "input")
 
     async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
         try:
@@ -634,6 +636,10 @@ class Worker:
                 for s, r in zip(group.samples, rewards):
                     s.reward = r
                 return
+            except MissingLabel as exc:
+                self.counters.reward_errors += 1
+                raise GroupFailed(f"{exc}; not retried: give the rows a label (push --label-key), or use a reward "
+                                  f"that needs none", "missing_label") from None
             except (RewardError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, asyncio.TimeoutError):
                     # A synchronous reward keeps its thread until it returns; the pool has
@@ -837,8 +843,7 @@ class Worker:
 
     def _upkeep(self) -> None:
         depths = self.queue.depths()
-        for place, depth in depths.items():
-            metrics.QUEUE_DEPTH.labels(place).set(depth)
+        metrics.sample_namespace(depths, self.queue.stats() if self.settings.metrics_port else {})
         now = time.monotonic()
         if now - self._last_reap >= self.lease_s / 4:
             self._last_reap = now

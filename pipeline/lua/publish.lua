@@ -2,12 +2,13 @@
 -- token: a worker that was reaped, or whose claim was given back, cannot publish it.
 -- KEYS: inflight, payloads, target stream (results, requeue or dead), stats, admitted, claims,
 --       history, and for results only: the staged payload key, the result payload key
--- ARGV: group id, token, encoded group ('' when staged), place, error text ('' for none), worker
+-- ARGV: group id, token, encoded group ('' when staged), place, error text ('' for none), worker,
+--       a dead letter's reason category ('' for none: counted under `dead` only, else also `dead_<reason>`)
 -- Results entries carry the group id and token; the payload, staged with a plain SET, is
 -- renamed into its result key: Redis would copy a large argument into Lua (about 1.6 us per
 -- KB, more than all the rest of a publish), a RENAME moves a pointer.
 -- Returns {'ok', entry id}, {'already'} (a retry of a publish that went through) or {'refused'}.
-local gid, token, place, worker = ARGV[1], ARGV[2], ARGV[4], ARGV[6]
+local gid, token, place, worker, reason = ARGV[1], ARGV[2], ARGV[4], ARGV[6], ARGV[7] or ''
 local staged = #KEYS == 9
 local done = 'published ' .. worker .. ' ' .. place .. ' ' .. token
 if redis.call('HGET', KEYS[1], gid) ~= token then
@@ -36,6 +37,9 @@ if staged then
   redis.call('RENAME', KEYS[8], KEYS[9])
   redis.call('PERSIST', KEYS[9])
   id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'tok', token)
+elseif place == 'dead' and reason ~= '' then
+  id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'data', ARGV[3], 'error', ARGV[5], 'reason', reason)
+  redis.call('HINCRBY', KEYS[4], 'dead_' .. reason, 1)
 elseif ARGV[5] ~= '' then
   id = redis.call('XADD', KEYS[3], '*', 'gid', gid, 'data', ARGV[3], 'error', ARGV[5])
 else
