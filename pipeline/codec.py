@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from .types import Group, Sample, Status
+from .types import Group, Sample, SamplingRecord, Status
 
 SCHEMA_VERSION = 1
 _COMPRESS_TEXT_OVER = 512  # bytes; below this zlib's header costs more than it saves
@@ -173,27 +173,42 @@ def encode_group(group: Group, with_response_text: bool = True) -> bytes:
 def _encode_group(group: Group, with_response_text: bool) -> bytes:
     prompts = [s.prompt for s in group.samples]
     shared = bool(prompts) and all(p == prompts[0] for p in prompts)
-    return msgpack.packb(
-        {
-            "v": SCHEMA_VERSION,
-            "id": group.group_id,
-            "pid": _pack_array("i", group.prompt_ids),
-            "gp": prompts[0] if shared else None,
-            "s": [_encode_sample(s, group.prompt_ids, shared, with_response_text) for s in group.samples],
-            "att": group.attempts,
-            "rst": group.restarts,
-            "adm": group.admitted_version,
-            "ds": group.dataset,
-            "ep": group.epoch,
-            "row": group.row,
-            "ct": group.created_at,
-            "clt": group.claimed_at,
-            "ft": group.finished_at,
-            "wk": group.worker,
-            "err": group.error,
-        },
-        use_bin_type=True,
-    )
+    fields = {
+        "v": SCHEMA_VERSION,
+        "id": group.group_id,
+        "pid": _pack_array("i", group.prompt_ids),
+        "gp": prompts[0] if shared else None,
+        "s": [_encode_sample(s, group.prompt_ids, shared, with_response_text) for s in group.samples],
+        "att": group.attempts,
+        "rst": group.restarts,
+        "adm": group.admitted_version,
+        "ds": group.dataset,
+        "ep": group.epoch,
+        "row": group.row,
+        "ct": group.created_at,
+        "clt": group.claimed_at,
+        "ft": group.finished_at,
+        "wk": group.worker,
+        "err": group.error,
+    }
+    if group.sampling is not None:  # optional: groups without it decode as before
+        r = group.sampling
+        fields["smp"] = [r.temperature, r.top_p, r.top_k, r.max_new_tokens]
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _decode_sampling(value: Any) -> SamplingRecord | None:
+    """The optional `smp` field: [temperature, top_p, top_k, max_new_tokens]."""
+    if value is _MISSING or value is None:
+        return None
+    if type(value) is not list or len(value) != 4:
+        raise DecodeError("group: field 'smp' should be a list of 4 sampling settings")
+    temperature, top_p, top_k, max_new_tokens = value
+    if type(temperature) not in (int, float) or type(top_p) not in (int, float):
+        raise DecodeError("group: field 'smp' temperature and top_p should be numbers")
+    if type(top_k) is not int or type(max_new_tokens) is not int:
+        raise DecodeError("group: field 'smp' top_k and max_new_tokens should be integers")
+    return SamplingRecord(float(temperature), float(top_p), top_k, max_new_tokens)
 
 
 _NONE = type(None)
@@ -301,4 +316,5 @@ def decode_group(data: bytes) -> Group:
         group_id=m["id"], samples=samples, prompt_ids=prompt_ids, attempts=m["att"], restarts=m["rst"],
         admitted_version=m["adm"], dataset=m["ds"], epoch=m["ep"], row=m["row"], created_at=m["ct"],
         claimed_at=m["clt"], finished_at=m["ft"], worker=m["wk"], error=m["err"],
+        sampling=_decode_sampling(m.get("smp", _MISSING)),
     )

@@ -346,7 +346,7 @@ class RedisDataSource:
         taken, stale = [], []
         while self._redeliver and len(taken) < n:
             it = self._redeliver.pop(0)
-            lag = control.weight_version - (it.group.oldest_version() or 0)
+            lag = control.weight_version - (it.group.oldest_version(control.version_clock) or 0)
             if control.max_staleness is not None and lag > control.max_staleness:
                 self._track(it, forget=True)
                 reason = f"stale: given back, then {lag} versions behind (max {control.max_staleness})"

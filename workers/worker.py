@@ -46,7 +46,7 @@ from pipeline.connection import connect
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE, read_control
 from pipeline.queue import Claim, ClaimedGroup, ClaimStatus, Place, Published, Queue
 from pipeline.retry import Reconnect
-from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
+from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .rewards import Reward, RewardError
@@ -220,6 +220,8 @@ class Worker:
         self._claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
         self._paused = False  # admission paused (a weight update is under way)
         self._queue_version = 0  # the trainer's weight version, as the last claim or heartbeat said
+        # On the queue clock (slime) the engines number versions their own way: no warnings.
+        self._version_clock = VersionClock.ENGINE
         self._versions_ahead_seen: set[str] = set()
         self.ready = asyncio.Event()  # set once registered
         self._last_reap = 0.0
@@ -246,6 +248,7 @@ class Worker:
         """Work until stop() is called; then hand back whatever is unfinished."""
         await self._discover_engines()
         await self._register()
+        await self._heartbeat()  # learns the namespace's control state before the first answer
         if self.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
             await self._redis(self.queue.leave, self.id)
             raise ValueError(f"the namespace's lease ({self.lease_s:g}s) is shorter than {HEARTBEATS_PER_LEASE} "
@@ -486,6 +489,7 @@ class Worker:
         try:
             if not group.samples:
                 raise GroupFailed("group has no samples", "input")
+            self._stamp_sampling(group)
             if not group.prompt_ids:
                 group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
                                                  self.settings.apply_chat_template)
@@ -501,6 +505,17 @@ class Worker:
         except ValueError as exc:  # the tokenizer refused the prompt
             metrics.DEAD_LETTERS.labels("input").inc()
             return Place.DEAD, f"bad prompt: {exc}"
+
+    def _stamp_sampling(self, group: Group) -> None:
+        """Record the settings this worker samples with. A group continued here after a
+        worker with other settings started it starts over: one sample's tokens must come
+        from one distribution, the one the trainer computes probabilities with."""
+        mine = self.settings.sampling.record()
+        if group.sampling is not None and group.sampling != mine:
+            log.warning("group %s: started with %s, this worker samples with %s; generating it again from its "
+                        "prompt", group.group_id, group.sampling, mine)
+            group.reset()
+        group.sampling = mine
 
     async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
         try:
@@ -611,7 +626,7 @@ class Worker:
         """An engine ahead of the queue's weight version means the trainer updates the
         engines without telling the queue: staleness checks would be off. Say so."""
         v = parse_version(version)
-        if v is None or v <= self._queue_version:
+        if v is None or v <= self._queue_version or self._version_clock == VersionClock.QUEUE:
             return
         self.counters.versions_ahead += 1
         if version not in self._versions_ahead_seen:
@@ -777,6 +792,7 @@ class Worker:
             return
         self._paused = beat.paused  # a missed event: the heartbeat carries the truth
         self._queue_version = beat.weight_version
+        self._version_clock = beat.version_clock
         if beat.lease_s != self.lease_s:
             log.warning("worker %s: the namespace's lease is now %gs (was %gs)", self.id, beat.lease_s, self.lease_s)
             if beat.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
