@@ -432,6 +432,22 @@ class Consumer:
                                f"{len(items)} entries are no longer this session's (settled elsewhere)")
         return settled + already
 
+    def commit_trained(self, entry_ids: set[str], batch_id: str) -> int:
+        """Commit entries delivered to earlier sessions that their trainer did train (a
+        checkpoint it saved includes them), instead of delivering them again. Call it before
+        the first next_batch: it starts the session, which takes the rest over as usual."""
+        if self.session is not None:
+            raise ValueError("commit_trained: call it before this consumer's first batch")
+        control = self._call(read_control, self.redis, self.keys)
+        self._start_session(None)
+        pending = self._own_pending(None)
+        trained = [(e, n) for e, n in pending if e.entry_id in entry_ids]
+        items = [Settle("commit", e.entry_id, e.group_id, batch_id, token=e.token) for e, _ in trained]
+        settled, already = self._settle(items)
+        self._screen([(e, n) for e, n in pending if e.entry_id not in entry_ids], control, BatchMetrics(), None)
+        self._held_version = control.weight_version
+        return settled + already
+
     def release(self, batch: Batch, error: str = "") -> None:
         """Hand back a batch whose training step failed: its groups come first in the
         next batches of this session (or of the next session, if this one dies). Each

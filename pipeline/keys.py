@@ -76,6 +76,10 @@ class Keys:
         return self._key("reaped")
 
     @property
+    def slime_rollouts(self) -> str:  # HASH results entry id -> slime rollout id it was read in, until committed
+        return self._key("slime_rollouts")
+
+    @property
     def trainer(self) -> str:  # HASH generation, session, info: the current trainer session
         return self._key("trainer")
 
