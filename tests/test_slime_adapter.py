@@ -463,3 +463,31 @@ def test_given_back_group_too_stale_is_restarted(queue, redis_url, namespace):
     assert sorted(g.decode() for g in queue.redis.lrange(queue.keys.prompts, 0, -1)) == ["g1", "g2", "g3"]
     assert committed(queue) == 0  # without checkpoints, rollout 0 is committed at rollout 2
     assert audit(queue).ok, audit(queue).summary()
+
+
+# -- commits follow checkpoints, across kills (item 4) ----------------------------------------
+
+
+@pytest.mark.slow
+def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespace, tmp_path):
+    """20 rollouts of slime's loop in processes killed before a checkpoint, between the
+    model's save and the data source's, and after both: the ledger (the checkpoints'
+    contents) holds every group once, and nothing is left uncommitted."""
+    batch, rollouts = 3, 20
+    publish_results(queue, list(range(batch * rollouts + 4)))  # 4 more than the run trains
+    env = dict(os.environ, REDIS_URL=redis_url, NAMESPACE=namespace, LEDGER_DIR=str(tmp_path),
+               NUM_ROLLOUT=str(rollouts), BATCH=str(batch), SAVE_INTERVAL="3",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    kills = ["4:trained", "5:model_saved", "8:saved", "13:trained", "17:model_saved", ""]
+    for kill_at in kills:
+        done = subprocess.run([sys.executable, "-m", "tests.slime_loop"], env=dict(env, KILL_AT=kill_at),
+                              capture_output=True, text=True, timeout=120)
+        expected = -signal.SIGKILL if kill_at else 0
+        assert done.returncode == expected, (kill_at, done.stderr[-3000:])
+    lines = (tmp_path / "trained").read_text().split()
+    rows = [int(r) for r in lines[1::2]]
+    assert sorted(int(r) for r in lines[0::2]) == sorted(r for r in range(rollouts) for _ in range(batch))
+    assert len(rows) == len(set(rows)) == batch * rollouts
+    assert committed(queue) == batch * rollouts
+    assert queue.redis.xlen(queue.keys.results) == 4 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert audit(queue).ok, audit(queue).summary()
