@@ -978,6 +978,79 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
 # -- dead letters ----------------------------------------------------------------------
 
 
+@main.group("eval")
+def eval_group() -> None:
+    """Evaluation passes, served by the workers ahead of training.
+
+    An eval pass goes through the companion namespace `<namespace>.eval` (its own
+    prompts, results and books); the workers of <namespace> claim from it first.
+    slime's adapter runs one at every --eval-interval; these commands run one by hand.
+
+    \b
+    Example:
+      rollout eval push aime.jsonl --n-samples 4
+    """
+
+
+@eval_group.command("push")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--name", help="The eval dataset's name. Default: the file name without its suffix.")
+@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
+@click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
+@click.option("--label-key", default="label", show_default=True, help="Field holding the label.")
+@click.pass_obj
+def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -> None:
+    """Push one eval pass over FILE (JSONL or Parquet).
+
+    \b
+    Example:
+      rollout eval push aime.jsonl --n-samples 4 && rollout eval results --wait 600
+    """
+    from pipeline.eval import eval_namespace, push_eval
+    from pipeline.producer import DatasetError, PushOptions
+
+    opts = PushOptions(input_key=input_key, label_key=label_key, n_samples_per_prompt=n_samples)
+    name = name or file.stem
+    tag = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    try:
+        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts)
+    except DatasetError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name}: pushed {pushed} eval groups of {n_samples} to {eval_namespace(obj.namespace)}")
+
+
+@eval_group.command("results")
+@click.option("--wait", "wait_s", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds to wait for each next finished group.")
+@click.option("--reward-key", help="Key picked from dict rewards.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: {namespace, datasets: {name: {groups, samples, mean_reward, truncated}}}.")
+@click.pass_obj
+def eval_results(obj: Context, wait_s, reward_key, as_json) -> None:
+    """Read (and commit) the finished eval groups; print each dataset's mean reward.
+
+    Do not run it while a trainer runs eval passes on the namespace: it would read them.
+
+    \b
+    Example:
+      rollout eval results --wait 600 --json
+    """
+    from pipeline.eval import eval_namespace, read_eval
+
+    results = read_eval(obj.queue().redis, obj.namespace, None, timeout=wait_s)
+    datasets = {name: r.to_dict(reward_key) for name, r in sorted(results.items())}
+    if as_json:
+        click.echo(_dump({"namespace": eval_namespace(obj.namespace), "datasets": datasets}))
+        return
+    if not datasets:
+        click.echo(f"no finished eval groups in {eval_namespace(obj.namespace)}")
+    for name, d in datasets.items():
+        mean = "n/a" if d["mean_reward"] is None else f"{d['mean_reward']:.4f}"
+        click.echo(f"{name}: {d['groups']} prompts, {d['samples']} samples, mean reward {mean}, "
+                   f"{d['truncated']} truncated")
+
+
 @main.group()
 def dead() -> None:
     """Inspect dead letters with their errors, send them back, or discard them.

@@ -81,8 +81,9 @@ def read_eval(client: redis.Redis, namespace: str, passes: dict[str, int] | None
               consumer: str = EVAL_CONSUMER) -> dict[str, EvalResult]:
     """Finished eval groups, committed once read, by dataset. With `passes` (pass name ->
     groups pushed), wait until every group of those passes is back; groups of other passes
-    met meanwhile (an earlier pass nobody read) are committed and left out. Without, take
-    what is finished (waiting up to `timeout` for each next group)."""
+    met meanwhile (an earlier pass nobody read) are committed and left out; `timeout` is
+    for all of them. Without, take what is finished, waiting up to `timeout` for each next
+    group."""
     reader = Consumer(client, eval_namespace(namespace), consumer=consumer)
     wanted = dict(passes or {})
     out: dict[str, EvalResult] = {}
@@ -96,7 +97,7 @@ def read_eval(client: redis.Redis, namespace: str, passes: dict[str, int] | None
             want = sum(wanted.values())
             if want <= 0:
                 return out
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        left = timeout if passes is None else None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             batch = reader.next_batch(want, timeout=left)
         except BatchTimeout:

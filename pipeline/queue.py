@@ -311,6 +311,9 @@ class Queue:
         """Registered workers whose lease has not expired."""
         return [w for w, left in self.workers().items() if left >= 0]
 
+    def has_prompts(self) -> bool:
+        return self.redis.llen(self.keys.prompts) > 0
+
     def inflight_count(self) -> int:
         """Groups held by registered workers, in one round trip."""
         workers = [text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)]

@@ -491,3 +491,54 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
     assert committed(queue) == batch * rollouts
     assert queue.redis.xlen(queue.keys.results) == 4 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
     assert audit(queue).ok, audit(queue).summary()
+
+
+# -- evaluation (item 8) ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim():
+    from workers.simulator import SimConfig, start_simulator
+
+    handle = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20000.0, length_median=24, length_p99=240,
+                                       prefill_s=0.001))
+    yield handle
+    handle.stop()
+
+
+def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue, redis_url, namespace, sim,
+                                                     tmp_path):
+    from pipeline.eval import eval_namespace
+    from pipeline.queue import Queue
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(40)])
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(5)))
+    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=128,
+                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=3, label_key="label",
+                     rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
+                                         concurrency_per_engine=8))
+    try:
+        train = sa.generate_rollout(args, 0, None)
+        out = sa.generate_rollout(args, 0, None, evaluation=True)
+        after = sa.generate_rollout(args, 1, None)  # training goes on after the pass
+    finally:
+        worker.stop()
+    assert isinstance(out, fake_slime.RolloutFnEvalOutput) and list(out.data) == ["math"]
+    math = out.data["math"]
+    assert len(math["rewards"]) == len(math["truncated"]) == len(math["samples"]) == 15
+    assert all(isinstance(s, FakeSlimeSample) for s in math["samples"])
+    assert [s.index for s in math["samples"]] == list(range(15))
+    assert all(r in (0.0, 1.0) for r in math["rewards"]) and math["truncated"] == [
+        s.status is FakeSlimeSample.Status.TRUNCATED for s in math["samples"]]
+    assert {s.label for s in math["samples"]} == {str(i + 3) for i in range(5)}
+    trained = [g[0].prompt for g in train.samples + after.samples]
+    assert all(p.startswith("What is") and "+ 2?" in p for p in trained)  # training groups only
+    eval_queue = Queue(queue.redis, eval_namespace(namespace))
+    eval_books, train_books = audit(eval_queue), audit(queue)
+    assert eval_books.ok and eval_books.committed == 5, eval_books.summary()
+    assert train_books.ok and train_books.pushed == 40, train_books.summary()
