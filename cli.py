@@ -274,6 +274,9 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
 @click.option("--reward-key", help="Key picked from dict rewards.")
 @click.option("--rm-url", help="URL for the remote_rm reward.")
+@click.option("--rm-type", help="slime's --rm-type, for a reward that reads it (slime.rollout.rm_hub.async_rm).")
+@click.option("--no-eval", "serve_eval", flag_value=False, default=True,
+              help="Do not serve eval passes (<namespace>.eval); by default they come before training.")
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
 @click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
@@ -302,7 +305,7 @@ _METRICS_HOST_OPTION = click.option(
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
-           group_reward, reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
+           group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
            metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
@@ -343,7 +346,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     settings = WorkerSettings(
         redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
-        reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
+        reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
+        max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling,

@@ -542,3 +542,54 @@ def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue,
     eval_books, train_books = audit(eval_queue), audit(queue)
     assert eval_books.ok and eval_books.committed == 5, eval_books.summary()
     assert train_books.ok and train_books.pushed == 40, train_books.summary()
+
+
+# -- rewards (items 2, 9) -------------------------------------------------------------------------
+
+
+def test_slimes_rescoring_gives_the_workers_rewards(fake_slime_installed, queue, redis_url, namespace, sim):
+    """slime's own rollout over RedisDataSource with --group-rm scores each group again
+    from Sample.response; results carry no text, so the data source decodes it with
+    slime's tokenizer, and the scores come out as the workers' (f1, slime's rm_type)."""
+    from tests.helpers import WorkerThread
+    from workers.rewards import f1_score
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=f"the answer is {i + 2}", row=i)
+                       for i in range(6)])
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=2, hf_checkpoint="bytes", rollout_max_response_len=128,
+                     group_rm=True, rm_type="f1", rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
+                                         reward="f1"))
+    try:
+        source = sa.RedisDataSource(args)
+        source.load(-1)
+        groups = [g for _ in range(3) for g in source.get_samples(2)]
+    finally:
+        worker.stop()
+    samples = [s for g in groups for s in g]
+    assert all(s.response for s in samples)
+    assert [f1_score(s.response, s.label) for s in samples] == [s.reward for s in samples]
+    assert any(s.reward > 0 for s in samples)
+
+
+def slime_rm(args, sample):
+    """A slime custom reward: slime's Sample and the args slime's rewards read."""
+    assert isinstance(sample, FakeSlimeSample) and sample.rollout_id is None
+    return float(args.rm_type == "custom" and args.rollout_temperature == 0.5 and sample.response == sample.label)
+
+
+def test_a_slime_custom_reward_gets_slimes_sample_and_args(fake_slime_installed):
+    import asyncio
+
+    from workers.rewards import Reward
+    from workers.worker import SamplingSettings, WorkerSettings, reward_args
+
+    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="custom",
+                              reward=f"{__name__}.slime_rm", sampling=SamplingSettings(temperature=0.5))
+    reward = Reward.from_path(settings.reward)
+    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
+    assert asyncio.run(reward.score(reward_args(settings), samples)) == [1.0, 0.0]
+    assert not Reward.from_path("f1").slime_samples  # built-ins take ours

@@ -50,7 +50,7 @@ from pipeline.retry import Reconnect
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
-from .rewards import Reward, RewardError
+from .rewards import BUILTIN_REWARDS, Reward, RewardError
 from .sampling import SamplingSettings
 from .tokenizer import encode_prompt, load_tokenizer
 
@@ -76,6 +76,7 @@ class WorkerSettings:
     group_reward: bool = False  # slime's --group-rm
     reward_key: str | None = None
     rm_url: str | None = None  # for the remote_rm built-in
+    rm_type: str | None = None  # slime's --rm-type, for a reward that reads it (slime's async_rm)
     reward_queue: str | None = None  # rq queue name: score in rq workers instead of here
     reward_timeout_s: float = 300.0  # a reward call running longer is abandoned and retried
     reward_threads: int = 16  # threads for synchronous reward functions
@@ -198,8 +199,7 @@ class Worker:
         self._reward_pool = DaemonPool(settings.reward_threads, "reward")
         if isinstance(self.reward, Reward):
             self.reward.executor = self._reward_pool
-        self.reward_args = SimpleNamespace(rm_url=settings.rm_url, reward_key=settings.reward_key,
-                                           **asdict(settings.sampling))
+        self.reward_args = reward_args(settings)
         self.counters = WorkerCounters()
         self.reconnect = Reconnect(f"worker {self.id}")
         self.lease_s = 0.0  # the namespace's, learned at registration and with every heartbeat
@@ -899,6 +899,18 @@ class Worker:
                 control = read_control(self.queue.redis, self.queue.keys)
                 if not control.paused:
                     queue.release(control.release_policy)
+
+def reward_args(settings: WorkerSettings) -> SimpleNamespace:
+    """The `args` a reward gets: the worker's settings, also under slime's names (a slime
+    reward reads args.rm_type, args.rm_url, args.rollout_max_response_len, ...)."""
+    sp = settings.sampling
+    return SimpleNamespace(
+        rm_url=settings.rm_url, reward_key=settings.reward_key, rm_type=settings.rm_type,
+        group_rm=settings.group_reward, custom_rm_path=None if settings.reward in BUILTIN_REWARDS else settings.reward,
+        rollout_temperature=sp.temperature, rollout_top_p=sp.top_p, rollout_top_k=sp.top_k,
+        rollout_max_response_len=sp.max_new_tokens, rollout_stop=sp.stop or None,
+        rollout_stop_token_ids=sp.stop_token_ids or None, **asdict(sp))
+
 
 def offpolicy_mask(weight_versions: list[str], segment_lengths: list[int]) -> list[int]:
     """loss_mask 0 for tokens from engine calls whose weight version is not the one that
