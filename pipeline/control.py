@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from .keys import Keys
-from .types import ReleasePolicy, VersionClock, choices
+from .types import ReleasePolicy, VersionClock, member
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +149,9 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
             raise ValueError(f"max_claims must be at least 1, got {max_claims}")
         updates["max_claims"] = int(max_claims)
     if release_policy is not None:
-        try:
-            updates["release_policy"] = ReleasePolicy(release_policy).value
-        except ValueError:
-            raise ValueError(f"unknown release policy {release_policy!r}: use one of "
-                             f"{', '.join(choices(ReleasePolicy))}") from None
+        updates["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
     if version_clock is not None:
-        try:
-            updates["version_clock"] = VersionClock(version_clock).value
-        except ValueError:
-            raise ValueError(f"unknown version clock {version_clock!r}: use one of "
-                             f"{', '.join(choices(VersionClock))}") from None
+        updates["version_clock"] = member(VersionClock, version_clock, "version clock").value
     pipe = client.pipeline(transaction=True)
     if updates:
         pipe.hset(keys.control, mapping=updates)

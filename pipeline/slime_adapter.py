@@ -29,17 +29,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .connection import connect
-from .consumer import DEFAULT_FALLBACK_WAIT_S, Batch, BatchMetrics, BatchTimeout, Consumer
+from .consumer import (
+    DEFAULT_FALLBACK_WAIT_S,
+    Batch,
+    BatchMetrics,
+    BatchTimeout,
+    Consumer,
+)
 from .control import configure, read_control, set_weight_version
 from .eval import pass_name, push_eval, read_eval
 from .filters import BUILTIN_FILTERS, load_object
 from .producer import PushOptions
 from .queue import StreamEntry
-from .slime_checks import (SamplingMismatch, SlimeConfigError, check_backlog, check_data_source_use, check_top_p,
-                           sampling_mismatches, uses_our_rollout)
+from .slime_checks import (
+    SamplingMismatch,
+    SlimeConfigError,
+    check_backlog,
+    check_data_source_use,
+    check_top_p,
+    sampling_mismatches,
+    uses_our_rollout,
+)
 from .slime_metrics import slime_metrics
-from .slime_types import (MIN_DATA_SOURCE, MIN_ROLLOUT_FUNCTION, SlimeTypes, from_slime_sample, require,
-                          slime_types, to_slime_sample)
+from .slime_types import (
+    MIN_DATA_SOURCE,
+    MIN_ROLLOUT_FUNCTION,
+    SlimeTypes,
+    from_slime_sample,
+    require,
+    slime_types,
+    to_slime_sample,
+)
 from .types import Group, Sample, VersionClock
 
 log = logging.getLogger(__name__)
@@ -293,11 +313,14 @@ class RedisDataSource:
         if not bad:
             return
         bad_ids = {g.group_id for g, _ in bad}
-        pick = lambda keep: Batch([g for g in batch.groups if (g.group_id in bad_ids) != keep],  # noqa: E731
-                                  [e for e, g in zip(batch.entries, batch.groups) if (g.group_id in bad_ids) != keep],
-                                  batch.weight_version, batch.metrics, batch.batch_id)
-        self.consumer.restart(pick(False), "sampled with settings other than the trainer's")
-        self.consumer.release(pick(True), "read with groups of other sampling settings")
+
+        def part(mismatched: bool) -> Batch:
+            pairs = [(e, g) for e, g in zip(batch.entries, batch.groups) if (g.group_id in bad_ids) == mismatched]
+            return Batch([g for _, g in pairs], [e for e, _ in pairs], batch.weight_version, batch.metrics,
+                         batch.batch_id)
+
+        self.consumer.restart(part(True), "sampled with settings other than the trainer's")
+        self.consumer.release(part(False), "read with groups of other sampling settings")
         more = f" (and {len(bad) - 1} more groups)" if len(bad) > 1 else ""
         raise SamplingMismatch(f"{bad[0][1]}{more}; those groups went back to the prompt list")
 

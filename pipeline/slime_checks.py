@@ -106,15 +106,16 @@ def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str
     for group in groups:
         record: SamplingRecord | None = group.sampling
         if record is None:
-            out.append((group, f"group {group.group_id} carries no sampling settings (a worker older than this "
-                               f"check published it)"))
+            why = (f"group {group.group_id} carries no sampling settings (a worker older than this check "
+                   f"published it)")
+            out.append((group, why))
             continue
         for name, theirs in wanted.items():
             ours = getattr(record, name)
             if theirs is not None and _differs(ours, theirs):
                 slime_flag, worker_flag = _FLAGS[name]
-                out.append((group, f"group {group.group_id} was sampled by worker {group.worker} with {name} "
-                                   f"{ours}, slime trains with {slime_flag} {theirs}: start the workers with "
-                                   f"{worker_flag} {theirs}"))
+                why = (f"group {group.group_id} was sampled by worker {group.worker} with {name} {ours}, slime "
+                       f"trains with {slime_flag} {theirs}: start the workers with {worker_flag} {theirs}")
+                out.append((group, why))
                 break
     return out

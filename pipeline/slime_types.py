@@ -13,8 +13,9 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .types import Sample, Status
 

@@ -54,6 +54,14 @@ def choices(enum: type[Enum]) -> list[str]:
     return [m.value for m in enum]
 
 
+def member(enum: type[Enum], value: object, what: str) -> Enum:
+    """`value` as a member of `enum`, or a ValueError that names `what` and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices(enum))}") from None
+
+
 # sample.metadata key: tokens produced by each engine call, in order (one entry per
 # weight_versions entry), for masking off-policy prefixes.
 SEGMENTS_KEY = "rollout_segments"

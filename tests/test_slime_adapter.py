@@ -481,7 +481,7 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
     kills = ["4:trained", "5:model_saved", "8:saved", "13:trained", "17:model_saved", ""]
     for kill_at in kills:
         done = subprocess.run([sys.executable, "-m", "tests.slime_loop"], env=dict(env, KILL_AT=kill_at),
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, check=False)
         expected = -signal.SIGKILL if kill_at else 0
         assert done.returncode == expected, (kill_at, done.stderr[-3000:])
     lines = (tmp_path / "trained").read_text().split()
