@@ -395,7 +395,7 @@ def stream_bytes(url: str, ns: str, content: Content, k_groups: int, with_text: 
     client = connect(url)
     try:
         queue = Queue(client, ns)
-        queue.ensure_consumer_group()
+        client.xgroup_create(queue.keys.results, CONSUMER_GROUP, id="0", mkstream=True)  # as the trainer makes it
         queue.push_groups([fresh_group(content, ns, i) for i in range(k_groups)])
         claimed = []
         queue.register("mem-worker")

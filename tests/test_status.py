@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from pipeline.queue import Place, Queue
 from pipeline.status import RateTracker, empty_message, namespace_is_empty, render, snapshot
 from pipeline.types import Group, Status
 from tests.groups import claim, publish
+from tests.helpers import wait_for
 
 STABLE_KEYS = {"prompts", "inflight", "results_ready", "results_pending", "requeue", "dead", "workers_alive",
                "weight_version", "paused"}
@@ -116,7 +116,8 @@ def test_throughput_committed_is_exact_and_counters_give_rates(queue, client):
         publish(queue, "w", finish(g), Place.RESULTS)
     consumer = Consumer(client, queue.keys.namespace)
     consumer.commit(consumer.next_batch(5, timeout=5))
-    time.sleep(0.3)
+    start = queue.now_ms()  # the tracker samples the Redis clock: let it move on 0.3 s
+    wait_for(lambda: queue.now_ms() - start >= 300, what="0.3 s of server time")
     snap = snapshot(queue, tracker)
     t = snap.throughput
     assert t.committed == 5 and t.committed_per_min == 5.0 and t.window_s == 60

@@ -286,8 +286,9 @@ def test_pause_is_seen_at_once_and_reports_are_filled(env, redis_url, queue, nam
             wait_for(lambda: queue.redis.llen(queue.keys.prompts) == 0 and not inflight_ids(queue),
                      what="all prompts done")
             for _ in range(5):
+                before = claims(queue)
                 push(queue, 2, samples=2, prefix=f"t{time.monotonic_ns()}-")
-                time.sleep(0.05)
+                wait_for(lambda: claims(queue) > before, what="the trickle claimed")
                 set_paused(queue.redis, queue.keys, True)
                 seen = time_until_paused(workers, time.monotonic())
                 # Seen by both (the figure, ~50 ms, is measured by bench/pause.py; tests

@@ -52,7 +52,7 @@ from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, pa
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .rewards import BUILTIN_REWARDS, Reward, RewardError
 from .sampling import SamplingSettings
-from .tokenizer import encode_prompt, load_tokenizer
+from .tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +188,15 @@ class Worker:
         # first whenever it has prompts, so evaluation never waits behind training.
         self.eval_queue = Queue(self.queue.redis, eval_namespace(settings.namespace)) if settings.serve_eval else None
         self.queues = [self.queue] + ([self.eval_queue] if self.eval_queue else [])
-        # The worker re-discovers engines itself (REDISCOVER_S), so control calls
-        # (aborts on cancel) need not discover first.
-        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
-                                 refresh_before_control=False)
         self.tokenizer = load_tokenizer(settings.tokenizer)
+        # The worker re-discovers engines itself (REDISCOVER_S), so control calls
+        # (aborts on cancel) need not discover first. Answers' token ids are checked
+        # against the vocabulary where it is exact: the byte tokenizer's. (A Hugging
+        # Face tokenizer can be smaller than the model's padded vocabulary.)
+        self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
+                                 refresh_before_control=False,
+                                 vocab_size=ByteTokenizer.vocab_size if isinstance(self.tokenizer, ByteTokenizer)
+                                 else None)
         self.reward = reward or self._load_reward()
         # Synchronous rewards run on threads of their own, never on the ones Redis calls
         # use: a slow judge cannot delay a heartbeat, a hung one cannot hold up exit.
@@ -235,6 +239,7 @@ class Worker:
         self._last_orphan_reap = 0.0
         self._last_discovery = time.monotonic()
         self._aborts: set[asyncio.Task] = set()
+        self._abort_slots = asyncio.Semaphore(16)  # aborts in flight at once
         self._redis_pool = DaemonPool(6, "redis")  # one of them waits on control events
 
     def _load_reward(self):
@@ -309,28 +314,30 @@ class Worker:
         except ConnectionError as exc:
             log.error("worker %s stopped without handing its groups back (%s); they return when its lease "
                       "expires", self.id, exc)
-        await asyncio.gather(*self._aborts, return_exceptions=True)
+        if self._aborts:  # a short grace for the aborts of what was cancelled
+            await asyncio.wait(self._aborts, timeout=5.0)
         await self.engines.close()
 
     async def _cancel_all(self, why: str) -> None:
-        """Cancel every group task and abort their requests (one prefix abort)."""
+        """Cancel every group task (each aborts its requests on the engines)."""
         runs = list(self._running.values())
         if not runs:
             return
         log.info("%s: cancelling %d group tasks", why, len(runs))
-        self._abort_requests(f"{self.id}/")
         for run in runs:
             run.task.cancel()
         await asyncio.gather(*(r.task for r in runs), return_exceptions=True)
 
-    def _abort_requests(self, rid_prefix: str) -> None:
-        """Best effort, in the background: requests the engines would otherwise finish for
-        nobody (SGLang matches the rid as a prefix)."""
+    def _abort_request(self, rid: str) -> None:
+        """Best effort, in the background: a request the engines would otherwise finish
+        for nobody. (SGLang only aborts a rid it knows, so one at a time, every engine:
+        behind a router nobody knows which engine has it.)"""
         async def abort() -> None:
-            try:
-                await self.engines.abort(rid=rid_prefix)
-            except Exception as exc:
-                log.debug("abort of requests %s* failed: %s", rid_prefix, exc)
+            async with self._abort_slots:
+                try:
+                    await self.engines.abort(rid=rid)
+                except Exception as exc:
+                    log.debug("abort of request %s failed: %s", rid, exc)
 
         task = asyncio.create_task(abort())
         self._aborts.add(task)
@@ -468,8 +475,6 @@ class Worker:
             await self._publish(run, place, error)
         except asyncio.CancelledError:
             self.counters.cancelled += 1
-            if not self._stopping.is_set():
-                self._abort_requests(f"{self.id}/{run.serial}/")
             raise
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
@@ -573,7 +578,7 @@ class Worker:
                 return
             attempt += 1
             # A new request id per attempt: an engine still holding the first would refuse a
-            # duplicate. "<worker>/<serial>/" prefixes let one abort reach a group's requests.
+            # duplicate.
             rid = f"{self.id}/{run.serial}/{sample.index}/{attempt}"
             try:
                 result = await self._request(rid, sample.tokens, s.sampling.params(remaining))
@@ -609,11 +614,12 @@ class Worker:
         started = time.monotonic()
         try:
             result = await self.engines.generate(tokens, params, rid=rid)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # reaped, shutting down, or the group is no longer ours
+            self._abort_request(rid)
             raise
         except EngineError as exc:
             if exc.status is None and not isinstance(exc, EngineProtocolError):
-                self._abort_requests(rid)  # timed out or cut off: the engine may still be generating it
+                self._abort_request(rid)  # timed out or cut off: the engine may still be generating it
             raise
         finally:
             self._outstanding -= 1
