@@ -3,7 +3,8 @@
 Token ids are little-endian int32 bytes, log-probs little-endian float32 bytes and
 loss masks packed bits. The tokenized prompt and the prompt text are stored once per
 group; each sample stores only the tokens after the prompt. Long response texts are
-zlib-compressed. Decoding validates every field and raises `DecodeError`; nothing
+zlib-compressed. The group's sampling settings (`smp`) are an optional field: groups
+without it decode as before. Decoding validates every field and raises `DecodeError`; nothing
 is ever unpickled or evaluated. Decoded token ids and log-probs stay packed until
 first read (`PackedSample`): the trainer's screening of a batch reads versions and
 rewards only, and turning 16k numbers per sample into Python objects is most of
