@@ -342,6 +342,9 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
 @click.option("--reward-key", help="Key picked from dict rewards.")
 @click.option("--rm-url", help="URL for the remote_rm reward.")
+@click.option("--rm-type", help="slime's --rm-type, for a reward that reads it (slime.rollout.rm_hub.async_rm).")
+@click.option("--no-eval", "serve_eval", flag_value=False, default=True,
+              help="Do not serve eval passes (<namespace>.eval); by default they come before training.")
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
 @click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
@@ -370,7 +373,7 @@ _METRICS_HOST_OPTION = click.option(
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
-           group_reward, reward_key, rm_url, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
+           group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
            metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
@@ -411,7 +414,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     settings = WorkerSettings(
         redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
         tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
-        reward_key=reward_key, rm_url=rm_url, reward_queue=reward_queue, max_attempts=max_attempts,
+        reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
+        max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling,
@@ -647,11 +651,11 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
               help="Also listen on 127.0.0.1:PORT. Default: a unix socket in the data directory only.")
-@click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.EVERYSEC.value,
-              show_default=True,
-              help="When Redis's AOF reaches the disk. Either way a crash of redis-server alone loses no "
-                   "acknowledged write. everysec: a host crash can lose up to ~1 s of them; always: none, "
-                   "every write waits for the disk.")
+@click.option("--fsync", type=click.Choice(choices(Fsync)), default=Fsync.ALWAYS.value, show_default=True,
+              help="When Redis's AOF reaches the disk. always: no acknowledged write is ever lost, whatever "
+                   "crashes; every write waits for the disk. everysec: faster, but a crash (of redis-server on "
+                   "a busy disk, or of the host) can lose ~1-2 s of acknowledged writes: a batch trained then "
+                   "may be delivered again.")
 @click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Dashboard refresh interval in seconds.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0),
@@ -1117,8 +1121,8 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
 
     \b
     JSON keys (stable; docs/cli.md): paused, weight_version, max_staleness,
-    batch_size, max_ready, lease_s, max_claims, release_policy, admitted,
-    committed, staleness_limit.
+    batch_size, max_ready, lease_s, max_claims, release_policy, version_clock,
+    admitted, committed, staleness_limit.
 
     \b
     Example:
@@ -1146,6 +1150,81 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
 
 
 # -- dead letters ----------------------------------------------------------------------
+
+
+@main.group("eval")
+def eval_group() -> None:
+    """Evaluation passes, served by the workers ahead of training.
+
+    An eval pass goes through the companion namespace `<namespace>.eval` (its own
+    prompts, results and books); the workers of <namespace> claim from it first.
+    slime's adapter runs one at every --eval-interval; these commands run one by hand.
+
+    \b
+    Example:
+      rollout eval push aime.jsonl --n-samples 4
+    """
+
+
+@eval_group.command("push")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--name", help="The eval dataset's name. Default: the file name without its suffix.")
+@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
+@click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
+@click.option("--label-key", default="label", show_default=True, help="Field holding the label.")
+@click.pass_obj
+def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -> None:
+    """Push one eval pass over FILE (JSONL or Parquet).
+
+    \b
+    Example:
+      rollout eval push aime.jsonl --n-samples 4 && rollout eval results --wait 600
+    """
+    from pipeline.eval import push_eval
+    from pipeline.keys import eval_namespace
+    from pipeline.producer import DatasetError, PushOptions
+
+    opts = PushOptions(input_key=input_key, label_key=label_key, n_samples_per_prompt=n_samples)
+    name = name or file.stem
+    tag = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    try:
+        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts)
+    except DatasetError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name}: pushed {pushed} eval groups of {n_samples} to {eval_namespace(obj.namespace)}")
+
+
+@eval_group.command("results")
+@click.option("--wait", "wait_s", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds to wait for each next finished group.")
+@click.option("--reward-key", help="Key picked from dict rewards.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: {namespace, datasets: {name: {groups, samples, mean_reward, truncated}}}.")
+@click.pass_obj
+def eval_results(obj: Context, wait_s, reward_key, as_json) -> None:
+    """Read (and commit) the finished eval groups; print each dataset's mean reward.
+
+    Do not run it while a trainer runs eval passes on the namespace: it would read them.
+
+    \b
+    Example:
+      rollout eval results --wait 600 --json
+    """
+    from pipeline.eval import read_eval
+    from pipeline.keys import eval_namespace
+
+    results = read_eval(obj.queue().redis, obj.namespace, None, timeout=wait_s)
+    datasets = {name: r.to_dict(reward_key) for name, r in sorted(results.items())}
+    if as_json:
+        click.echo(_dump({"namespace": eval_namespace(obj.namespace), "datasets": datasets}))
+        return
+    if not datasets:
+        click.echo(f"no finished eval groups in {eval_namespace(obj.namespace)}")
+    for name, d in datasets.items():
+        mean = "n/a" if d["mean_reward"] is None else f"{d['mean_reward']:.4f}"
+        click.echo(f"{name}: {d['groups']} prompts, {d['samples']} samples, mean reward {mean}, "
+                   f"{d['truncated']} truncated")
 
 
 @main.group()

@@ -23,7 +23,7 @@ import redis
 
 from . import scripts
 from .admin import namespace_pattern
-from .keys import Keys
+from .keys import Keys, eval_namespace
 
 #: Commands that take an entry out of a stream; a role gets them only on the streams it settles.
 SETTLING = frozenset({"xack", "xdel"})
@@ -126,18 +126,20 @@ def default_user(role: Role, namespace: str) -> str:
 
 
 def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[str]:
-    """Arguments of `ACL SETUSER` for `role` on `namespace` (after the command name).
+    """Arguments of `ACL SETUSER` for `role` on `namespace` and its evaluation companion
+    `<namespace>.eval` (pipeline/eval.py: workers serve both) after the command name.
     `reset` first, so running it again replaces whatever the user had."""
-    keys = Keys(namespace)
+    spaces = [namespace, eval_namespace(namespace)]
     access = ROLES[role]
     commands = access.all_commands()
-    args = [user, "reset", "on", password_hash(password), f"~{namespace_pattern(namespace)}", "resetchannels"]
+    args = [user, "reset", "on", password_hash(password), *(f"~{namespace_pattern(ns)}" for ns in spaces),
+            "resetchannels"]
     if access.publishes or access.subscribes:
-        args.append(f"&{keys.events}")
+        args += [f"&{Keys(ns).events}" for ns in spaces]
     args += ["-@all"] + [f"+{c}" for c in sorted(commands - SETTLING)]
     settling = sorted(commands & SETTLING)
     if settling and access.settles:
-        streams = " ".join(f"~{getattr(keys, s)}" for s in sorted(access.settles))
+        streams = " ".join(f"~{getattr(Keys(ns), s)}" for ns in spaces for s in sorted(access.settles))
         args.append(f"({streams} -@all {' '.join('+' + c for c in settling)})")
     return args
 

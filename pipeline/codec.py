@@ -3,7 +3,8 @@
 Token ids are little-endian int32 bytes, log-probs little-endian float32 bytes and
 loss masks packed bits. The tokenized prompt and the prompt text are stored once per
 group; each sample stores only the tokens after the prompt. Long response texts are
-zlib-compressed. Decoding validates every field and raises `DecodeError`; nothing
+zlib-compressed. The group's sampling settings (`smp`) are an optional field: groups
+without it decode as before. Decoding validates every field and raises `DecodeError`; nothing
 is ever unpickled or evaluated. Decoded token ids and log-probs stay packed until
 first read (`PackedSample`): the trainer's screening of a batch reads versions and
 rewards only, and turning 16k numbers per sample into Python objects is most of
@@ -19,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from .types import Group, Sample, Status
+from .types import Group, Sample, SamplingRecord, Status
 
 SCHEMA_VERSION = 1
 _COMPRESS_TEXT_OVER = 512  # bytes; below this zlib's header costs more than it saves
@@ -173,27 +174,42 @@ def encode_group(group: Group, with_response_text: bool = True) -> bytes:
 def _encode_group(group: Group, with_response_text: bool) -> bytes:
     prompts = [s.prompt for s in group.samples]
     shared = bool(prompts) and all(p == prompts[0] for p in prompts)
-    return msgpack.packb(
-        {
-            "v": SCHEMA_VERSION,
-            "id": group.group_id,
-            "pid": _pack_array("i", group.prompt_ids),
-            "gp": prompts[0] if shared else None,
-            "s": [_encode_sample(s, group.prompt_ids, shared, with_response_text) for s in group.samples],
-            "att": group.attempts,
-            "rst": group.restarts,
-            "adm": group.admitted_version,
-            "ds": group.dataset,
-            "ep": group.epoch,
-            "row": group.row,
-            "ct": group.created_at,
-            "clt": group.claimed_at,
-            "ft": group.finished_at,
-            "wk": group.worker,
-            "err": group.error,
-        },
-        use_bin_type=True,
-    )
+    fields = {
+        "v": SCHEMA_VERSION,
+        "id": group.group_id,
+        "pid": _pack_array("i", group.prompt_ids),
+        "gp": prompts[0] if shared else None,
+        "s": [_encode_sample(s, group.prompt_ids, shared, with_response_text) for s in group.samples],
+        "att": group.attempts,
+        "rst": group.restarts,
+        "adm": group.admitted_version,
+        "ds": group.dataset,
+        "ep": group.epoch,
+        "row": group.row,
+        "ct": group.created_at,
+        "clt": group.claimed_at,
+        "ft": group.finished_at,
+        "wk": group.worker,
+        "err": group.error,
+    }
+    if group.sampling is not None:  # optional: groups without it decode as before
+        r = group.sampling
+        fields["smp"] = [r.temperature, r.top_p, r.top_k, r.max_new_tokens]
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _decode_sampling(value: Any) -> SamplingRecord | None:
+    """The optional `smp` field: [temperature, top_p, top_k, max_new_tokens]."""
+    if value is _MISSING or value is None:
+        return None
+    if type(value) is not list or len(value) != 4:
+        raise DecodeError("group: field 'smp' should be a list of 4 sampling settings")
+    temperature, top_p, top_k, max_new_tokens = value
+    if type(temperature) not in (int, float) or type(top_p) not in (int, float):
+        raise DecodeError("group: field 'smp' temperature and top_p should be numbers")
+    if type(top_k) is not int or type(max_new_tokens) is not int:
+        raise DecodeError("group: field 'smp' top_k and max_new_tokens should be integers")
+    return SamplingRecord(float(temperature), float(top_p), top_k, max_new_tokens)
 
 
 _NONE = type(None)
@@ -301,4 +317,5 @@ def decode_group(data: bytes) -> Group:
         group_id=m["id"], samples=samples, prompt_ids=prompt_ids, attempts=m["att"], restarts=m["rst"],
         admitted_version=m["adm"], dataset=m["ds"], epoch=m["ep"], row=m["row"], created_at=m["ct"],
         claimed_at=m["clt"], finished_at=m["ft"], worker=m["wk"], error=m["err"],
+        sampling=_decode_sampling(m.get("smp", _MISSING)),
     )

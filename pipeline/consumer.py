@@ -34,7 +34,7 @@ from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
 from .retry import Reconnect
-from .types import Group
+from .types import Group, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ DEFAULT_MAX_RESTARTS = 3
 #: holding it, releases) before it is dead-lettered: a group that crashes the trainer
 #: must not crash it forever.
 DEFAULT_MAX_DELIVERIES = 5
+#: How long next_batch waits for groups the filter keeps before it fills the batch with
+#: rejected groups marked keep_when_insufficient (slime's "with fallback" filters).
+DEFAULT_FALLBACK_WAIT_S = 30.0
 
 __all__ = ["Batch", "BatchMetrics", "BatchTimeout", "Consumer", "SessionFenced"]
 
@@ -59,6 +62,7 @@ class BatchMetrics:
     dead: int = 0  # malformed, too stale too often, filter raised, delivered too often
     duplicates: int = 0  # second copies of a group, discarded
     ahead: int = 0  # groups with tokens from a weight version newer than the trainer's
+    kept_insufficient: int = 0  # rejected by the filter, kept because the batch could not fill
     wait_s: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)  # lag in versions -> groups
 
@@ -88,6 +92,7 @@ class Batch:
 class _Held:
     entry: StreamEntry
     group: Group
+    rejected: str = ""  # the filter's reason, for a group held only as a fallback
 
 
 class Consumer:
@@ -98,7 +103,7 @@ class Consumer:
     def __init__(self, client: redis.Redis, namespace: str, consumer: str = "trainer",
                  filter: FilterFn | str | None = None, filter_args: Any = None, stale_policy: str = "restart",
                  max_restarts: int = DEFAULT_MAX_RESTARTS, max_deliveries: int = DEFAULT_MAX_DELIVERIES,
-                 block_s: float = 1.0):
+                 block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S):
         if stale_policy not in ("restart", "drop"):
             raise ValueError(f"unknown stale_policy {stale_policy!r}: use restart or drop")
         self.queue = Queue(client, namespace)
@@ -110,6 +115,7 @@ class Consumer:
         self.stale_policy = stale_policy
         self.max_restarts = max_restarts
         self.max_deliveries = max_deliveries
+        self.fallback_wait_s = fallback_wait_s
         # Stay under the socket timeout, or a long BLOCK reads as a dead connection.
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
@@ -117,6 +123,7 @@ class Consumer:
         self.reconnect = Reconnect(f"trainer {consumer}")
         self._scripts = scripts.load(client, "session", "read", "redeliver")
         self._held: list[_Held] = []  # delivered to this session, not yet in a batch
+        self._fallback: list[_Held] = []  # rejected by the filter, kept if the batch cannot fill
         self._uncommitted: dict[str, StreamEntry] = {}  # entry id -> entry, handed out in a batch
         self._held_version: int | None = None  # weight version _held was last screened at
         self._batches = 0
@@ -183,7 +190,8 @@ class Consumer:
         settle: list[Settle] = []
         scores = self._call(self.redis.zmscore, self.keys.committed, [e.group_id or "?" for e, _ in entries],
                             deadline=deadline)
-        held_ids = {h.group.group_id for h in self._held} | {e.group_id for e in self._uncommitted.values()}
+        held_ids = ({h.group.group_id for h in self._held + self._fallback}
+                    | {e.group_id for e in self._uncommitted.values()})
         for (entry, deliveries), committed_at in zip(entries, scores):
             if committed_at is not None or entry.group_id in held_ids:
                 log.warning("group %s: already trained on or held; dropping duplicate entry %s",
@@ -204,7 +212,7 @@ class Consumer:
                 settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
                 metrics.dead += 1
                 continue
-            lag = control.weight_version - (group.oldest_version() or 0)
+            lag = control.weight_version - (group.oldest_version(control.version_clock) or 0)
             if lag < 0:
                 metrics.ahead += 1
             if control.max_staleness is not None and lag > control.max_staleness:
@@ -212,20 +220,27 @@ class Consumer:
                 continue
             if self.filter is not None:
                 try:
-                    keep, reason = apply_filter(self.filter, self.filter_args, group)
+                    verdict = apply_filter(self.filter, self.filter_args, group)
                 except Exception as exc:  # the trainer's own code: one bad group must not stop training
                     error = f"filter raised {type(exc).__name__}: {exc}"
                     log.exception("group %s: %s; dead-lettering it", group.group_id, error)
                     settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
                     metrics.dead += 1
                     continue
-                if not keep:
-                    settle.append(Settle("drop", entry.entry_id, group.group_id, reason, token=entry.token))
-                    metrics.dropped[reason] = metrics.dropped.get(reason, 0) + 1
+                if verdict.fallback:
+                    held_ids.add(group.group_id)
+                    self._fallback.append(_Held(entry, group, verdict.reason))
+                    continue
+                if not verdict.keep:
+                    settle.append(Settle("drop", entry.entry_id, group.group_id, verdict.reason, token=entry.token))
+                    metrics.dropped[verdict.reason] = metrics.dropped.get(verdict.reason, 0) + 1
                     continue
             held_ids.add(group.group_id)
             self._held.append(_Held(entry, group))
-        if metrics.ahead:
+        if metrics.ahead and control.version_clock == VersionClock.QUEUE:
+            log.info("%d groups were admitted at versions after the trainer's %d (a trainer resumed from an "
+                     "earlier checkpoint); delivering them", metrics.ahead, control.weight_version)
+        elif metrics.ahead:
             log.warning("%d groups carry weight versions newer than the trainer's %d: bump the queue's version "
                         "with every weight update (Controller.resume(weight_version=...))", metrics.ahead,
                         control.weight_version)
@@ -244,13 +259,27 @@ class Consumer:
             return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token)
         log.info("group %s: %s; restarting it from its prompt", group.group_id, reason)
         metrics.restarted += 1
+        return self._restart(entry, group, control, "stale restart")
+
+    @staticmethod
+    def _restart(entry: StreamEntry, group: Group, control: ControlState, why: str) -> Settle:
         group.reset()
         group.restarts += 1
         # Generated again from the prompt, under at least the current version. (None would
         # let claim fill in the first admission's version from the admitted hash, and a
         # group whose samples carry no weight versions would be judged stale forever.)
         group.admitted_version = control.weight_version
-        return Settle("prompt", entry.entry_id, group.group_id, "stale restart", encode_group(group), entry.token)
+        return Settle("prompt", entry.entry_id, group.group_id, why, encode_group(group), entry.token)
+
+    def restart(self, batch: Batch, why: str) -> None:
+        """Send a delivered batch's groups back to the prompt list, to be generated again
+        from their prompts (they cannot be trained on as they are; `why` says so)."""
+        if self.session is None:
+            raise ValueError("restart: this consumer has not delivered any batch")
+        control = self._call(read_control, self.redis, self.keys)
+        items = [self._restart(e, g, control, why) for e, g in zip(batch.entries, batch.groups)
+                 if self._uncommitted.pop(e.entry_id, None) is not None]
+        self._settle(items)
 
     def _recheck_held(self, control: ControlState, metrics: BatchMetrics, deadline: float | None) -> None:
         """Held groups were screened at an earlier weight version (a recovered surplus, or
@@ -263,7 +292,7 @@ class Consumer:
             return
         keep, settle = [], []
         for h in self._held:
-            lag = control.weight_version - (h.group.oldest_version() or 0)
+            lag = control.weight_version - (h.group.oldest_version(control.version_clock) or 0)
             if lag > control.max_staleness:
                 settle.append(self._stale(h.entry, h.group, lag, control, metrics))
             else:
@@ -324,12 +353,19 @@ class Consumer:
             expired = remaining is not None and remaining <= 0
             entries, newest, pending = self._read(n - len(self._held), deadline)
             delivered = [(e, 1) for e in entries]
-            if pending > len(self._held) + len(self._uncommitted) + len(entries):
+            if pending > len(self._held) + len(self._fallback) + len(self._uncommitted) + len(entries):
                 delivered += self._lost(entries, deadline)
             if delivered:
                 control = self._call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)
                 self._screen(delivered, control, metrics, deadline)
+            if len(self._held) < n and self._fallback and time.monotonic() - started >= self.fallback_wait_s:
+                take = self._fallback[:n - len(self._held)]
+                self._fallback = self._fallback[len(take):]
+                log.info("batch of %d: the filter kept %d groups in %.0fs; keeping %d it rejected but marked "
+                         "keep_when_insufficient", n, len(self._held), time.monotonic() - started, len(take))
+                self._held += take
+                metrics.kept_insufficient += len(take)
             if len(self._held) >= n:
                 break
             if expired:
@@ -338,8 +374,11 @@ class Consumer:
                 continue
             self._reap(control)
             block = self.block_s if remaining is None else max(0.001, min(self.block_s, remaining))
+            if self._fallback:  # wake when the fallback groups may be taken
+                block = max(0.001, min(block, started + self.fallback_wait_s - time.monotonic()))
             self._wait_for_new(newest, block, deadline)
         taken, self._held = self._held[:n], self._held[n:]
+        self._drop_fallback(metrics, deadline)
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started
         prom.TRAINER_WAIT.observe(metrics.wait_s)
@@ -347,17 +386,30 @@ class Consumer:
             prom.FILTER_DROPS.labels(reason).inc(count)
         for h in taken:
             self._uncommitted[h.entry.entry_id] = h.entry
-            lag = control.weight_version - (h.group.oldest_version() or 0)
+            lag = control.weight_version - (h.group.oldest_version(control.version_clock) or 0)
             metrics.staleness[lag] = metrics.staleness.get(lag, 0) + 1
             prom.STALENESS.observe(lag)
         self._batches += 1
         return Batch([h.group for h in taken], [h.entry for h in taken], control.weight_version, metrics,
                      f"{self.session.consumer}/{self._batches}")
 
+    def _drop_fallback(self, metrics: BatchMetrics, deadline: float | None) -> None:
+        """The batch filled without the rejected groups held as a fallback: drop them, as
+        slime does when enough groups pass its filter."""
+        if not self._fallback:
+            return
+        for h in self._fallback:
+            metrics.dropped[h.rejected] = metrics.dropped.get(h.rejected, 0) + 1
+        items = [Settle("drop", h.entry.entry_id, h.group.group_id, h.rejected, token=h.entry.token)
+                 for h in self._fallback]
+        self._fallback = []
+        self._settle(items, deadline)
+
     def _lost(self, entries: list[StreamEntry], deadline: float | None) -> list[tuple[StreamEntry, int]]:
         """More entries are pending for this session than it knows of: a read whose reply
         was lost delivered them. They are in the session's own pending list."""
-        known = {h.entry.entry_id for h in self._held} | set(self._uncommitted) | {e.entry_id for e in entries}
+        known = ({h.entry.entry_id for h in self._held + self._fallback} | set(self._uncommitted)
+                 | {e.entry_id for e in entries})
         lost = [(e, count) for e, count in self._own_pending(deadline) if e.entry_id not in known]
         if lost:
             log.warning("trainer session %s: %d entries were delivered by a read whose reply was lost; "
@@ -378,6 +430,22 @@ class Consumer:
         if settled + already != len(items):
             raise RuntimeError(f"commit of batch {batch.batch_id}: {len(items) - settled - already} of "
                                f"{len(items)} entries are no longer this session's (settled elsewhere)")
+        return settled + already
+
+    def commit_trained(self, entry_ids: set[str], batch_id: str) -> int:
+        """Commit entries delivered to earlier sessions that their trainer did train (a
+        checkpoint it saved includes them), instead of delivering them again. Call it before
+        the first next_batch: it starts the session, which takes the rest over as usual."""
+        if self.session is not None:
+            raise ValueError("commit_trained: call it before this consumer's first batch")
+        control = self._call(read_control, self.redis, self.keys)
+        self._start_session(None)
+        pending = self._own_pending(None)
+        trained = [(e, n) for e, n in pending if e.entry_id in entry_ids]
+        items = [Settle("commit", e.entry_id, e.group_id, batch_id, token=e.token) for e, _ in trained]
+        settled, already = self._settle(items)
+        self._screen([(e, n) for e, n in pending if e.entry_id not in entry_ids], control, BatchMetrics(), None)
+        self._held_version = control.weight_version
         return settled + already
 
     def release(self, batch: Batch, error: str = "") -> None:

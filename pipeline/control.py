@@ -3,7 +3,8 @@ on them (claim.lua reads `paused` in the same step that admits).
 
 Settings (`rollout configure`): the lease, max_claims, max_ready, and the staleness
 bound (max_staleness η with the batch size B it paces against). State: `paused`, the
-trainer's `weight_version`, the release policy of aborted groups.
+trainer's `weight_version` and the clock groups' versions are read on (`version_clock`:
+the engines' versions, or the queue's at first claim), the release policy of aborted groups.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from .keys import Keys
-from .types import ReleasePolicy, choices
+from .types import ReleasePolicy, VersionClock, member
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ControlState:
     lease_s: float = DEFAULT_LEASE_S
     max_claims: int = DEFAULT_MAX_CLAIMS
     release_policy: ReleasePolicy = ReleasePolicy.CONTINUE
+    version_clock: VersionClock = VersionClock.ENGINE  # what a group's age is measured with
     # Groups counting against the staleness budget: committed, plus admitted (first
     # claimed) and not settled yet. Dropped and dead groups give their slot back.
     admitted: int = 0
@@ -59,12 +61,13 @@ class ControlState:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(release_policy=self.release_policy.value, staleness_limit=self.staleness_limit)
+        d.update(release_policy=self.release_policy.value, version_clock=self.version_clock.value,
+                 staleness_limit=self.staleness_limit)
         return d
 
 
 _FIELDS = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "lease_ms", "max_claims",
-           "release_policy")
+           "release_policy", "version_clock")
 
 
 _warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
@@ -90,7 +93,7 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
     pipe.hmget(keys.control, _FIELDS)
     pipe.hget(keys.stats, "committed")
     pipe.hlen(keys.admitted)
-    (paused, version, eta, batch, ready, lease_ms, max_claims, policy), committed, live = pipe.execute()
+    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock), committed, live = pipe.execute()
     committed = _number(committed, "stats.committed", keys) or 0
     lease_ms = _number(lease_ms, "lease_ms", keys)
     try:
@@ -98,6 +101,11 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
     except (ValueError, UnicodeDecodeError):
         log.error("%s release_policy %r is unknown; using continue", keys.control, policy[:40])
         release_policy = ReleasePolicy.CONTINUE
+    try:
+        version_clock = VersionClock(clock.decode()) if clock else VersionClock.ENGINE
+    except (ValueError, UnicodeDecodeError):
+        log.error("%s version_clock %r is unknown; using engine", keys.control, clock[:40])
+        version_clock = VersionClock.ENGINE
     ready = _number(ready, "max_ready", keys)
     claims = _number(max_claims, "max_claims", keys)
     return ControlState(
@@ -109,6 +117,7 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
         lease_s=DEFAULT_LEASE_S if lease_ms is None else lease_ms / 1000,
         max_claims=DEFAULT_MAX_CLAIMS if claims is None else claims,
         release_policy=release_policy,
+        version_clock=version_clock,
         admitted=committed + live,  # as lua/claim.lua counts it
         committed=committed,
     )
@@ -116,7 +125,8 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
 
 def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = None,
               batch_size: int | None = None, max_ready: int | None = None, lease_s: float | None = None,
-              max_claims: int | None = None, release_policy: ReleasePolicy | str | None = None) -> ControlState:
+              max_claims: int | None = None, release_policy: ReleasePolicy | str | None = None,
+              version_clock: VersionClock | str | None = None) -> ControlState:
     """Set pipeline-wide settings. None leaves a setting unchanged; a negative
     max_staleness, batch_size or max_ready removes it (back to the default)."""
     updates: dict[str, int | str] = {}
@@ -139,11 +149,9 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
             raise ValueError(f"max_claims must be at least 1, got {max_claims}")
         updates["max_claims"] = int(max_claims)
     if release_policy is not None:
-        try:
-            updates["release_policy"] = ReleasePolicy(release_policy).value
-        except ValueError:
-            raise ValueError(f"unknown release policy {release_policy!r}: use one of "
-                             f"{', '.join(choices(ReleasePolicy))}") from None
+        updates["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
+    if version_clock is not None:
+        updates["version_clock"] = member(VersionClock, version_clock, "version clock").value
     pipe = client.pipeline(transaction=True)
     if updates:
         pipe.hset(keys.control, mapping=updates)

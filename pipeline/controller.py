@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .control import read_control, set_paused, set_weight_version
-from .types import PauseMode, ReleasePolicy, choices
+from .types import PauseMode, ReleasePolicy, member
 
 if TYPE_CHECKING:
     from .queue import Queue
@@ -66,11 +66,7 @@ class Controller:
         self.redis = queue.redis
         self.keys = queue.keys
         self.engines = engines
-        try:
-            self.release_policy = ReleasePolicy(release_policy)
-        except ValueError:
-            raise ValueError(f"unknown release policy {release_policy!r}: use one of "
-                             f"{', '.join(choices(ReleasePolicy))}") from None
+        self.release_policy = member(ReleasePolicy, release_policy, "release policy")
         # abort mode: stop waiting for in-flight groups once their number has not moved
         # for this long after the engines paused (see PauseReport.still_inflight).
         self.settle_s = settle_s
@@ -78,10 +74,7 @@ class Controller:
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT, timeout_s: float = 60.0) -> PauseReport:
         """Stop admission, then pause every engine. With `abort`, wait until the
         workers have requeued every interrupted group."""
-        try:
-            mode = PauseMode(mode)
-        except ValueError:
-            raise ValueError(f"unknown pause mode {mode!r}: use one of {', '.join(choices(PauseMode))}") from None
+        mode = member(PauseMode, mode, "pause mode")
         started = time.monotonic()
         set_paused(self.redis, self.keys, True)
         if self.engines is not None:

@@ -1,7 +1,9 @@
 """Dynamic sampling filters with slime's signature: `fn(args, samples) -> keep`.
 
-A filter returns slime's `DynamicFilterOutput(keep, reason)` (any object with
-`keep` and `reason`) or a bare bool (the legacy form).
+A filter returns slime's `DynamicFilterOutput(keep, reason, keep_when_insufficient)`
+(any object with `keep`; the other two are optional) or a bare bool (the legacy form).
+A rejected group marked `keep_when_insufficient` is kept after all when the batch
+cannot fill without it (slime's `check_reward_nonzero_std_with_fallback`).
 """
 from __future__ import annotations
 
@@ -16,8 +18,18 @@ FilterFn = Callable[[Any, list[Sample]], Any]
 
 @dataclass
 class DynamicFilterOutput:
+    """slime.rollout.filter_hub.base_types.DynamicFilterOutput (slime 0.3.1)."""
+
     keep: bool
     reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    keep: bool
+    reason: str = ""  # why not kept
+    fallback: bool = False  # rejected, but kept when the batch cannot fill without it
 
 
 def load_object(path: str) -> Any:
@@ -56,13 +68,15 @@ def load_filter(path: str) -> FilterFn:
     return fn
 
 
-def apply_filter(fn: FilterFn, args: Any, group: Group) -> tuple[bool, str]:
-    """(keep, reason) from either filter form."""
+def apply_filter(fn: FilterFn, args: Any, group: Group) -> Verdict:
+    """The verdict of either filter form."""
     out = fn(args, group.samples)
     if not hasattr(out, "keep"):
         # The legacy bare-bool form; slime's own returned `torch.tensor(...).std() > 0`,
         # a tensor, and numpy comparisons give numpy.bool_: not `bool` instances.
         keep = bool(out)
-        return keep, "" if keep else "filtered"
-    keep = bool(out.keep)
-    return keep, "" if keep else (getattr(out, "reason", None) or "filtered")
+        return Verdict(keep, "" if keep else "filtered")
+    if bool(out.keep):
+        return Verdict(True)
+    return Verdict(False, getattr(out, "reason", None) or "filtered",
+                   bool(getattr(out, "keep_when_insufficient", False)))

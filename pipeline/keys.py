@@ -12,6 +12,12 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 # The trainer's consumer group on the results stream.
 CONSUMER_GROUP = "trainer"
+# The companion namespace of evaluation passes (pipeline/eval.py): `<ns>.eval`.
+EVAL_SUFFIX = ".eval"
+
+
+def eval_namespace(namespace: str) -> str:
+    return namespace + EVAL_SUFFIX
 
 
 def check_namespace(namespace: str) -> str:
@@ -74,6 +80,10 @@ class Keys:
     @property
     def reaped(self) -> str:  # LIST of JSON records of recently reaped / departed workers, newest first
         return self._key("reaped")
+
+    @property
+    def slime_rollouts(self) -> str:  # HASH results entry id -> slime rollout id it was read in, until committed
+        return self._key("slime_rollouts")
 
     @property
     def trainer(self) -> str:  # HASH generation, session, info: the current trainer session

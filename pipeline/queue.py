@@ -24,7 +24,7 @@ from . import scripts
 from .codec import DecodeError, decode_group, encode_group
 from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
 from .keys import CONSUMER_GROUP, Keys
-from .types import Group, ReleasePolicy
+from .types import Group, ReleasePolicy, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class Heartbeat:
     paused: bool
     weight_version: int
     lease_s: float
+    version_clock: VersionClock = VersionClock.ENGINE
 
 
 @dataclass
@@ -233,9 +234,13 @@ class Queue:
 
     def heartbeat(self, worker: str, info: str) -> Heartbeat:
         k = self.keys
-        status, paused, version, lease_ms = self._scripts["heartbeat"](
+        status, paused, version, lease_ms, clock = self._scripts["heartbeat"](
             keys=[k.workers, k.worker_info, k.control], args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
-        return Heartbeat(text(status) == "reaped", bool(paused), int(version), int(lease_ms) / 1000)
+        try:
+            version_clock = VersionClock(text(clock) or VersionClock.ENGINE)
+        except ValueError:  # a foreign value: read_control reports it
+            version_clock = VersionClock.ENGINE
+        return Heartbeat(text(status) == "reaped", bool(paused), int(version), int(lease_ms) / 1000, version_clock)
 
     def held(self, worker: str) -> dict[str, str]:
         """The groups `worker` holds in Redis: group id -> claim token."""
@@ -308,6 +313,9 @@ class Queue:
     def live_workers(self) -> list[str]:
         """Registered workers whose lease has not expired."""
         return [w for w, left in self.workers().items() if left >= 0]
+
+    def has_prompts(self) -> bool:
+        return self.redis.llen(self.keys.prompts) > 0
 
     def inflight_count(self) -> int:
         """Groups held by registered workers, in one round trip."""

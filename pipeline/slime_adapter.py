@@ -1,29 +1,27 @@
-"""slime plug points backed by the Redis queue, without slime installed.
+"""slime plug points backed by the Redis queue.
 
-Two entry points, both built on `RedisDataSource` (one `Consumer` per trainer):
+- `--rollout-function-path pipeline.slime_adapter.generate_rollout`: rollout r returns
+  exactly `args.rollout_batch_size` finished groups from the results stream, sorted by
+  sample `index`, as `RolloutFnTrainOutput(samples, metrics)`; with `evaluation=True`
+  it runs an eval pass through `<ns>.eval` (pipeline/eval.py) and returns
+  `RolloutFnEvalOutput`.
+- `--data-source-path pipeline.slime_adapter.RedisDataSource`: slime's `DataSource`
+  (`get_samples`, `add_samples`, `save`, `load`, `__len__`) over the same queue.
 
-- `--rollout-function-path pipeline.slime_adapter.generate_rollout`: each call
-  returns exactly `args.rollout_batch_size` finished groups from the results stream,
-  sorted by sample `index`, as `RolloutFnTrainOutput(samples, metrics)`.
-- `--data-source-path pipeline.slime_adapter.RedisDataSource`: slime's
-  `DataSource` methods (`get_samples`, `add_samples`, `save`, `load`, `__len__`).
-
-Commit rule: slime calls the rollout function once per step and trains on what it
-returns, so a batch is committed when a later one is requested (its step finished).
-`commit_lag` batches stay uncommitted: 1 for slime's `train.py`; 2 for
-`train_async.py`, which requests rollout k+1 *before* training on rollout k.
-A crash leaves those batches pending and the next trainer session gets them first.
-
-slime's real types are used when importable (`slime.utils.types.Sample`,
-`slime.rollout.base_types.RolloutFnTrainOutput`); otherwise the stand-ins below,
-with the same field names, and our own `Sample`. See docs/trainers.md.
+What keeps slime from training on the wrong data (docs/trainers.md):
+* the queue's weight version is slime's rollout id, set before each rollout is read,
+  and groups are aged on the queue's clock (slime's engines number their weights from 1
+  in every run);
+* a batch is committed when the checkpoint that includes its step is saved
+  (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
+  first, in order;
+* groups sampled with settings other than slime's are refused (pipeline/slime_checks.py).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-import re
 import time
 import uuid
 from collections import deque
@@ -31,11 +29,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .connection import connect
-from .consumer import Batch, BatchMetrics, BatchTimeout, Consumer
-from .control import ControlState, read_control
+from .consumer import (
+    DEFAULT_FALLBACK_WAIT_S,
+    Batch,
+    BatchMetrics,
+    BatchTimeout,
+    Consumer,
+)
+from .control import configure, read_control, set_weight_version
+from .eval import pass_name, push_eval, read_eval
 from .filters import BUILTIN_FILTERS, load_object
-from .queue import Settle, StreamEntry
-from .types import Group, Sample, Status
+from .producer import PushOptions
+from .queue import StreamEntry
+from .slime_checks import (
+    SamplingMismatch,
+    SlimeConfigError,
+    check_backlog,
+    check_data_source_use,
+    check_top_p,
+    sampling_mismatches,
+    uses_our_rollout,
+)
+from .slime_metrics import slime_metrics
+from .slime_types import (
+    MIN_DATA_SOURCE,
+    MIN_ROLLOUT_FUNCTION,
+    SlimeTypes,
+    from_slime_sample,
+    require,
+    slime_types,
+    to_slime_sample,
+)
+from .types import Group, Sample, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -43,67 +68,9 @@ URL_ENV = "ROLLOUT_REDIS_URL"  # the CLI reads the same variables
 NAMESPACE_ENV = "ROLLOUT_NAMESPACE"
 DEFAULT_NAMESPACE = "rollout"
 WAIT_LOG_EVERY_S = 60.0  # while waiting for a batch, say why this often
-
-
-# -- slime's types, or stand-ins with the same fields ----------------------------------
-
-
-@dataclass
-class RolloutFnTrainOutput:
-    """Stand-in for slime.rollout.base_types.RolloutFnTrainOutput."""
-
-    samples: list[list[Any]]
-    metrics: dict[str, Any] | None = None
-
-
-@dataclass
-class RolloutFnEvalOutput:
-    """Stand-in for slime.rollout.base_types.RolloutFnEvalOutput."""
-
-    data: dict[str, dict[str, Any]]
-    metrics: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class SlimeTypes:
-    sample: type  # slime's Sample, or ours
-    train_output: type
-    eval_output: type
-    real: bool  # True when imported from slime
-
-
-@functools.lru_cache(maxsize=1)
-def slime_types() -> SlimeTypes:
-    """slime's classes when slime is importable, else ours. Cached; tests that inject a
-    fake `slime` into sys.modules call `slime_types.cache_clear()`."""
-    try:
-        from slime.rollout.base_types import RolloutFnEvalOutput as EvalOut
-        from slime.rollout.base_types import RolloutFnTrainOutput as TrainOut
-        from slime.utils.types import Sample as SlimeSample
-    except ImportError:
-        return SlimeTypes(Sample, RolloutFnTrainOutput, RolloutFnEvalOutput, real=False)
-    return SlimeTypes(SlimeSample, TrainOut, EvalOut, real=True)
-
-
-def to_slime_sample(sample: Sample, types: SlimeTypes | None = None) -> Any:
-    """slime's `Sample.from_dict(ours.to_dict())`: same field names, status as its string
-    value. Without slime, our own Sample unchanged."""
-    types = types or slime_types()
-    if not types.real:
-        return sample
-    return types.sample.from_dict(sample.to_dict())
-
-
-_OUR_FIELDS = set(Sample.__dataclass_fields__)
-
-
-def from_slime_sample(sample: Any) -> Sample:
-    """Our Sample from slime's (or from ours): the fields both share."""
-    data = sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample))
-    kept = {k: v for k, v in data.items() if k in _OUR_FIELDS}
-    status = kept.get("status", Status.PENDING)
-    kept["status"] = Status(getattr(status, "value", status))
-    return Sample(**kept)
+#: Rollouts after which a batch is committed when slime saves no checkpoints: by rollout
+#: r + 2 its step has run under train.py and train_async.py alike.
+COMMIT_AFTER_ROLLOUTS = 2
 
 
 # -- settings ------------------------------------------------------------------------
@@ -118,8 +85,9 @@ class QueueSettings:
     namespace: str = DEFAULT_NAMESPACE
     consumer: str = "trainer"
     timeout: float | None = None  # give up on a batch after this long (None: keep waiting)
-    commit_lag: int = 1  # batches left uncommitted: 1 for train.py, 2 for train_async.py
     filter_path: str | None = None  # slime's --dynamic-sampling-filter-path
+    fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
+    max_staleness: int | None = None  # η, configured on the namespace at start when given
 
     @classmethod
     def from_args(cls, args: Any) -> QueueSettings:
@@ -131,17 +99,26 @@ class QueueSettings:
         if not url:
             raise ValueError(f"no Redis for the rollout queue: set {URL_ENV} (or `rollout_redis_url` in "
                              "--custom-config-path), or start a local stack with `rollout up`")
-        lag = int(getattr(args, "rollout_commit_lag", None) or 1)
-        if lag < 1:
-            raise ValueError(f"rollout_commit_lag must be at least 1, got {lag}")
+        if getattr(args, "rollout_commit_lag", None) is not None:
+            raise ValueError("rollout_commit_lag is gone: batches are committed when slime saves the checkpoint "
+                             "that includes their step (docs/trainers.md); remove it from the config")
+        fallback = getattr(args, "rollout_filter_fallback_wait", None)
         return cls(
             redis_url=url,
             namespace=getattr(args, "rollout_namespace", None) or os.environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE,
             consumer=getattr(args, "rollout_consumer", None) or "trainer",
             timeout=getattr(args, "rollout_batch_timeout", None),
-            commit_lag=lag,
             filter_path=getattr(args, "dynamic_sampling_filter_path", None),
+            fallback_wait_s=DEFAULT_FALLBACK_WAIT_S if fallback is None else float(fallback),
+            max_staleness=getattr(args, "rollout_max_staleness", None),
         )
+
+
+def saves_checkpoints(args: Any) -> bool:
+    """Whether slime will call `save(rollout_id)` (train.py: at --save-interval, with
+    --save, on the global dataset)."""
+    return (getattr(args, "rollout_global_dataset", True) and bool(getattr(args, "save", None))
+            and getattr(args, "save_interval", None) is not None)
 
 
 def _slime_filter(path: str | None) -> Any:
@@ -159,38 +136,6 @@ def _slime_filter(path: str | None) -> Any:
     return call
 
 
-# -- metrics -------------------------------------------------------------------------
-
-
-def _metric_name(reason: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", reason).strip("_") or "filtered"
-
-
-def slime_metrics(metrics: BatchMetrics, weight_version: int) -> dict[str, Any]:
-    """Batch metrics under slime-style keys. Filter drops use slime's own
-    `rollout/dynamic_filter/drop_<reason>` so existing dashboards keep working."""
-    out: dict[str, Any] = {
-        "rollout/queue/kept": metrics.kept,
-        "rollout/queue/dropped": sum(metrics.dropped.values()),
-        "rollout/queue/drop_ratio": metrics.drop_ratio,
-        "rollout/queue/restarted": metrics.restarted,
-        "rollout/queue/dead": metrics.dead,
-        "rollout/queue/duplicates": metrics.duplicates,
-        "rollout/queue/wait_time": metrics.wait_s,
-        "rollout/queue/weight_version": weight_version,
-    }
-    for reason, count in metrics.dropped.items():
-        key = "rollout/queue/drop_stale" if reason == "stale" else f"rollout/dynamic_filter/drop_{_metric_name(reason)}"
-        out[key] = out.get(key, 0) + count
-    if metrics.staleness:
-        total = sum(metrics.staleness.values())
-        out["rollout/queue/staleness_mean"] = sum(lag * n for lag, n in metrics.staleness.items()) / total
-        out["rollout/queue/staleness_max"] = max(metrics.staleness)
-        for lag, count in sorted(metrics.staleness.items()):
-            out[f"rollout/queue/staleness/{lag}"] = count
-    return out
-
-
 # -- the data source -----------------------------------------------------------------
 
 
@@ -199,11 +144,12 @@ class _Item:
     entry: StreamEntry
     group: Group  # ours, as decoded
     slime_group: list  # what slime got
-    returned: bool = False  # given back through add_samples: not to be committed with this delivery
+    returned: bool = False  # given back through add_samples: handed back, not committed with this delivery
 
 
 @dataclass
 class _Delivery:
+    rollout_id: int
     items: list[_Item]
     weight_version: int
     metrics: BatchMetrics = field(default_factory=BatchMetrics)
@@ -221,53 +167,63 @@ class RedisDataSource:
 
     def __init__(self, args: Any, *, client: Any = None):
         self.args = args
+        self.types: SlimeTypes = require(MIN_ROLLOUT_FUNCTION if uses_our_rollout(args) else MIN_DATA_SOURCE,
+                                         "pipeline.slime_adapter")
+        check_top_p(args)
+        check_data_source_use(args)
         self.settings = QueueSettings.from_args(args)
         self._own_client = client is None
         self.client = client or connect(self.settings.redis_url)
         self.consumer = Consumer(self.client, self.settings.namespace, consumer=self.settings.consumer,
-                                 filter=_slime_filter(self.settings.filter_path), filter_args=args)
+                                 filter=_slime_filter(self.settings.filter_path), filter_args=args,
+                                 fallback_wait_s=self.settings.fallback_wait_s)
         self.queue = self.consumer.queue
+        self.checkpoints = saves_checkpoints(args)
+        self._configure()
         self._pending: deque[_Delivery] = deque()  # delivered, not committed, oldest first
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
-        self._redeliver: list[_Item] = []  # given back with add_samples: served first
+        self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
         self.last_metrics: dict[str, Any] = {}
+
+    def _configure(self) -> None:
+        """Groups age on the queue's clock; with `rollout_max_staleness` (or an η set with
+        `rollout configure`) admission paces against slime's batch size."""
+        batch = getattr(self.args, "rollout_batch_size", None)
+        control = read_control(self.client, self.queue.keys)
+        eta = self.settings.max_staleness
+        if eta is not None:
+            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
+                                max_staleness=int(eta), batch_size=batch)
+        elif control.max_staleness is not None and not control.batch_size and batch:
+            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch)
+        elif control.version_clock != VersionClock.QUEUE:
+            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
+        if self.checkpoints and batch:
+            check_backlog((int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch, control.max_ready)
 
     # -- slime's DataSource interface ----------------------------------------------------
 
     def get_samples(self, num_samples: int) -> list[list[Any]]:
-        """`num_samples` finished groups, sorted by sample index. Commits what earlier calls
-        delivered except the newest `commit_lag - 1` batches: call it once per step."""
-        if num_samples <= 0:
-            raise ValueError(f"get_samples needs a positive number of groups, got {num_samples}")
-        self._commit_keeping(self.settings.commit_lag - 1)
-        started = time.monotonic()
-        control = read_control(self.client, self.queue.keys)
-        items = self._take_given_back(num_samples, control)
-        metrics, version = BatchMetrics(kept=len(items)), control.weight_version
-        if len(items) < num_samples:
-            batch = self._next_batch(num_samples - len(items))
-            types = slime_types()
-            for entry, group in zip(batch.entries, batch.groups):
-                items.append(_Item(entry, group, [to_slime_sample(s, types) for s in group.samples]))
-            metrics, version = batch.metrics, batch.weight_version
-            metrics.kept = num_samples
-        metrics.wait_s = time.monotonic() - started
-        self._check_group_sizes([it.slime_group for it in items], [it.group.group_id for it in items])
-        items.sort(key=lambda it: _index_key(it.slime_group))
-        self._pending.append(_Delivery(items, version, metrics))
-        for it in items:
-            self._track(it)
-        self.last_metrics = slime_metrics(metrics, version)
-        return [it.slime_group for it in items]
+        """One step's `num_samples` finished groups (slime's rollout calls this once per
+        step: --over-sampling-batch-size equal to --rollout-batch-size is checked at start)."""
+        batch = getattr(self.args, "rollout_batch_size", None)
+        if batch is not None and num_samples != batch:
+            raise SlimeConfigError(
+                f"get_samples({num_samples}) but --rollout-batch-size is {batch}: each call must be one step's "
+                f"batch, trained whole (slime calls it again within a step when its own filter drops groups; the "
+                f"queue's Consumer applies --dynamic-sampling-filter-path first, so slime's keeps them all)")
+        rollout_id = self._next_rollout
+        self._next_rollout += 1
+        return self.read_rollout(rollout_id, num_samples)
 
     def add_samples(self, samples: list[list[Any]]) -> None:
-        """Groups given back. Ours (from get_samples, e.g. slime's over-sampling surplus)
-        are kept uncommitted and served first by the next get_samples; foreign groups
-        (partial generations from slime itself) are pushed as prompts for the workers
-        to continue."""
+        """Groups given back. Ours (from get_samples, e.g. slime's partial-rollout abort)
+        are handed back to the Consumer, uncommitted, and come first in the next rollout
+        (screened again for staleness); foreign groups (partial generations from slime
+        itself) are pushed as prompts for the workers to continue."""
         if not samples:
             return
-        foreign = []
+        foreign, ours = [], []
         for group in samples:
             if not isinstance(group, list) or not group:
                 raise ValueError(f"add_samples takes a list of non-empty groups (lists), got {type(group).__name__}")
@@ -275,8 +231,13 @@ class RedisDataSource:
             if item is None:
                 foreign.append(group)
             elif not item.returned:  # (given back twice before being served again: once is enough)
-                item.returned, item.slime_group = True, group
-                self._redeliver.append(item)
+                item.returned = True
+                self._track(item, forget=True)
+                ours.append(item)
+        if ours:
+            self.client.hdel(self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in ours))  # not trained
+            self.consumer.release(Batch([it.group for it in ours], [it.entry for it in ours], 0, BatchMetrics(),
+                                        "given back by slime"), "given back by slime")
         if foreign:
             self._check_group_sizes(foreign, [f"given back #{i}" for i in range(len(foreign))])
             groups = [Group(group_id=f"slime:{uuid.uuid4().hex}", samples=[from_slime_sample(s) for s in g],
@@ -285,26 +246,115 @@ class RedisDataSource:
             log.info("pushed %d groups given back by slime as prompts", len(groups))
 
     def save(self, rollout_id: int) -> None:
-        """Nothing to write: the queue, its cursor and every group live in Redis. slime
-        saves after the step's training, so batches older than `commit_lag - 1` are
-        committed here (the last step of a run would otherwise stay pending)."""
-        self._commit_keeping(self.settings.commit_lag - 1)
+        """slime saved the checkpoint of every step up to `rollout_id` (it calls this after
+        the model's save): the batches of those rollouts are committed now, not before,
+        so a run resumed from this checkpoint neither skips nor repeats one."""
+        self._commit_through(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
-        """Nothing to read: uncommitted batches of an earlier session come back first
-        from the Consumer on the first get_samples."""
-        return None
+        """slime resumes after the checkpoint of `rollout_id` (it calls `load(start - 1)`):
+        the next rollout is `rollout_id + 1`. Batches of rollouts up to `rollout_id` still
+        uncommitted (the trainer died between saving the model and save() here) are in
+        that checkpoint: committed now. The later ones come back first, in order, from the
+        Consumer's new session."""
+        self._next_rollout = 0 if rollout_id is None else rollout_id + 1
+        if self.consumer.session is not None or rollout_id is None or rollout_id < 0:
+            return
+        recorded = self.client.hgetall(self.queue.keys.slime_rollouts)
+        trained = {eid.decode() for eid, r in recorded.items() if int(r) <= rollout_id}
+        committed = self.consumer.commit_trained(trained, f"slime checkpoint {rollout_id}")
+        if trained:
+            self.client.hdel(self.queue.keys.slime_rollouts, *trained)
+        if committed:
+            log.info("load(%d): committed %d groups read before that checkpoint and saved in it", rollout_id,
+                     committed)
 
     def __len__(self) -> int:
         """Finished groups ready in the results stream (not handed out, or given back)."""
         outstanding = sum(1 for d in self._pending for it in d.items if not it.returned)
         return max(0, self.client.xlen(self.queue.keys.results) - outstanding)
 
+    # -- reading a rollout ---------------------------------------------------------------
+
+    def read_rollout(self, rollout_id: int, n: int) -> list[list[Any]]:
+        """Rollout `rollout_id`: `n` finished groups, sorted by sample index, screened at
+        queue version `rollout_id`."""
+        if n <= 0:
+            raise ValueError(f"a rollout needs a positive number of groups, got {n}")
+        started = time.monotonic()
+        if read_control(self.client, self.queue.keys).weight_version != rollout_id:
+            # slime updates the weights once per rollout: its rollout id is the version, also
+            # backwards when it resumes from an earlier checkpoint than the queue last saw.
+            set_weight_version(self.client, self.queue.keys, rollout_id)
+        if not self.checkpoints:
+            self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
+        batch = self._next_batch(n)
+        self._refuse_mismatched(batch)
+        self._fill_responses(batch.groups)
+        items = [_Item(entry, group, [to_slime_sample(s, self.types) for s in group.samples])
+                 for entry, group in zip(batch.entries, batch.groups)]
+        metrics, version = batch.metrics, batch.weight_version
+        metrics.wait_s = time.monotonic() - started
+        self._check_group_sizes([it.slime_group for it in items], [it.group.group_id for it in items])
+        items.sort(key=lambda it: _index_key(it.slime_group))
+        self._pending.append(_Delivery(rollout_id, items, version, metrics))
+        # Durable, for load(): which rollout read each entry, so a checkpoint that includes
+        # that rollout commits it even when this process died before save() reached it.
+        self.client.hset(self.queue.keys.slime_rollouts, mapping={it.entry.entry_id: rollout_id for it in items})
+        for it in items:
+            self._track(it)
+        self.last_metrics = slime_metrics(metrics, version)
+        return [it.slime_group for it in items]
+
+    def _refuse_mismatched(self, batch: Batch) -> None:
+        """Groups sampled with other settings go back to be generated again (by workers
+        started with the right ones); the rest wait for the next read. Then the error."""
+        bad = sampling_mismatches(self.args, batch.groups)
+        if not bad:
+            return
+        bad_ids = {g.group_id for g, _ in bad}
+
+        def part(mismatched: bool) -> Batch:
+            pairs = [(e, g) for e, g in zip(batch.entries, batch.groups) if (g.group_id in bad_ids) == mismatched]
+            return Batch([g for _, g in pairs], [e for e, _ in pairs], batch.weight_version, batch.metrics,
+                         batch.batch_id)
+
+        self.consumer.restart(part(True), "sampled with settings other than the trainer's")
+        self.consumer.release(part(False), "read with groups of other sampling settings")
+        more = f" (and {len(bad) - 1} more groups)" if len(bad) > 1 else ""
+        raise SamplingMismatch(f"{bad[0][1]}{more}; those groups went back to the prompt list")
+
+    def _fill_responses(self, groups: list[Group]) -> None:
+        """Results carry tokens, not text (unless workers keep it), and slime re-scores a
+        group from `Sample.response` (--group-rm with its own rollout): decode the text
+        with slime's tokenizer, as the engine did (skip_special_tokens as slime asks)."""
+        missing = [s for g in groups for s in g.samples if s.response_length and not s.response]
+        if not missing:
+            return
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            if not uses_our_rollout(self.args):
+                raise SlimeConfigError(
+                    "results carry no response text and there is no tokenizer to decode it (slime's rollout scores "
+                    "Sample.response): set --hf-checkpoint, or start the workers with --keep-response-text")
+            return
+        skip = bool(getattr(self.args, "rollout_skip_special_tokens", False))
+        for s in missing:
+            s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=skip)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """slime's tokenizer of --hf-checkpoint, or None without slime or the flag."""
+        path = getattr(self.args, "hf_checkpoint", None)
+        if not path or self.types.load_tokenizer is None:
+            return None
+        return self.types.load_tokenizer(path, trust_remote_code=True)
+
     # -- commits -------------------------------------------------------------------------
 
     def commit_pending(self) -> int:
         """Commit every delivered batch now (e.g. after the last training step)."""
-        return self._commit_keeping(0)
+        return self._commit_through(None)
 
     @property
     def pending_batches(self) -> int:
@@ -315,17 +365,19 @@ class RedisDataSource:
         if self._own_client:
             self.client.close()
 
-    def _commit_keeping(self, keep: int) -> int:
+    def _commit_through(self, rollout_id: int | None) -> int:
+        """Commit the deliveries of rollouts up to `rollout_id` (None: all)."""
         done = 0
-        while len(self._pending) > keep:
+        while self._pending and (rollout_id is None or self._pending[0].rollout_id <= rollout_id):
             delivery = self._pending.popleft()
             items = [it for it in delivery.items if not it.returned]
             for it in items:
                 self._track(it, forget=True)
             if items:
                 batch = Batch([it.group for it in items], [it.entry for it in items],
-                              delivery.weight_version, delivery.metrics)
+                              delivery.weight_version, delivery.metrics, f"slime rollout {delivery.rollout_id}")
                 done += self.consumer.commit(batch)
+                self.client.hdel(self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in items))
         return done
 
     # -- helpers -------------------------------------------------------------------------
@@ -338,25 +390,6 @@ class RedisDataSource:
                 self._origin.pop(id(s), None)
             else:
                 self._origin[id(s)] = item
-
-    def _take_given_back(self, n: int, control: ControlState) -> list[_Item]:
-        """Up to n given-back groups, as fresh items (the delivery they came from keeps them
-        marked `returned`). One that grew too stale since it was screened is dropped (logged
-        in the drop log), so no group beyond max_staleness is delivered."""
-        taken, stale = [], []
-        while self._redeliver and len(taken) < n:
-            it = self._redeliver.pop(0)
-            lag = control.weight_version - (it.group.oldest_version() or 0)
-            if control.max_staleness is not None and lag > control.max_staleness:
-                self._track(it, forget=True)
-                reason = f"stale: given back, then {lag} versions behind (max {control.max_staleness})"
-                stale.append(Settle("drop", it.entry.entry_id, it.group.group_id, reason, token=it.entry.token))
-                continue
-            taken.append(_Item(it.entry, it.group, it.slime_group))
-        if stale:
-            log.warning("dropping %d given-back groups that grew too stale", len(stale))
-            self.queue.settle(self.queue.keys.results, stale, self.consumer.session)
-        return taken
 
     def _next_batch(self, n: int) -> Batch:
         """Wait for n groups, saying why every WAIT_LOG_EVERY_S; give up after
@@ -407,16 +440,57 @@ def reset_default_sources() -> None:
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
-    """slime's `--rollout-function-path`: exactly `args.rollout_batch_size` finished
-    groups from the queue. Uses `data_source` when it is a RedisDataSource, else one
-    built from `args` / the environment."""
-    if evaluation:
-        raise NotImplementedError(
-            "pipeline.slime_adapter.generate_rollout serves training batches from the rollout queue; "
-            "evaluation runs are not served from it (they would consume training groups). slime uses the "
-            "rollout function for evaluation unless told otherwise: pass "
-            "--eval-function-path slime.rollout.sglang_rollout.generate_rollout to evaluate with slime's "
-            "own rollout against the engines, or drop --eval-interval.")
+    """slime's `--rollout-function-path` (and, by default, `--eval-function-path`):
+    rollout `rollout_id` from the queue, exactly `args.rollout_batch_size` groups. Uses
+    `data_source` when it is a RedisDataSource, else one built from `args` / the
+    environment (which also picks up slime's `save`/`load` only through ours)."""
+    types = require(MIN_ROLLOUT_FUNCTION, "pipeline.slime_adapter.generate_rollout")
+    if not isinstance(data_source, RedisDataSource) and saves_checkpoints(args):
+        raise SlimeConfigError(
+            "slime saves checkpoints (--save-interval) to its own data source, so the queue could not tie its "
+            "commits to them: pass --data-source-path pipeline.slime_adapter.RedisDataSource")
     source = data_source if isinstance(data_source, RedisDataSource) else default_source(args)
-    groups = source.get_samples(args.rollout_batch_size)
-    return slime_types().train_output(samples=groups, metrics=dict(source.last_metrics))
+    if evaluation:
+        return evaluate(args, rollout_id, source)
+    groups = source.read_rollout(rollout_id, args.rollout_batch_size)
+    return types.train_output(samples=groups, metrics=dict(source.last_metrics))
+
+
+def eval_datasets(args: Any) -> list[tuple[str, str]]:
+    """(name, path) of slime's eval datasets: `args.eval_datasets` (slime >= 0.3) or the
+    name/path pairs of --eval-prompt-data."""
+    configs = getattr(args, "eval_datasets", None)
+    if configs:
+        return [(c.name, c.path) for c in configs]
+    values = list(getattr(args, "eval_prompt_data", None) or [])
+    if len(values) == 1:
+        values = ["aime", values[0]]  # slime's legacy single path
+    return [(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
+
+
+def evaluate(args: Any, rollout_id: int, source: RedisDataSource) -> Any:
+    """An eval pass at `rollout_id` through `<ns>.eval`: push every eval dataset (once per
+    rollout id), wait for its groups, return slime's RolloutFnEvalOutput. Training groups
+    are neither read nor committed; workers serve the eval prompts first."""
+    datasets = eval_datasets(args)
+    if not datasets:
+        raise SlimeConfigError("evaluation needs eval datasets: --eval-prompt-data NAME PATH (or --eval-config)")
+    n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
+    passes = {}
+    for name, path in datasets:
+        opts = PushOptions(input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", "input"),
+                           label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
+                           metadata_key=getattr(args, "metadata_key", "metadata"), n_samples_per_prompt=n)
+        tag = f"rollout{rollout_id}"
+        passes[pass_name(name, tag)] = push_eval(source.client, source.settings.namespace, path, name, tag, opts)
+    results = read_eval(source.client, source.settings.namespace, passes, timeout=source.settings.timeout)
+    reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+    types = source.types
+    data = {}
+    for name, _ in datasets:
+        result = results.get(name)
+        samples = result.samples if result else []
+        data[name] = {"rewards": result.rewards(reward_key) if result else [],
+                      "truncated": result.truncated() if result else [],
+                      "samples": [to_slime_sample(s, types) for s in samples]}
+    return types.eval_output(data=data)

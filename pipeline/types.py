@@ -37,9 +37,29 @@ class ReleasePolicy(StrEnum):
     DROP = "drop"  # dropped, logged
 
 
+class VersionClock(StrEnum):
+    """What a group's age in weight versions is measured with (control `version_clock`)."""
+
+    # The engines' weight_version in each answer (Sample.weight_versions): for trainers that
+    # bump the queue's version with every weight update they push (Controller.resume).
+    ENGINE = "engine"
+    # The queue's version when the group was first claimed (Group.admitted_version): for
+    # trainers whose engines count versions their own way, like slime (its updater numbers
+    # weights from 1 in every run; the queue's version is slime's rollout id).
+    QUEUE = "queue"
+
+
 def choices(enum: type[Enum]) -> list[str]:
     """The values of a closed vocabulary, for click.Choice and error messages."""
     return [m.value for m in enum]
+
+
+def member(enum: type[Enum], value: object, what: str) -> Enum:
+    """`value` as a member of `enum`, or a ValueError that names `what` and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices(enum))}") from None
 
 
 # sample.metadata key: tokens produced by each engine call, in order (one entry per
@@ -117,6 +137,17 @@ def parse_version(version: str | int | None) -> int | None:
         return 0
 
 
+@dataclass(frozen=True)
+class SamplingRecord:
+    """The sampling settings a group's tokens were drawn with, stored with the group so a
+    trainer can check they are the ones it computes the policy's probabilities with."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+
 @dataclass
 class Group:
     """`n_samples_per_prompt` copies of one prompt; the unit of work and of training."""
@@ -135,6 +166,7 @@ class Group:
     finished_at: float | None = None
     worker: str | None = None  # last worker that held it
     error: str | None = None  # why it was dead-lettered
+    sampling: SamplingRecord | None = None  # set by the worker that generated it
 
     @classmethod
     def fresh(cls, group_id: str, prompt: str | list[dict], n_samples: int, label: str | None = None,
@@ -159,10 +191,13 @@ class Group:
         for s in self.samples:
             s.reset()
         self.prompt_ids = []
+        self.sampling = None
         return self
 
-    def oldest_version(self) -> int | None:
-        """The oldest weight version that produced any token of this group."""
+    def oldest_version(self, clock: VersionClock = VersionClock.ENGINE) -> int | None:
+        """The oldest weight version that produced any token of this group, on `clock`."""
+        if clock == VersionClock.QUEUE:
+            return self.admitted_version
         versions = [parse_version(v) for s in self.samples for v in s.weight_versions]
         versions = [v for v in versions if v is not None]
         if versions:

@@ -13,12 +13,13 @@ from click.testing import CliRunner
 from cli import main as cli_main
 from pipeline.connection import connect
 from pipeline.queue import Queue
-from pipeline.redis_server import RedisServer, find_redis_server, free_port
+from pipeline.redis_server import Fsync, RedisServer, find_redis_server, free_port
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"), port=free_port())
+    # everysec: the tests need no durability from this one, and `always` makes every write wait for the disk
+    server = RedisServer(tmp_path_factory.mktemp("redis"), port=free_port(), fsync=Fsync.EVERYSEC)
     server.start()
     yield server
     server.stop()

@@ -245,7 +245,8 @@ def test_a_worker_cannot_settle_the_trainers_entries(admin, server, namespace):
 
 
 def test_settling_is_allowed_only_on_a_roles_own_streams():
-    for role, streams in ((Role.WORKER, "~{exp1}:requeue"), (Role.TRAINER, "~{exp1}:requeue ~{exp1}:results")):
+    for role, streams in ((Role.WORKER, "~{exp1}:requeue ~{exp1.eval}:requeue"),
+                          (Role.TRAINER, "~{exp1}:requeue ~{exp1}:results ~{exp1.eval}:requeue ~{exp1.eval}:results")):
         root, selector = setuser_line(role, "exp1", "u", "pw").split("(")
         assert not SETTLING & {word.lstrip("+") for word in root.split()}
         assert selector == f"{streams} -@all +xack +xdel)"
@@ -262,7 +263,9 @@ def test_rollout_acl_prints_a_line_redis_accepts_without_the_password(admin, ser
     assert line.startswith("ACL SETUSER ") and "s3cret-pw" not in line
     assert admin.execute_command(*shlex.split(line)) == b"OK"
     user = admin.acl_getuser(default_user(Role.TRAINER, namespace))
-    assert (user["keys"], user["channels"]) == ([f"~{{{namespace}}}:*"], [f"&{{{namespace}}}:events"])
+    # the namespace and its evaluation companion (pipeline/eval.py)
+    assert (user["keys"], user["channels"]) == ([f"~{{{namespace}}}:*", f"~{{{namespace}.eval}}:*"],
+                                                [f"&{{{namespace}}}:events", f"&{{{namespace}.eval}}:events"])
     client = connect(f"redis://{default_user(Role.TRAINER, namespace)}:s3cret-pw@127.0.0.1:{server.port}")
     assert Consumer(client, namespace).queue.depths()["prompts"] == 0
     client.close()

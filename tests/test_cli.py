@@ -409,3 +409,25 @@ def test_embedded_redis_without_a_binary_names_the_fix(no_redis_server, command,
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: no redis-server binary found"), result.output
     assert "apt-get install redis-server" in lines[0] and "rollout-queue[embedded-redis]" in lines[0]
+
+
+def test_eval_push_and_results(run, client, namespace, tmp_path):
+    from pipeline.keys import eval_namespace
+
+    path = tmp_path / "aime.jsonl"
+    path.write_text('{"input": "1+1?", "label": "2"}\n{"input": "2+2?", "label": "4"}\n')
+    result = run("eval", "push", str(path), "--n-samples", "2")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"aime: pushed 2 eval groups of 2 to {eval_namespace(namespace)}"
+    train, ev = Queue(client, namespace), Queue(client, eval_namespace(namespace))
+    assert client.llen(train.keys.prompts) == 0 and client.llen(ev.keys.prompts) == 2
+    for c in claim(ev, "w", 2).groups:
+        g = c.group
+        for i, s in enumerate(g.samples):
+            s.tokens, s.response_length, s.rollout_log_probs = [1, 2], 1, [-0.5]
+            s.reward, s.status = float(i), Status.TRUNCATED if i else Status.COMPLETED
+        assert publish(ev, "w", c, group=g)
+    d = json.loads(run("eval", "results", "--json", "--wait", "0.2").output)
+    assert d == {"namespace": eval_namespace(namespace),
+                 "datasets": {"aime": {"groups": 2, "samples": 4, "mean_reward": 0.5, "truncated": 2}}}
+    assert run("eval", "results", "--wait", "0").output.strip() == f"no finished eval groups in {eval_namespace(namespace)}"

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.codec import SCHEMA_VERSION, DecodeError, decode_group, encode_group
-from pipeline.types import Group, Sample, Status
+from pipeline.types import Group, Sample, SamplingRecord, Status
 
 
 def f32(x: float) -> float:
@@ -288,6 +288,24 @@ def test_pickle_is_never_unpickled():
 def test_not_a_map():
     with pytest.raises(DecodeError, match="expected a map, got list"):
         decode_group(pack([1, 2, 3]))
+
+
+def test_sampling_settings_round_trip_and_are_optional():
+    group = full_group()
+    group.sampling = SamplingRecord(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=512)
+    assert decode_group(encode_group(group)).sampling == group.sampling
+    group.sampling = None
+    m = raw(group)
+    assert "smp" not in m  # a group without them is encoded as before this field existed
+    assert decode_group(pack(m)).sampling is None
+
+
+@pytest.mark.parametrize("value, expect", [
+    ([1.0, 1.0, -1], "list of 4"), ("x", "list of 4"), ([True, 1.0, -1, 8], "numbers"),
+    ([1.0, "1", -1, 8], "numbers"), ([1.0, 1.0, 1.5, 8], "integers"), ([1.0, 1.0, -1, None], "integers"),
+])
+def test_bad_sampling_settings(value, expect):
+    assert expect in _bad(lambda m: m.update(smp=value))
 
 
 def test_wrong_schema_version():

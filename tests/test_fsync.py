@@ -1,5 +1,6 @@
-"""The AOF fsync setting of the embedded Redis (`rollout up --fsync`), and the promise
-both settings share: a crash of redis-server alone loses no acknowledged write."""
+"""The AOF fsync setting of the embedded Redis (`rollout up --fsync`): with `always` a
+crash of redis-server loses no acknowledged write; with `everysec` it can lose a tail
+of them (writes held back while a background fsync is slow), never reorder them."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from pipeline.redis_server import Fsync
 
 
 @pytest.mark.parametrize("fsync", list(Fsync))
-def test_kill_9_of_redis_loses_no_acknowledged_write(redis_factory, fsync):
+def test_kill_9_of_redis_and_what_survives(redis_factory, fsync):
     server = redis_factory("aof", fsync=fsync)
     client = connect(server.url)
     assert client.config_get("appendfsync") == {"appendfsync": fsync.value}
@@ -22,7 +23,11 @@ def test_kill_9_of_redis_loses_no_acknowledged_write(redis_factory, fsync):
     client.close()
     server.kill()  # at once: no time for everysec's background fsync
     restarted = redis_factory(data_dir=server.data_dir, port=server.port, fsync=fsync)
-    assert connect(restarted.url).llen("acknowledged") == 2000
+    survived = [int(x) for x in connect(restarted.url).lrange("acknowledged", 0, -1)]
+    if fsync == Fsync.ALWAYS:
+        assert len(survived) == 2000
+    else:
+        assert survived == list(range(len(survived)))  # maybe a tail lost, nothing out of order
 
 
 def test_rollout_up_passes_fsync_to_its_redis(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pipeline.codec import DecodeError, decode_group, encode_group
 from pipeline.queue import Queue
-from pipeline.types import Group, Sample, Status
+from pipeline.types import Group, Sample, SamplingRecord, Status
 from workers.engine import (
     FINISH_TYPES,
     FLOAT32_MAX,
@@ -48,7 +48,8 @@ def valid_group() -> Group:
                       tokens=[5, 6, 7, 8 + i], response_length=2, response="ok", reward={"score": 1.0},
                       loss_mask=[1, 0], rollout_log_probs=[-0.5, -0.25], weight_versions=["3"],
                       status=Status.COMPLETED) for i in range(2)]
-    return Group("ds:0:0", samples, prompt_ids=[5, 6], dataset="ds", attempts=1)
+    return Group("ds:0:0", samples, prompt_ids=[5, 6], dataset="ds", attempts=1,
+                 sampling=SamplingRecord(temperature=0.7, top_p=1.0, top_k=-1, max_new_tokens=64))
 
 
 def assert_schema(group: Group) -> None:

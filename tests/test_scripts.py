@@ -750,3 +750,17 @@ def test_a_group_whose_holders_died_twice_runs_alone(queue):
     assert claim(queue, "third", 1).status == ClaimStatus.ISOLATING
     assert prompts(queue) == ["s0"]
     assert_audit_ok(queue)
+
+
+def test_heartbeat_carries_the_version_clock(queue):
+    from pipeline.types import VersionClock
+
+    queue.register("w")
+    assert queue.heartbeat("w", "{}").version_clock == VersionClock.ENGINE
+    assert configure(queue.redis, queue.keys, version_clock="queue").version_clock == VersionClock.QUEUE
+    assert queue.heartbeat("w", "{}").version_clock == VersionClock.QUEUE
+    with pytest.raises(ValueError, match="unknown version clock 'wall': use one of engine, queue"):
+        configure(queue.redis, queue.keys, version_clock="wall")
+    queue.redis.hset(queue.keys.control, "version_clock", "wall")  # a foreign value reads as the default
+    assert read_control(queue.redis, queue.keys).version_clock == VersionClock.ENGINE
+    assert queue.heartbeat("w", "{}").version_clock == VersionClock.ENGINE

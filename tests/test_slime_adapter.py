@@ -1,123 +1,65 @@
 """pipeline.slime_adapter: slime's rollout function and data source over the queue,
-with the stand-in types (slime not installed) and with a fake `slime` package
-injected into sys.modules, against a real redis-server."""
+with the stand-in types (slime not installed) and with the stand-in `slime` package
+(tests/fake_slime.py) in sys.modules, against a real redis-server."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
-import types
-from dataclasses import dataclass, field, fields
-from enum import Enum
+import threading
+from dataclasses import fields
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from pipeline import slime_adapter as sa
+from pipeline import slime_types as st
 from pipeline.audit import audit
 from pipeline.codec import decode_group
 from pipeline.consumer import BatchMetrics
+from pipeline.control import configure, read_control
 from pipeline.filters import DynamicFilterOutput
-from pipeline.queue import Place
-from pipeline.types import Group, Sample, Status
+from pipeline.queue import ClaimStatus, Place
+from pipeline.slime_checks import SamplingMismatch, SlimeConfigError
+from pipeline.slime_metrics import slime_metrics
+from pipeline.types import Group, Sample, SamplingRecord, Status, VersionClock
+from tests import fake_slime
+from tests.fake_slime import Sample as FakeSlimeSample
 from tests.groups import claim, publish
 
 N = 2  # samples per group
 PROMPT = [1, 2, 3]
-
-
-# -- a fake slime: the real classes' field names, from_dict/to_dict and enum ------------
-
-
-@dataclass
-class FakeSlimeSample:
-    """Like slime/utils/types.py: nested Status enum, extra fields ours lacks."""
-
-    group_index: int | None = None
-    index: int | None = None
-    prompt: Any = ""
-    tokens: list[int] = field(default_factory=list)
-    multimodal_inputs: dict | None = None
-    response: str = ""
-    response_length: int = 0
-    label: str | None = None
-    reward: Any = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    remove_sample: bool = False
-
-    class Status(Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    status: Status = Status.PENDING
-    metadata: dict = field(default_factory=dict)
-
-    def to_dict(self):
-        value = self.__dict__.copy()
-        value["status"] = self.status.value
-        return value
-
-    @staticmethod
-    def from_dict(data: dict):
-        data = dict(data)
-        data["status"] = FakeSlimeSample.Status(data["status"])
-        names = {f.name for f in fields(FakeSlimeSample)}
-        sample = FakeSlimeSample(**{k: v for k, v in data.items() if k in names})
-        for k, v in data.items():
-            if k not in names:
-                setattr(sample, k, v)
-        return sample
-
-    def get_reward_value(self, args):
-        return self.reward if not args.reward_key else self.reward[args.reward_key]
-
-
-@dataclass
-class FakeTrainOutput:
-    samples: list
-    metrics: dict = None
-
-
-@dataclass
-class FakeEvalOutput:
-    data: dict
-    metrics: dict = None
+SAMPLING = SamplingRecord(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64)
 
 
 @pytest.fixture
-def fake_slime(monkeypatch):
-    modules = {name: types.ModuleType(name) for name in
-               ("slime", "slime.utils", "slime.utils.types", "slime.rollout", "slime.rollout.base_types")}
-    modules["slime.utils.types"].Sample = FakeSlimeSample
-    modules["slime.rollout.base_types"].RolloutFnTrainOutput = FakeTrainOutput
-    modules["slime.rollout.base_types"].RolloutFnEvalOutput = FakeEvalOutput
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    sa.slime_types.cache_clear()
+def fake_slime_installed(monkeypatch):
+    fake_slime.install(monkeypatch)
+    st.slime_types.cache_clear()
     yield
-    sa.slime_types.cache_clear()
+    st.slime_types.cache_clear()
 
 
 @pytest.fixture(autouse=True)
-def clean_state():
-    sa.slime_types.cache_clear()
+def clean_state(monkeypatch):
+    monkeypatch.setitem(sys.modules, "slime", None)  # not importable unless a test installs the stand-in
+    st.slime_types.cache_clear()
     sa.reset_default_sources()
     yield
     sa.reset_default_sources()
-    sa.slime_types.cache_clear()
+    st.slime_types.cache_clear()
 
 
 # -- helpers ------------------------------------------------------------------------------
 
 
-def finished(row: int, rewards: list | None = None, version: int = 0) -> Group:
+def finished(row: int, rewards: list | None = None, version: int = 0, sampling: SamplingRecord | None = SAMPLING,
+             prefix: str = "g") -> Group:
     """Group `g<row>`: sample i has 1 + i + row % 3 response tokens 100*row + 10*i + k."""
-    group = Group.fresh(f"g{row}", f"prompt {row}", N, label=str(row), row=row)
+    group = Group.fresh(f"{prefix}{row}", f"prompt {row}", N, label=str(row), row=row)
     group.prompt_ids = list(PROMPT)
+    group.sampling, group.worker = sampling, "w"
     for i, s in enumerate(group.samples):
         n = 1 + i + row % 3
         s.tokens = PROMPT + [100 * row + 10 * i + k for k in range(n)]
@@ -137,7 +79,8 @@ def publish_results(queue, rows: list[int], **kwargs) -> list[Group]:
     queue.push_groups([Group.fresh(g.group_id, g.samples[0].prompt, N, row=g.row) for g in groups])
     claimed = claim(queue, "w", len(groups))
     assert [c.group_id for c in claimed.groups] == [g.group_id for g in groups]
-    for g in groups:
+    for c, g in zip(claimed.groups, groups):
+        g.admitted_version = c.group.admitted_version
         assert publish(queue, "w", g, Place.RESULTS)
     return groups
 
@@ -155,44 +98,61 @@ def committed(queue) -> int:
     return queue.stats().get("committed", 0)
 
 
-# -- types --------------------------------------------------------------------------------
+# -- types (item 6) -------------------------------------------------------------------------
 
 
-def test_fallback_types_without_slime(monkeypatch):
-    monkeypatch.setitem(sys.modules, "slime", None)  # not importable, even if installed
-    sa.slime_types.cache_clear()
-    t = sa.slime_types()
-    assert not t.real
-    assert (t.sample, t.train_output, t.eval_output) == (Sample, sa.RolloutFnTrainOutput, sa.RolloutFnEvalOutput)
-    assert [f.name for f in fields(sa.RolloutFnTrainOutput)] == ["samples", "metrics"]
-    assert [f.name for f in fields(sa.RolloutFnEvalOutput)] == ["data", "metrics"]
-    assert sa.RolloutFnTrainOutput(samples=[]).metrics is None
+def test_stand_in_types_without_slime():
+    t = st.slime_types()
+    assert not t.real and t.version is None
+    assert (t.sample, t.train_output, t.eval_output) == (Sample, st.RolloutFnTrainOutput, st.RolloutFnEvalOutput)
+    assert [f.name for f in fields(st.RolloutFnTrainOutput)] == ["samples", "metrics"]
+    assert [f.name for f in fields(st.RolloutFnEvalOutput)] == ["data", "metrics"]
     s = finished(1).samples[0]
-    assert sa.to_slime_sample(s) is s
+    assert st.to_slime_sample(s) is s
 
 
-def test_fake_slime_types_are_used(fake_slime):
-    t = sa.slime_types()
-    assert t.real and t.sample is FakeSlimeSample and t.train_output is FakeTrainOutput
+def test_slime_types_are_used_and_convert_both_ways(fake_slime_installed):
+    t = st.slime_types()
+    assert t.real and t.sample is FakeSlimeSample and t.train_output is fake_slime.RolloutFnTrainOutput
+    assert t.version == st.MIN_DATA_SOURCE  # a source checkout: told by its modules
     ours = finished(4).samples[1]
-    theirs = sa.to_slime_sample(ours)
-    assert isinstance(theirs, FakeSlimeSample)
-    assert theirs.status is FakeSlimeSample.Status.TRUNCATED
+    theirs = st.to_slime_sample(ours)
+    assert isinstance(theirs, FakeSlimeSample) and theirs.status is FakeSlimeSample.Status.TRUNCATED
+    assert theirs.rollout_id is None and theirs.rollout_top_p_token_ids is None  # slime's defaults
     for name in ("group_index", "index", "prompt", "label", "tokens", "response_length", "response",
                  "reward", "loss_mask", "rollout_log_probs", "weight_versions", "metadata"):
         assert getattr(theirs, name) == getattr(ours, name), name
-    back = sa.from_slime_sample(theirs)
+    back = st.from_slime_sample(theirs)
     assert back == ours and back.status is Status.TRUNCATED
+
+
+def test_a_broken_slime_import_is_raised_not_replaced(monkeypatch):
+    fake_slime.install(monkeypatch)
+    del sys.modules["slime.rollout.base_types"].RolloutFnTrainOutput  # a slime older than 0.2.0
+    st.slime_types.cache_clear()
+    with pytest.raises(st.SlimeImportError, match="slime >= 0.2.0.*RolloutFnTrainOutput|RolloutFnTrainOutput"):
+        st.slime_types()
+
+
+def test_slime_too_old_for_the_data_source_is_refused(monkeypatch, redis_url, namespace):
+    fake_slime.install(monkeypatch)
+    monkeypatch.setattr(st, "_version", lambda: (0, 2, 0))
+    st.slime_types.cache_clear()
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=2)
+    with pytest.raises(RuntimeError, match="needs slime >= 0.2.1; this is slime 0.2.0"):
+        sa.RedisDataSource(args)
+    assert sa.RedisDataSource(make_args(redis_url, namespace)).types.version == (0, 2, 0)  # our rollout: 0.2.0
 
 
 def test_metrics_have_slime_style_keys():
     m = BatchMetrics(kept=6, dropped={"all rewards equal": 3, "stale": 1}, restarted=2, dead=1, duplicates=0,
-                     wait_s=1.5, staleness={0: 4, 2: 2})
-    out = sa.slime_metrics(m, weight_version=7)
+                     kept_insufficient=1, wait_s=1.5, staleness={0: 4, 2: 2})
+    out = slime_metrics(m, weight_version=7)
     assert out["rollout/queue/kept"] == 6 and out["rollout/queue/dropped"] == 4
     assert out["rollout/queue/drop_ratio"] == pytest.approx(0.4)
     assert out["rollout/dynamic_filter/drop_all_rewards_equal"] == 3
-    assert out["rollout/queue/drop_stale"] == 1
+    assert out["rollout/queue/drop_stale"] == 1 and out["rollout/queue/kept_when_insufficient"] == 1
     assert out["rollout/queue/restarted"] == 2 and out["rollout/queue/dead"] == 1
     assert out["rollout/queue/wait_time"] == 1.5 and out["rollout/queue/weight_version"] == 7
     assert out["rollout/queue/staleness/0"] == 4 and out["rollout/queue/staleness/2"] == 2
@@ -203,28 +163,30 @@ def test_settings_from_args_then_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("ROLLOUT_REDIS_URL", "redis://env-host:6379")
     monkeypatch.setenv("ROLLOUT_NAMESPACE", "envns")
     s = sa.QueueSettings.from_args(SimpleNamespace())
-    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.commit_lag) == (
-        "redis://env-host:6379", "envns", "trainer", None, 1)
+    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.max_staleness) == (
+        "redis://env-host:6379", "envns", "trainer", None, None)
     s = sa.QueueSettings.from_args(SimpleNamespace(rollout_redis_url="redis://args:1", rollout_namespace="a",
                                                    rollout_consumer="t2", rollout_batch_timeout=5,
-                                                   rollout_commit_lag=2))
-    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.commit_lag) == ("redis://args:1", "a", "t2", 5, 2)
+                                                   rollout_max_staleness=1, rollout_filter_fallback_wait=2))
+    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.max_staleness, s.fallback_wait_s) == (
+        "redis://args:1", "a", "t2", 5, 1, 2.0)
+    with pytest.raises(ValueError, match="rollout_commit_lag is gone"):
+        sa.QueueSettings.from_args(SimpleNamespace(rollout_commit_lag=2))
     monkeypatch.delenv("ROLLOUT_REDIS_URL")
     monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path))  # no local stack registered there
     with pytest.raises(ValueError, match="ROLLOUT_REDIS_URL"):
         sa.QueueSettings.from_args(SimpleNamespace())
 
 
-# -- the rollout function --------------------------------------------------------------------
+# -- the rollout function ----------------------------------------------------------------------
 
 
-def test_generate_rollout_with_fake_slime(fake_slime, queue, redis_url, namespace):
-    published = {g.row: g for g in publish_results(queue, [3, 1, 4, 0, 5])}
+def test_generate_rollout_with_slime(fake_slime_installed, queue, redis_url, namespace):
+    published = {g.row: g for g in publish_results(queue, [3, 1, 4, 0, 5, 2])}
     args = make_args(redis_url, namespace)
 
     out = sa.generate_rollout(args, 0, data_source=None)
-    assert isinstance(out, FakeTrainOutput)
-    assert len(out.samples) == 2 and all(len(g) == N for g in out.samples)
+    assert isinstance(out, fake_slime.RolloutFnTrainOutput)
     assert rows_of(out.samples) == [1, 3]  # stream order was 3, 1: sorted by index
     assert [s.index for g in out.samples for s in g] == [2, 3, 6, 7]
     for group in out.samples:
@@ -233,68 +195,74 @@ def test_generate_rollout_with_fake_slime(fake_slime, queue, redis_url, namespac
             assert isinstance(theirs, FakeSlimeSample)
             assert theirs.tokens == mine.tokens and theirs.tokens[:3] == PROMPT
             assert theirs.response_length == mine.response_length == len(theirs.tokens) - 3
-            assert theirs.rollout_log_probs == mine.rollout_log_probs
-            assert theirs.loss_mask == mine.loss_mask
-            assert theirs.reward == mine.reward
-            assert theirs.weight_versions == ["0"]
-            assert theirs.prompt == mine.prompt and theirs.label == mine.label
-            assert theirs.response == ""  # results leave response text out by default
+            assert (theirs.rollout_log_probs, theirs.loss_mask, theirs.reward) == (
+                mine.rollout_log_probs, mine.loss_mask, mine.reward)
+            assert theirs.weight_versions == ["0"] and theirs.prompt == mine.prompt
         assert [s.status for s in group] == [FakeSlimeSample.Status.COMPLETED, FakeSlimeSample.Status.TRUNCATED]
+    fake_slime.convert_samples_to_train_data(args, [s for g in out.samples for s in g])
     assert out.metrics["rollout/queue/kept"] == 2 and out.metrics["rollout/queue/staleness/0"] == 2
-    assert committed(queue) == 0
+    control = read_control(queue.redis, queue.keys)
+    assert control.version_clock == VersionClock.QUEUE and control.weight_version == 0
 
-    out2 = sa.generate_rollout(args, 1, data_source=None)
-    assert rows_of(out2.samples) == [0, 4]
-    assert committed(queue) == 2  # the first batch, when the second was requested
-    ids = {e.group_id for e in queue.read_stream(queue.keys.results)}
-    assert ids == {"g0", "g4", "g5"}  # g1, g3 deleted; g0, g4 pending; g5 undelivered
-
-    # The trainer dies mid-step 1: nothing committed. A restarted trainer gets 0, 4 again first.
-    sa.reset_default_sources()
-    out3 = sa.generate_rollout(args, 1, data_source=None)
-    assert rows_of(out3.samples) == [0, 4]
-    assert [s.tokens for g in out3.samples for s in g] == [s.tokens for g in out2.samples for s in g]
+    # No checkpoints: a batch is committed two rollouts later (its step ran, train_async.py too).
+    assert rows_of(sa.generate_rollout(args, 1, None).samples) == [0, 4]
+    assert committed(queue) == 0 and read_control(queue.redis, queue.keys).weight_version == 1
+    assert rows_of(sa.generate_rollout(args, 2, None).samples) == [2, 5]
     assert committed(queue) == 2
-    assert queue.redis.xlen(queue.keys.results) == 3
     assert audit(queue).ok, audit(queue).summary()
 
 
-def test_generate_rollout_fallback_types(queue, redis_url, namespace, monkeypatch):
-    monkeypatch.setitem(sys.modules, "slime", None)
+def test_generate_rollout_with_stand_in_types(queue, redis_url, namespace):
     publish_results(queue, [2, 1])
     out = sa.generate_rollout(make_args(redis_url, namespace), 0, data_source=None)
-    assert isinstance(out, sa.RolloutFnTrainOutput)
-    assert rows_of(out.samples) == [1, 2]
+    assert isinstance(out, st.RolloutFnTrainOutput) and rows_of(out.samples) == [1, 2]
     sample = out.samples[0][1]
-    assert isinstance(sample, Sample) and sample.status == "truncated" and sample.status is Status.TRUNCATED
+    assert isinstance(sample, Sample) and sample.status is Status.TRUNCATED
     assert sample.tokens == finished(1).samples[1].tokens
 
 
-def test_generate_rollout_uses_a_redis_data_source(queue, redis_url, namespace):
-    publish_results(queue, [0, 1, 2, 3])
-    args = make_args(redis_url, namespace)
+def test_checkpoints_need_our_data_source(redis_url, namespace):
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=5)
+    with pytest.raises(SlimeConfigError, match="--data-source-path pipeline.slime_adapter.RedisDataSource"):
+        sa.generate_rollout(args, 0, data_source=object())
+
+
+def test_commits_follow_checkpoints_in_train_async_order(queue, redis_url, namespace):
+    """train_async.py reads rollout k+1 before training k, and saves k after: save(k)
+    commits rollouts up to k only."""
+    publish_results(queue, list(range(8)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
     source = sa.RedisDataSource(args)
-    assert rows_of(sa.generate_rollout(args, 0, source).samples) == [0, 1]
-    assert rows_of(sa.generate_rollout(args, 1, source).samples) == [2, 3]
+    source.load(-1)
+    sa.generate_rollout(args, 0, source)
+    sa.generate_rollout(args, 1, source)  # read before step 0 trains
+    assert committed(queue) == 0
+    source.save(0)
     assert committed(queue) == 2 and source.pending_batches == 1
-    assert sa._SOURCES == {}  # no default source was built
-    assert source.commit_pending() == 2 and committed(queue) == 4
-
-
-def test_commit_lag_two_for_train_async(queue, redis_url, namespace):
-    publish_results(queue, list(range(6)))
-    args = make_args(redis_url, namespace, rollout_commit_lag=2)
-    for rollout_id, expected_committed in [(0, 0), (1, 0), (2, 2)]:
-        sa.generate_rollout(args, rollout_id, None)
-        assert committed(queue) == expected_committed
-    # train_async.py saves after training rollout k while rollout k+1 is delivered: keep it.
-    sa.default_source(args).save(1)
+    sa.generate_rollout(args, 2, source)
+    source.save(1)
     assert committed(queue) == 4
+    assert queue.redis.hlen(queue.keys.slime_rollouts) == 2  # rollout 2's entries, until committed
+    assert source.commit_pending() == 2 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert audit(queue).ok, audit(queue).summary()
 
 
-def test_evaluation_is_not_served_from_the_queue(redis_url, namespace):
-    with pytest.raises(NotImplementedError, match="--eval-function-path slime.rollout.sglang_rollout"):
-        sa.generate_rollout(make_args(redis_url, namespace), 0, None, evaluation=True)
+def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namespace):
+    """The trainer died after saving the model of rollout 1 and before save(1) reached the
+    queue: on load(1) the batches of rollouts 0 and 1 are committed, rollout 2's comes back."""
+    publish_results(queue, list(range(6)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+    source = sa.RedisDataSource(args)
+    source.load(-1)
+    read = [rows_of(sa.generate_rollout(args, r, source).samples) for r in range(3)]
+    assert read == [[0, 1], [2, 3], [4, 5]] and committed(queue) == 0
+    source.close()
+    restarted = sa.RedisDataSource(args)
+    restarted.load(1)
+    assert committed(queue) == 4
+    assert rows_of(sa.generate_rollout(args, 2, restarted).samples) == [4, 5]
+    restarted.save(2)
+    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
 
 
 def test_wrong_group_size_is_refused(queue, redis_url, namespace):
@@ -311,6 +279,105 @@ def test_timeout_says_why(redis_url, namespace):
         sa.generate_rollout(args, 0, None)
 
 
+# -- staleness (item 1) ---------------------------------------------------------------------------
+
+
+class SlimeEngines:
+    """Workers generating against engines whose weights slime updates: slime's updater
+    numbers the weights of every run from 1 (π_r is "r + 1" in a run started at 0)."""
+
+    def __init__(self, queue, namespace: str):
+        self.queue, self.version, self.rows = queue, 1, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.queue.push_groups([Group.fresh(f"p{self.rows + i}", "p", N, row=self.rows + i) for i in range(2)])
+            self.rows += 2
+            c = claim(self.queue, "w", 2)
+            for x in c.groups:
+                g = finished(int(x.group_id[1:]), version=self.version, prefix="p")
+                g.admitted_version = x.group.admitted_version
+                publish(self.queue, "w", x, group=g)
+            if c.status in (ClaimStatus.BUDGET, ClaimStatus.BACKLOG):
+                self.stop.wait(0.005)
+
+
+def test_staleness_follows_slime_for_20_rollouts(fake_slime_installed, queue, redis_url, namespace):
+    """η = 1 under slime's train.py loop: generate r, train, update the engines' weights.
+    Never blocks, never delivers a group whose tokens come from weights older than π_{r-1}."""
+    args = make_args(redis_url, namespace, rollout_max_staleness=1, rollout_batch_timeout=20)
+    engines = SlimeEngines(queue, namespace)
+    engines.thread.start()
+    try:
+        source = sa.RedisDataSource(args)
+        control = read_control(queue.redis, queue.keys)
+        assert (control.max_staleness, control.batch_size) == (1, 2)
+        lags = []
+        for r in range(20):
+            out = sa.generate_rollout(args, r, source)
+            generated = [int(s.weight_versions[0]) - 1 for g in out.samples for s in g]  # π index
+            lags += [r - pi for pi in generated]
+            assert min(out.metrics[k] for k in out.metrics if k.startswith("rollout/queue/staleness/")) >= 0
+            engines.version += 1  # update_weights after the step: π_{r+1}
+    finally:
+        engines.stop.set()
+        engines.thread.join()
+    assert max(lags) <= 1 and min(lags) >= 0, lags
+    assert read_control(queue.redis, queue.keys).weight_version == 19
+
+
+# -- what slime must not train on (items 3, 5, 9) ---------------------------------------------------
+
+
+def test_top_p_other_than_one_is_refused(redis_url, namespace):
+    with pytest.raises(SlimeConfigError, match="--rollout-top-p 0.9.*rollout_top_p_token_ids"):
+        sa.RedisDataSource(make_args(redis_url, namespace, rollout_top_p=0.9))
+
+
+def test_over_sampling_with_slimes_rollout_is_refused(redis_url, namespace):
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=6)
+    with pytest.raises(SlimeConfigError, match="--over-sampling-batch-size 6 != --rollout-batch-size 2"):
+        sa.RedisDataSource(args)
+    args.over_sampling_batch_size = 2
+    source = sa.RedisDataSource(args)
+    with pytest.raises(SlimeConfigError, match="get_samples\\(6\\) but --rollout-batch-size is 2"):
+        source.get_samples(6)
+
+
+def test_fully_async_rollout_is_refused(redis_url, namespace):
+    args = make_args(redis_url, namespace,
+                     rollout_function_path="slime.rollout.fully_async_rollout.generate_rollout_fully_async")
+    with pytest.raises(SlimeConfigError, match="get_samples\\(1\\) per group from a thread"):
+        sa.RedisDataSource(args)
+
+
+def test_groups_sampled_otherwise_are_refused_and_regenerated(queue, redis_url, namespace):
+    publish_results(queue, [0], sampling=SamplingRecord(0.7, 1.0, -1, 64))
+    publish_results(queue, [1])
+    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=64)
+    with pytest.raises(SamplingMismatch, match="g0 was sampled by worker w with temperature 0.7, slime trains "
+                                               "with --rollout-temperature 1.0: start the workers with "
+                                               "--temperature 1.0"):
+        sa.generate_rollout(args, 0, None)
+    assert queue.redis.lrange(queue.keys.prompts, 0, -1) == [b"g0"]  # to be generated again
+    assert decode_group(queue.redis.hget(queue.keys.payloads, "g0")).samples[0].tokens == []
+    publish_results(queue, [0])  # a worker with the right settings generates it again
+    assert rows_of(sa.generate_rollout(args, 0, None).samples) == [0, 1]  # g1 came back first
+    publish_results(queue, [2], sampling=None)
+    publish_results(queue, [3])
+    with pytest.raises(SamplingMismatch, match="g2 carries no sampling settings"):
+        sa.generate_rollout(args, 1, None)
+    publish_results(queue, [2])
+    assert rows_of(sa.generate_rollout(args, 1, None).samples) == [2, 3]
+    assert audit(queue).ok, audit(queue).summary()
+
+
+# -- filters (item 7) --------------------------------------------------------------------------------
+
+
 def nonzero_std(args, samples, **kwargs):
     """A slime-style filter: calls slime's Sample method, returns slime's output type."""
     rewards = [s.get_reward_value(args) for s in samples]
@@ -318,93 +385,211 @@ def nonzero_std(args, samples, **kwargs):
     return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
 
 
-def test_slime_dynamic_filter_gets_slime_samples(fake_slime, queue, redis_url, namespace):
+def test_slime_dynamic_filter_gets_slime_samples(fake_slime_installed, queue, redis_url, namespace):
     publish_results(queue, [0, 1], rewards=[1.0, 1.0])
     publish_results(queue, [2, 3, 4])
     args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.nonzero_std")
     out = sa.generate_rollout(args, 0, None)
     assert rows_of(out.samples) == [2, 3]
     assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2
-    assert out.metrics["rollout/queue/dropped"] == 2
-    assert out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
+    assert out.metrics["rollout/queue/dropped"] == 2 and out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
 
 
-# -- the data source ---------------------------------------------------------------------------
-
-
-def test_data_source_interface(fake_slime, queue, redis_url, namespace):
-    publish_results(queue, [0, 1, 2, 3, 4])
-    args = make_args(redis_url, namespace)
-    source = sa.RedisDataSource(args)
-    assert len(source) == 5
-    assert source.load() is None and source.load(3) is None
-
-    first = source.get_samples(3)
-    assert rows_of(first) == [0, 1, 2] and len(source) == 2
-    # slime gives two back (e.g. its over-sampling surplus): they stay uncommitted...
-    source.add_samples([first[2], first[0]])
-    assert len(source) == 4
-    second = source.get_samples(3)
-    assert committed(queue) == 1  # ...only group 1 of the first delivery was committed
-    assert rows_of(second) == [0, 2, 3]  # given-back groups first, then the next in the stream
-    assert second[0][0] is first[0][0]
-    assert len(source) == 1
-
-    source.save(1)  # after the step: commits (commit_lag 1 keeps nothing back)
-    assert committed(queue) == 4 and source.pending_batches == 0
-    assert rows_of(source.get_samples(1)) == [4]
-    assert source.commit_pending() == 1 and committed(queue) == 5
-    assert len(source) == 0
+def test_keep_when_insufficient_fills_a_batch_that_cannot_fill(fake_slime_installed, queue, redis_url, namespace):
+    path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
+    publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])
+    publish_results(queue, [3])
+    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=path, rollout_filter_fallback_wait=0.3)
+    out = sa.generate_rollout(args, 0, None)
+    assert rows_of(out.samples) == [0, 3]  # one passed; the oldest rejected group filled the batch
+    assert out.metrics["rollout/queue/kept_when_insufficient"] == 1
+    assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2  # the others, once the batch was full
+    publish_results(queue, [4, 5, 6], rewards=[0.0, 1.0])
+    publish_results(queue, [7], rewards=[1.0, 1.0])
+    out = sa.generate_rollout(args, 1, None)
+    assert rows_of(out.samples) == [4, 5] and out.metrics["rollout/queue/kept_when_insufficient"] == 0
     assert audit(queue).ok, audit(queue).summary()
 
 
-def test_given_back_groups_survive_a_crash(queue, redis_url, namespace):
-    publish_results(queue, [0, 1])
-    args = make_args(redis_url, namespace)
-    source = sa.RedisDataSource(args)
-    groups = source.get_samples(2)
-    source.add_samples([groups[1]])
-    source.commit_pending()
-    assert committed(queue) == 1
-    # Crash before the given-back group was served again: a new session gets it first.
-    restarted = sa.RedisDataSource(args)
-    assert rows_of(restarted.get_samples(1)) == [1]
+# -- the data source ---------------------------------------------------------------------------------
 
 
-def test_foreign_groups_are_pushed_as_prompts(fake_slime, queue, redis_url, namespace):
-    args = make_args(redis_url, namespace)
+def test_data_source_interface(fake_slime_installed, queue, redis_url, namespace):
+    publish_results(queue, [0, 1, 2, 3, 4, 5])
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=2, save="/ckpt", save_interval=1, hf_checkpoint="bytes")
     source = sa.RedisDataSource(args)
+    source.load(4)  # resumes after the checkpoint of rollout 4
+    assert len(source) == 6
+    first = source.get_samples(2)
+    assert rows_of(first) == [0, 1] and len(source) == 4
+    assert read_control(queue.redis, queue.keys).weight_version == 5
+    source.add_samples([first[1]])  # slime's partial-rollout abort gives one back
+    source.save(5)
+    assert committed(queue) == 1  # group 1 was not trained
+    second = source.get_samples(2)
+    assert rows_of(second) == [1, 2] and second[0][0].tokens == first[1][0].tokens
+    source.save(6)
+    assert committed(queue) == 3 and source.pending_batches == 0
+    assert audit(queue).ok, audit(queue).summary()
+
+
+def test_foreign_groups_are_pushed_as_prompts(fake_slime_installed, queue, redis_url, namespace):
+    source = sa.RedisDataSource(make_args(redis_url, namespace))
     partial = [FakeSlimeSample(group_index=9, index=18 + i, prompt="p9", label="9", tokens=[1, 2, 3, 40 + i],
                                response_length=1, rollout_log_probs=[-0.5], weight_versions=["3"],
                                status=FakeSlimeSample.Status.ABORTED) for i in range(N)]
     source.add_samples([partial])
-    assert queue.redis.llen(queue.keys.prompts) == 1
     gid = queue.redis.lindex(queue.keys.prompts, 0).decode()
     assert gid.startswith("slime:")
     group = decode_group(queue.redis.hget(queue.keys.payloads, gid))
     assert [s.tokens for s in group.samples] == [[1, 2, 3, 40], [1, 2, 3, 41]]
     assert [s.status for s in group.samples] == [Status.ABORTED, Status.ABORTED]
-    assert group.samples[0].weight_versions == ["3"] and group.samples[1].index == 19
     with pytest.raises(ValueError, match="n_samples_per_prompt=2"):
         source.add_samples([partial[:1]])
     assert audit(queue).ok, audit(queue).summary()
 
 
-def test_given_back_group_too_stale_is_dropped(queue, redis_url, namespace):
-    from pipeline.control import configure, set_weight_version
-
-    publish_results(queue, [0, 1, 2])
+def test_given_back_group_too_stale_is_restarted(queue, redis_url, namespace):
+    publish_results(queue, [0, 1, 2, 3])
     configure(queue.redis, queue.keys, max_staleness=0)
     source = sa.RedisDataSource(make_args(redis_url, namespace))
-    groups = source.get_samples(2)
+    groups = source.read_rollout(0, 2)
     source.add_samples([groups[1]])
-    set_weight_version(queue.redis, queue.keys, 1)  # a weight update: version-0 groups are too stale now
+    assert queue.redis.hlen(queue.keys.slime_rollouts) == 1  # g1's entry: given back, not trained
     with pytest.raises(TimeoutError):
         source.settings.timeout = 0.2
-        source.get_samples(1)  # group 2 is too stale too: the Consumer restarts it
-    dropped = [(e["gid"], e["reason"]) for _, e in
-               ((i, {k.decode(): v.decode() for k, v in f.items()}) for i, f in queue.redis.xrange(queue.keys.dropped))]
-    assert dropped == [("g1", "stale: given back, then 1 versions behind (max 0)")]
-    assert committed(queue) == 1  # group 0, trained in the step before
-    assert queue.stats()["dropped"] == 1
+        source.read_rollout(1, 2)  # admitted at version 0, now 1 behind: all restarted from their prompts
+    assert sorted(g.decode() for g in queue.redis.lrange(queue.keys.prompts, 0, -1)) == ["g1", "g2", "g3"]
+    assert committed(queue) == 0  # without checkpoints, rollout 0 is committed at rollout 2
     assert audit(queue).ok, audit(queue).summary()
+
+
+# -- commits follow checkpoints, across kills (item 4) ----------------------------------------
+
+
+@pytest.mark.slow
+def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespace, tmp_path):
+    """20 rollouts of slime's loop in processes killed before a checkpoint, between the
+    model's save and the data source's, and after both: the ledger (the checkpoints'
+    contents) holds every group once, and nothing is left uncommitted."""
+    batch, rollouts = 3, 20
+    publish_results(queue, list(range(batch * rollouts + 4)))  # 4 more than the run trains
+    env = dict(os.environ, REDIS_URL=redis_url, NAMESPACE=namespace, LEDGER_DIR=str(tmp_path),
+               NUM_ROLLOUT=str(rollouts), BATCH=str(batch), SAVE_INTERVAL="3",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    kills = ["4:trained", "5:model_saved", "8:saved", "13:trained", "17:model_saved", ""]
+    for kill_at in kills:
+        done = subprocess.run([sys.executable, "-m", "tests.slime_loop"], env=dict(env, KILL_AT=kill_at),
+                              capture_output=True, text=True, timeout=120, check=False)
+        expected = -signal.SIGKILL if kill_at else 0
+        assert done.returncode == expected, (kill_at, done.stderr[-3000:])
+    lines = (tmp_path / "trained").read_text().split()
+    rows = [int(r) for r in lines[1::2]]
+    assert sorted(int(r) for r in lines[0::2]) == sorted(r for r in range(rollouts) for _ in range(batch))
+    assert len(rows) == len(set(rows)) == batch * rollouts
+    assert committed(queue) == batch * rollouts
+    assert queue.redis.xlen(queue.keys.results) == 4 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert audit(queue).ok, audit(queue).summary()
+
+
+# -- evaluation (item 8) ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim():
+    from workers.simulator import SimConfig, start_simulator
+
+    handle = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20000.0, length_median=24, length_p99=240,
+                                       prefill_s=0.001))
+    yield handle
+    handle.stop()
+
+
+def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue, redis_url, namespace, sim,
+                                                     tmp_path):
+    from pipeline.keys import eval_namespace
+    from pipeline.queue import Queue
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(40)])
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(5)))
+    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=128,
+                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=3, label_key="label",
+                     rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
+                                         concurrency_per_engine=8))
+    try:
+        train = sa.generate_rollout(args, 0, None)
+        out = sa.generate_rollout(args, 0, None, evaluation=True)
+        after = sa.generate_rollout(args, 1, None)  # training goes on after the pass
+    finally:
+        worker.stop()
+    assert isinstance(out, fake_slime.RolloutFnEvalOutput) and list(out.data) == ["math"]
+    math = out.data["math"]
+    assert len(math["rewards"]) == len(math["truncated"]) == len(math["samples"]) == 15
+    assert all(isinstance(s, FakeSlimeSample) for s in math["samples"])
+    assert [s.index for s in math["samples"]] == list(range(15))
+    assert all(r in (0.0, 1.0) for r in math["rewards"]) and math["truncated"] == [
+        s.status is FakeSlimeSample.Status.TRUNCATED for s in math["samples"]]
+    assert {s.label for s in math["samples"]} == {str(i + 3) for i in range(5)}
+    trained = [g[0].prompt for g in train.samples + after.samples]
+    assert all(p.startswith("What is") and "+ 2?" in p for p in trained)  # training groups only
+    eval_queue = Queue(queue.redis, eval_namespace(namespace))
+    eval_books, train_books = audit(eval_queue), audit(queue)
+    assert eval_books.ok and eval_books.committed == 5, eval_books.summary()
+    assert train_books.ok and train_books.pushed == 40, train_books.summary()
+
+
+# -- rewards (items 2, 9) -------------------------------------------------------------------------
+
+
+def test_slimes_rescoring_gives_the_workers_rewards(fake_slime_installed, queue, redis_url, namespace, sim):
+    """slime's own rollout over RedisDataSource with --group-rm scores each group again
+    from Sample.response; results carry no text, so the data source decodes it with
+    slime's tokenizer, and the scores come out as the workers' (f1, slime's rm_type)."""
+    from tests.helpers import WorkerThread
+    from workers.rewards import f1_score
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=f"the answer is {i + 2}", row=i)
+                       for i in range(6)])
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=2, hf_checkpoint="bytes", rollout_max_response_len=128,
+                     group_rm=True, rm_type="f1", rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
+                                         reward="f1"))
+    try:
+        source = sa.RedisDataSource(args)
+        source.load(-1)
+        groups = [g for _ in range(3) for g in source.get_samples(2)]
+    finally:
+        worker.stop()
+    samples = [s for g in groups for s in g]
+    assert all(s.response for s in samples)
+    assert [f1_score(s.response, s.label) for s in samples] == [s.reward for s in samples]
+    assert any(s.reward > 0 for s in samples)
+
+
+def slime_rm(args, sample):
+    """A slime custom reward: slime's Sample and the args slime's rewards read."""
+    assert isinstance(sample, FakeSlimeSample) and sample.rollout_id is None
+    return float(args.rm_type == "custom" and args.rollout_temperature == 0.5 and sample.response == sample.label)
+
+
+def test_a_slime_custom_reward_gets_slimes_sample_and_args(fake_slime_installed):
+    import asyncio
+
+    from workers.rewards import Reward
+    from workers.worker import SamplingSettings, WorkerSettings, reward_args
+
+    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="custom",
+                              reward=f"{__name__}.slime_rm", sampling=SamplingSettings(temperature=0.5))
+    reward = Reward.from_path(settings.reward)
+    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
+    assert asyncio.run(reward.score(reward_args(settings), samples)) == [1.0, 0.0]
+    assert not Reward.from_path("f1").slime_samples  # built-ins take ours

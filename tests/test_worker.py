@@ -247,3 +247,25 @@ def test_bad_request_is_dead_lettered_at_once(redis_url, queue, namespace):
     assert dead.error.startswith("engine rejected the request") and "context" in dead.error
     assert worker.worker.counters.requests <= 3 * 2 + 2  # the bad one was sent once per sample, not retried
     assert audit(queue).ok
+
+
+def test_a_group_continued_with_other_sampling_settings_starts_over(redis_url, namespace):
+    """One sample's tokens must come from one distribution: a group a worker with other
+    settings started is generated again from its prompt, and records the new settings."""
+    from pipeline.types import SamplingRecord
+    from workers.worker import Worker
+
+    worker = Worker(settings(redis_url, namespace, ["http://127.0.0.1:9"],
+                             sampling=SamplingSettings(max_new_tokens=128, temperature=0.7)))
+    group = Group.fresh("g", "What is 1 + 1?", 2, label="2")
+    worker._stamp_sampling(group)
+    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)
+    group.prompt_ids = [1, 2]
+    for s in group.samples:
+        s.tokens, s.response_length, s.status, s.weight_versions = [1, 2, 3], 1, Status.ABORTED, ["0"]
+    worker._stamp_sampling(group)  # the same settings: continued as it is
+    assert group.samples[0].tokens == [1, 2, 3]
+    group.sampling = SamplingRecord(1.0, 1.0, -1, 128)
+    worker._stamp_sampling(group)
+    assert [s.tokens for s in group.samples] == [[], []] and group.prompt_ids == []
+    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)

@@ -32,7 +32,13 @@ trustworthy; see DESIGN.md invariant 9, "fail loudly"):
   group and eventually dead-letters it. `MissingLabel` (a sample without the label
   the reward needs) is not retried: the group is dead-lettered on its first attempt.
 
-Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``.
+Built-ins (usable as ``path``): ``exact_match``, ``math_boxed``, ``remote_rm``, and of
+slime's ``--rm-type`` names ``f1`` and ``boxed_f1`` (SQuAD-style token F1, written here).
+slime's other rm types (``math``, ``dapo``, ``deepscaler``, ``gpqa``, ``ifbench``) are not
+reimplemented: with slime installed on the worker, ``--reward
+slime.rollout.rm_hub.async_rm --rm-type math`` runs slime's own. A reward given as a dotted
+path gets slime's `Sample` when slime is installed (`uses_slime_samples`), and `args`
+carries slime's names of the worker's settings (`rm_type`, `rollout_temperature`, ...).
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ import logging
 import math
 import numbers
 import re
+import string
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from fractions import Fraction
@@ -51,6 +59,7 @@ from typing import Any
 
 import aiohttp
 
+from pipeline.slime_types import slime_types, to_slime_sample
 from pipeline.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -67,8 +76,11 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "RewardValue",
+    "boxed_f1",
     "exact_match",
     "extract_boxed",
+    "f1",
+    "f1_score",
     "load_reward",
     "math_boxed",
     "math_equal",
@@ -231,10 +243,45 @@ async def remote_rm(args: Any, sample: Sample) -> float:
     return float(answer)
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def _f1_tokens(text: str) -> list[str]:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles."""
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    """Token-overlap F1 of two answers (0.0 when they share no token)."""
+    pred, gold = _f1_tokens(prediction), _f1_tokens(truth)
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if not same:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+async def f1(args: Any, sample: Sample) -> float:
+    """slime's `--rm-type f1`: token F1 of the response against the label."""
+    if sample.label is None:
+        raise RewardError("f1 needs a label, but sample.label is None")
+    return f1_score(sample.response, str(sample.label))
+
+
+async def boxed_f1(args: Any, sample: Sample) -> float:
+    """slime's `--rm-type boxed_f1`: token F1 of the last \\boxed{} answer (none: 0)."""
+    if sample.label is None:
+        raise RewardError("boxed_f1 needs a label, but sample.label is None")
+    return f1_score(extract_boxed(sample.response) or "", str(sample.label))
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "math_boxed": math_boxed,
     "remote_rm": remote_rm,
+    "f1": f1,
+    "boxed_f1": boxed_f1,
 }
 
 
@@ -355,13 +402,17 @@ class Reward:
         self.fn = fn
         self.group = group
         self.name = name or _describe(fn)
+        # A reward written for slime calls slime's Sample methods: hand it slime's samples.
+        self.slime_samples = False
         # Where sync functions run (None: the loop's default). The worker gives them
         # threads of their own, apart from the ones its Redis calls use.
         self.executor: Executor | None = None
 
     @classmethod
     def from_path(cls, path: str, group: bool = False) -> Reward:
-        return cls(load_reward(path, group=group), group=group, name=path)
+        reward = cls(load_reward(path, group=group), group=group, name=path)
+        reward.slime_samples = path not in BUILTIN_REWARDS and slime_types().real
+        return reward
 
     def __repr__(self) -> str:
         return f"Reward({self.name!r}, group={self.group})"
@@ -391,6 +442,8 @@ class Reward:
         if not samples:
             return []
         reward_key = getattr(args, "reward_key", None)
+        if self.slime_samples:
+            samples = [to_slime_sample(s) for s in samples]
         if self.group:
             try:
                 values = await self._call(args, samples)

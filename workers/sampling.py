@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.types import SamplingRecord
+
 #: SGLang 0.5.23 rejects requests with more stop strings than this.
 MAX_STOP_STRINGS = 32
 _INT32_MAX = 2**31 - 1
@@ -59,6 +61,10 @@ class SamplingSettings:
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and 0 <= t <= _INT32_MAX for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r:.200}")
+
+    def record(self) -> SamplingRecord:
+        """What a group stores of these settings (a trainer checks them against its own)."""
+        return SamplingRecord(float(self.temperature), float(self.top_p), self.top_k, self.max_new_tokens)
 
     def params(self, max_new_tokens: int) -> dict[str, Any]:
         p: dict[str, Any] = {

@@ -45,7 +45,7 @@ class StackOptions:
     engine_urls: list[str] = field(default_factory=list)
     data_dir: Path | None = None  # default: $ROLLOUT_HOME/stack
     redis_port: int | None = None  # None: a unix socket in the data directory
-    fsync: Fsync = Fsync.EVERYSEC  # when Redis's AOF reaches the disk
+    fsync: Fsync = Fsync.ALWAYS  # when Redis's AOF reaches the disk
     worker_args: list[str] = field(default_factory=list)  # extra `rollout worker` options
     lease_s: float | None = None  # the namespace's worker lease (None: leave it as configured)
     sim_config: dict[str, Any] = field(default_factory=dict)  # SimConfig fields

@@ -44,12 +44,13 @@ from pipeline import metrics
 from pipeline.codec import EncodeError, encode_group
 from pipeline.connection import connect
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE, read_control
+from pipeline.keys import eval_namespace
 from pipeline.queue import Claim, ClaimedGroup, ClaimStatus, Place, Published, Queue
 from pipeline.retry import Reconnect
-from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, parse_version
+from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
-from .rewards import MissingLabel, Reward, RewardError
+from .rewards import BUILTIN_REWARDS, MissingLabel, Reward, RewardError
 from .sampling import SamplingSettings
 from .tokenizer import ByteTokenizer, encode_prompt, load_tokenizer
 
@@ -75,6 +76,7 @@ class WorkerSettings:
     group_reward: bool = False  # slime's --group-rm
     reward_key: str | None = None
     rm_url: str | None = None  # for the remote_rm built-in
+    rm_type: str | None = None  # slime's --rm-type, for a reward that reads it (slime's async_rm)
     reward_queue: str | None = None  # rq queue name: score in rq workers instead of here
     reward_timeout_s: float = 300.0  # a reward call running longer is abandoned and retried
     reward_threads: int = 16  # threads for synchronous reward functions
@@ -88,6 +90,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)
+    serve_eval: bool = True  # also serve `<namespace>.eval` (pipeline/eval.py), ahead of training
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
@@ -169,6 +172,7 @@ class Running:
     payload: bytes  # as claimed: what a dead letter keeps if the group cannot be encoded
     serial: int  # unique in this process; request ids start with "<worker id>/<serial>/"
     slots: int
+    queue: Queue  # the namespace it was claimed from (training, or its eval companion)
     task: asyncio.Task | None = None
     publishing: bool = False
 
@@ -180,6 +184,10 @@ class Worker:
         self.incarnation = 1
         self.id = f"{self.name}#{self.incarnation}"
         self.queue = Queue(connect(settings.redis_url), settings.namespace)
+        # Eval passes go through a companion namespace with books of their own: claimed
+        # first whenever it has prompts, so evaluation never waits behind training.
+        self.eval_queue = Queue(self.queue.redis, eval_namespace(settings.namespace)) if settings.serve_eval else None
+        self.queues = [self.queue] + ([self.eval_queue] if self.eval_queue else [])
         self.tokenizer = load_tokenizer(settings.tokenizer)
         # The worker re-discovers engines itself (REDISCOVER_S), so control calls
         # (aborts on cancel) need not discover first. Answers' token ids are checked
@@ -195,8 +203,7 @@ class Worker:
         self._reward_pool = DaemonPool(settings.reward_threads, "reward")
         if isinstance(self.reward, Reward):
             self.reward.executor = self._reward_pool
-        self.reward_args = SimpleNamespace(rm_url=settings.rm_url, reward_key=settings.reward_key,
-                                           **asdict(settings.sampling))
+        self.reward_args = reward_args(settings)
         self.counters = WorkerCounters()
         self.reconnect = Reconnect(f"worker {self.id}")
         self.lease_s = 0.0  # the namespace's, learned at registration and with every heartbeat
@@ -224,6 +231,8 @@ class Worker:
         self._claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
         self._paused = False  # admission paused (a weight update is under way)
         self._queue_version = 0  # the trainer's weight version, as the last claim or heartbeat said
+        # On the queue clock (slime) the engines number versions their own way: no warnings.
+        self._version_clock = VersionClock.ENGINE
         self._versions_ahead_seen: set[str] = set()
         self.ready = asyncio.Event()  # set once registered
         self._last_reap = 0.0
@@ -251,8 +260,9 @@ class Worker:
         """Work until stop() is called; then hand back whatever is unfinished."""
         await self._discover_engines()
         await self._register()
+        await self._heartbeat()  # learns the namespace's control state before the first answer
         if self.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
-            await self._redis(self.queue.leave, self.id)
+            await self._leave()
             raise ValueError(f"the namespace's lease ({self.lease_s:g}s) is shorter than {HEARTBEATS_PER_LEASE} "
                              f"heartbeats of this worker ({self.settings.heartbeat_s:g}s each): raise it with "
                              f"`rollout configure --lease`")
@@ -284,14 +294,22 @@ class Worker:
         self._wake.set()
 
     async def _register(self) -> None:
-        self.lease_s = await self._redis(self.queue.register, self.id, json.dumps(self.info()))
+        info = json.dumps(self.info())
+        self.lease_s = await self._redis(self.queue.register, self.id, info)
+        if self.eval_queue:
+            await self._redis(self.eval_queue.register, self.id, info)
+
+    async def _leave(self, deadline: float | None = None) -> int:
+        returned = 0
+        for queue in self.queues:
+            returned += await self._redis(queue.leave, self.id, deadline=deadline)
+        return returned
 
     async def _shutdown(self) -> None:
         await self._cancel_all(f"worker {self.id} is stopping")
         # Give up after a lease: if Redis stays away, the reaper returns the groups anyway.
         try:
-            returned = await self._redis(self.queue.leave, self.id,
-                                         deadline=time.monotonic() + max(self.lease_s, 1.0))
+            returned = await self._leave(deadline=time.monotonic() + max(self.lease_s, 1.0))
             log.info("worker %s stopped; %d unfinished groups back to the prompt list", self.id, returned)
         except ConnectionError as exc:
             log.error("worker %s stopped without handing its groups back (%s); they return when its lease "
@@ -336,7 +354,8 @@ class Worker:
                       "(their publishes would be refused) and registering anew", old, self.lease_s,
                       len(self._running))
             await self._cancel_all(f"worker {old} was reaped")
-            await self._redis(self.queue.reap, old)  # in case its lease ran out and nobody reaped it yet
+            for queue in self.queues:  # in case its lease ran out and nobody reaped it yet
+                await self._redis(queue.reap, old)
             self.incarnation += 1
             self.counters.reincarnations += 1
             self.id = f"{self.name}#{self.incarnation}"
@@ -368,20 +387,33 @@ class Worker:
             await self._sleep(idle_wait)
             idle_wait = min(idle_wait * 2, 0.1)
 
+    async def _claim_eval(self, want: int) -> Claim | None:
+        """Eval prompts first, while admission is open (a weight update pauses them too)."""
+        if self.eval_queue is None or self._paused or not await self._redis(self.eval_queue.has_prompts):
+            return None
+        self._claims += 1
+        claim = await self._redis(self.eval_queue.claim, self.id, f"{self.id}:{self._claims}", want)
+        if not self._stopping.is_set():
+            for claimed in claim.groups:
+                self._start(claimed, self.eval_queue)
+        return claim if claim.groups or claim.status in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED) else None
+
     async def _claim(self, want: int) -> Claim | None:
         async with self._claim_lock:
-            self._claims += 1
-            # The claim id is the groups' fencing token; a retry after a lost reply
-            # presents the same id and gets the same groups.
-            claim = await self._redis(self.queue.claim, self.id, f"{self.id}:{self._claims}", want)
-            self._claim_status = claim.status
-            self._queue_version = claim.weight_version
-            if claim.status not in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED):  # answered before `paused`
-                self._paused = claim.status == ClaimStatus.PAUSED
-            if self._stopping.is_set():
-                return claim  # what this claim took goes back with leave() in _shutdown
-            for claimed in claim.groups:
-                self._start(claimed)
+            claim = await self._claim_eval(want)
+            if claim is None:
+                self._claims += 1
+                # The claim id is the groups' fencing token; a retry after a lost reply
+                # presents the same id and gets the same groups.
+                claim = await self._redis(self.queue.claim, self.id, f"{self.id}:{self._claims}", want)
+                self._claim_status = claim.status
+                self._queue_version = claim.weight_version
+                if claim.status not in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED):  # answered before `paused`
+                    self._paused = claim.status == ClaimStatus.PAUSED
+                if self._stopping.is_set():
+                    return claim  # what this claim took goes back with leave() in _shutdown
+                for claimed in claim.groups:
+                    self._start(claimed, self.queue)
         if claim.status == ClaimStatus.UNREGISTERED:
             await self._reincarnate()
             return None
@@ -397,7 +429,7 @@ class Worker:
         except asyncio.TimeoutError:
             pass
 
-    def _start(self, claimed: ClaimedGroup) -> None:
+    def _start(self, claimed: ClaimedGroup, queue: Queue) -> None:
         group = claimed.group
         if group is None:
             return  # malformed: the queue dead-lettered it
@@ -415,7 +447,7 @@ class Worker:
         # waiting on its slowest sample holds one slot, not n (the engine sees the rest free).
         slots = max(1, sum(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples))
         self._serial += 1
-        run = Running(group, claimed.token, claimed.payload, self._serial, slots)
+        run = Running(group, claimed.token, claimed.payload, self._serial, slots, queue)
         self._running[group.group_id] = run
         self.inflight_samples += slots
         run.task = asyncio.create_task(self._process(run))
@@ -452,7 +484,7 @@ class Worker:
             # reconciliation gives it back (and max_claims ends a group that keeps doing it).
             run.publishing = True
             try:
-                outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, run.payload,
+                outcome = await self._redis(run.queue.publish, self.id, group.group_id, run.token, run.payload,
                                             Place.DEAD, f"worker error: {type(exc).__name__}: {exc}", "worker_error")
             except Exception as again:
                 log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
@@ -475,7 +507,7 @@ class Worker:
             metrics.DEAD_LETTERS.labels(failure.reason).inc()
         error, reason = (None, "") if failure is None else (str(failure), failure.reason)
         run.publishing = True
-        outcome = await self._redis(self.queue.publish, self.id, group.group_id, run.token, payload, place, error,
+        outcome = await self._redis(run.queue.publish, self.id, group.group_id, run.token, payload, place, error,
                                     reason)
         metrics.GROUPS_PUBLISHED.labels(place.value if outcome != Published.REFUSED else "lost").inc()
         if outcome == Published.REFUSED:
@@ -495,6 +527,7 @@ class Worker:
         try:
             if not group.samples:
                 raise GroupFailed("group has no samples", "input")
+            self._stamp_sampling(group)
             if not group.prompt_ids:
                 group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
                                                  self.settings.apply_chat_template)
@@ -508,6 +541,17 @@ class Worker:
             return Place.DEAD, exc
         except ValueError as exc:  # the tokenizer refused the prompt
             return Place.DEAD, GroupFailed(f"bad prompt: {exc}", "input")
+
+    def _stamp_sampling(self, group: Group) -> None:
+        """Record the settings this worker samples with. A group continued here after a
+        worker with other settings started it starts over: one sample's tokens must come
+        from one distribution, the one the trainer computes probabilities with."""
+        mine = self.settings.sampling.record()
+        if group.sampling is not None and group.sampling != mine:
+            log.warning("group %s: started with %s, this worker samples with %s; generating it again from its "
+                        "prompt", group.group_id, group.sampling, mine)
+            group.reset()
+        group.sampling = mine
 
     async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
         try:
@@ -619,7 +663,7 @@ class Worker:
         """An engine ahead of the queue's weight version means the trainer updates the
         engines without telling the queue: staleness checks would be off. Say so."""
         v = parse_version(version)
-        if v is None or v <= self._queue_version:
+        if v is None or v <= self._queue_version or self._version_clock == VersionClock.QUEUE:
             return
         self.counters.versions_ahead += 1
         if version not in self._versions_ahead_seen:
@@ -783,12 +827,14 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         metrics.INFLIGHT_SAMPLES.set(self.inflight_samples)
-        beat = await self._redis(self.queue.heartbeat, self.id, json.dumps(self.info()))
-        if beat.reaped:
+        info = json.dumps(self.info())
+        beat = await self._redis(self.queue.heartbeat, self.id, info)
+        if beat.reaped or (self.eval_queue and (await self._redis(self.eval_queue.heartbeat, self.id, info)).reaped):
             await self._reincarnate()
             return
         self._paused = beat.paused  # a missed event: the heartbeat carries the truth
         self._queue_version = beat.weight_version
+        self._version_clock = beat.version_clock
         if beat.lease_s != self.lease_s:
             log.warning("worker %s: the namespace's lease is now %gs (was %gs)", self.id, beat.lease_s, self.lease_s)
             if beat.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
@@ -799,20 +845,25 @@ class Worker:
     async def _reconcile(self) -> None:
         """Make this process and Redis agree on what it holds."""
         async with self._claim_lock:
-            held = await self._redis(self.queue.held, self.id)
-            for gid, run in list(self._running.items()):
-                if held.get(gid) != run.token and not run.publishing:
-                    log.warning("group %s: worker %s no longer holds it in Redis (claim %s); cancelling its task",
-                                gid, self.id, run.token)
-                    run.task.cancel()
-            stray = {gid: token for gid, token in held.items()
-                     if (run := self._running.get(gid)) is None or run.token != token}
-            if stray:
-                n = await self._redis(self.queue.hand_back, self.id, stray)
-                self.counters.handed_back += n
-                log.warning("worker %s: %d groups held in Redis with no task here (a lost claim reply, or a task "
-                            "that failed to publish) went back to the prompt list: %s", self.id, n,
-                            ", ".join(list(stray)[:5]))
+            for queue in self.queues:
+                await self._reconcile_with(queue)
+
+    async def _reconcile_with(self, queue: Queue) -> None:
+        """Agree with one namespace on what this worker holds there."""
+        held = await self._redis(queue.held, self.id)
+        for gid, run in list(self._running.items()):
+            if run.queue is queue and held.get(gid) != run.token and not run.publishing:
+                log.warning("group %s: worker %s no longer holds it in Redis (claim %s); cancelling its task",
+                            gid, self.id, run.token)
+                run.task.cancel()
+        stray = {gid: token for gid, token in held.items()
+                 if (run := self._running.get(gid)) is None or run.token != token}
+        if stray:
+            n = await self._redis(queue.hand_back, self.id, stray)
+            self.counters.handed_back += n
+            log.warning("worker %s: %d groups held in Redis with no task here (a lost claim reply, or a task "
+                        "that failed to publish) went back to the prompt list: %s", self.id, n,
+                        ", ".join(list(stray)[:5]))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -845,16 +896,31 @@ class Worker:
         depths = self.queue.depths()
         metrics.sample_namespace(depths, self.queue.stats() if self.settings.metrics_port else {})
         now = time.monotonic()
-        if now - self._last_reap >= self.lease_s / 4:
-            self._last_reap = now
-            self.queue.reap_expired()
-        if now - self._last_orphan_reap >= 10 * self.lease_s:
+        reap, self._last_reap = (True, now) if now - self._last_reap >= self.lease_s / 4 else (False, self._last_reap)
+        orphans = now - self._last_orphan_reap >= 10 * self.lease_s
+        if orphans:
             self._last_orphan_reap = now
-            self.queue.reap_orphans()
-        if depths["requeue"]:
-            control = read_control(self.queue.redis, self.queue.keys)
-            if not control.paused:
-                self.queue.release(control.release_policy)
+        for queue in self.queues:
+            if reap:
+                queue.reap_expired()
+            if orphans:
+                queue.reap_orphans()
+            if depths["requeue"] if queue is self.queue else queue.redis.xlen(queue.keys.requeue):
+                # The training namespace's pause (a weight update) holds eval groups back too.
+                control = read_control(self.queue.redis, self.queue.keys)
+                if not control.paused:
+                    queue.release(control.release_policy)
+
+def reward_args(settings: WorkerSettings) -> SimpleNamespace:
+    """The `args` a reward gets: the worker's settings, also under slime's names (a slime
+    reward reads args.rm_type, args.rm_url, args.rollout_max_response_len, ...)."""
+    sp = settings.sampling
+    return SimpleNamespace(
+        rm_url=settings.rm_url, reward_key=settings.reward_key, rm_type=settings.rm_type,
+        group_rm=settings.group_reward, custom_rm_path=None if settings.reward in BUILTIN_REWARDS else settings.reward,
+        rollout_temperature=sp.temperature, rollout_top_p=sp.top_p, rollout_top_k=sp.top_k,
+        rollout_max_response_len=sp.max_new_tokens, rollout_stop=sp.stop or None,
+        rollout_stop_token_ids=sp.stop_token_ids or None, **asdict(sp))
 
 
 def offpolicy_mask(weight_versions: list[str], segment_lengths: list[int]) -> list[int]:

@@ -2,11 +2,11 @@
 -- a worker: one that was reaped is told so (and must cancel its work and register anew).
 -- KEYS: workers, worker_info, control
 -- ARGV: worker, info JSON, default lease ms
--- Returns {'ok' or 'reaped', paused (0/1), weight_version, lease ms}.
-local ctl = redis.call('HMGET', KEYS[3], 'paused', 'weight_version', 'lease_ms')
+-- Returns {'ok' or 'reaped', paused (0/1), weight_version, lease ms, version clock ('' = engine)}.
+local ctl = redis.call('HMGET', KEYS[3], 'paused', 'weight_version', 'lease_ms', 'version_clock')
 local lease = tonumber(ctl[3]) or tonumber(ARGV[3])
-local paused, version = ctl[1] == '1' and 1 or 0, tonumber(ctl[2]) or 0
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {'reaped', paused, version, lease} end
+local paused, version, clock = ctl[1] == '1' and 1 or 0, tonumber(ctl[2]) or 0, ctl[4] or ''
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {'reaped', paused, version, lease, clock} end
 redis.call('ZADD', KEYS[1], 'XX', now_ms() + lease, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return {'ok', paused, version, lease}
+return {'ok', paused, version, lease, clock}
