@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,22 +31,28 @@ DIR = Path(os.environ.get("ROLLOUT_SGLANG_PARSER_DIR",
                           / "rollout-queue" / f"sglang-{VERSION}"))
 #: What the modules behind `prepare_server_args` import, besides torch and numpy.
 PARSER_IMPORTS = ["msgspec", "pybase64", "pillow", "pyzmq", "orjson", "psutil", "requests", "starlette",
-                  "pydantic", "tqdm", "packaging", "typing_extensions", "anyio"]
+                  "pydantic", "tqdm", "packaging", "typing_extensions", "anyio", "ipython"]
 _REPO = Path(__file__).resolve().parent.parent
 _MARKER = "installed"
 
 
+def _stamp() -> str:
+    """What an installation holds: another list of imports means another installation."""
+    return " ".join([VERSION, *PARSER_IMPORTS]) + "\n"
+
+
 def installed() -> bool:
-    return (DIR / _MARKER).exists()
+    return (DIR / _MARKER).exists() and (DIR / _MARKER).read_text() == _stamp()
 
 
 def install() -> None:
     if installed():
         return
+    shutil.rmtree(DIR, ignore_errors=True)  # pip --target does not replace what is there
     pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(DIR)]
     subprocess.run(pip + PARSER_IMPORTS, check=True)
     subprocess.run(pip + ["--no-deps", f"sglang=={VERSION}"], check=True)
-    (DIR / _MARKER).write_text(VERSION + "\n")
+    (DIR / _MARKER).write_text(_stamp())
 
 
 def parse(argv: list[str]) -> dict:
