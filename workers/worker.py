@@ -318,11 +318,13 @@ class Worker:
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
-    async def _reincarnate(self) -> None:
+    async def _reincarnate(self, reaped: str) -> None:
         """We were reaped (stalled past the lease): another worker may have our groups.
-        Cancel everything and register as a new worker."""
+        Cancel everything and register as a new worker. `reaped` is the id Redis refused:
+        the claim loop, the heartbeat and the control listener can learn it at once, and
+        only the first registers anew."""
         async with self._claim_lock:
-            if self.reconnect.down:
+            if self.reconnect.down or self.id != reaped:
                 return
             old = self.id
             log.error("worker %s was reaped (no heartbeat within its %gs lease); cancelling its %d group tasks "
@@ -364,9 +366,10 @@ class Worker:
     async def _claim(self, want: int) -> Claim | None:
         async with self._claim_lock:
             self._claims += 1
+            worker_id = self.id
             # The claim id is the groups' fencing token; a retry after a lost reply
             # presents the same id and gets the same groups.
-            claim = await self._redis(self.queue.claim, self.id, f"{self.id}:{self._claims}", want)
+            claim = await self._redis(self.queue.claim, worker_id, f"{worker_id}:{self._claims}", want)
             self._claim_status = claim.status
             self._queue_version = claim.weight_version
             if claim.status not in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED):  # answered before `paused`
@@ -376,7 +379,7 @@ class Worker:
             for claimed in claim.groups:
                 self._start(claimed)
         if claim.status == ClaimStatus.UNREGISTERED:
-            await self._reincarnate()
+            await self._reincarnate(worker_id)
             return None
         if claim.status == ClaimStatus.EXPIRED:
             await self._heartbeat()  # renews the lease, or finds we were reaped meanwhile
@@ -771,9 +774,10 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         metrics.INFLIGHT_SAMPLES.set(self.inflight_samples)
-        beat = await self._redis(self.queue.heartbeat, self.id, json.dumps(self.info()))
+        worker_id = self.id
+        beat = await self._redis(self.queue.heartbeat, worker_id, json.dumps(self.info()))
         if beat.reaped:
-            await self._reincarnate()
+            await self._reincarnate(worker_id)
             return
         self._paused = beat.paused  # a missed event: the heartbeat carries the truth
         self._queue_version = beat.weight_version
