@@ -140,8 +140,8 @@ def kind_rows(kinds: Iterable[str], faults: list[FaultRecord]) -> list[KindRow]:
         done = [f for f in faults if f.kind == kind and f.started is not None]
         recoveries = [f.recovery_s for f in done if f.recovery_s is not None]
         rows.append(KindRow(kind, len(done), sum(f.affected for f in done), done[0].unit if done else "",
-                            statistics.median(recoveries) if recoveries else None,
-                            max(recoveries) if recoveries else None))
+                            round(statistics.median(recoveries), 3) if recoveries else None,
+                            round(max(recoveries), 3) if recoveries else None))
     return rows
 
 
