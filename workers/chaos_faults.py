@@ -164,6 +164,15 @@ class WorkerStop(Fault):
         self.proc.busy = False
 
 
+def _take_trainer(c: Campaign, fault: Fault) -> Proc | None:
+    """The running trainer, reserved for `fault`: one trainer fault at a time."""
+    trainer = c.fleet.current_trainer
+    if c.trainer_fault is not None or trainer is None or not trainer.alive:
+        return None
+    c.trainer_fault = fault
+    return trainer
+
+
 class TrainerKill(Fault):
     """Waits for the trainer's next batch in the ledger, then kill -9: between next_batch
     and commit (its step takes FleetSettings.step_s). A new trainer replaces it."""
@@ -171,10 +180,9 @@ class TrainerKill(Fault):
     kind = FaultKind.TRAINER_KILL
 
     def begin(self, c: Campaign) -> bool:
-        trainer = c.fleet.current_trainer
-        if c.trainer_fault is not None or trainer is None or not trainer.alive:
+        trainer = _take_trainer(c, self)
+        if trainer is None:
             return False
-        c.trainer_fault = self
         self.trainer, self.armed = trainer, time.time()
         trainer.busy = True
         return True
@@ -214,10 +222,9 @@ class TrainerRolling(Fault):
     kind = FaultKind.TRAINER_ROLLING
 
     def begin(self, c: Campaign) -> bool:
-        old = c.fleet.current_trainer
-        if c.trainer_fault is not None or old is None or not old.alive:
+        old = _take_trainer(c, self)
+        if old is None:
             return False
-        c.trainer_fault = self
         self.old = old
         self.new = new = c.fleet.spawn_trainer()
         r = self.record
@@ -304,29 +311,17 @@ class RedisKill(Fault):
         return True
 
 
-class LinkFault(Fault):
-    """A window of faults on one proxied link (workers <-> Redis or router)."""
+class WindowFault(Fault):
+    """A fault that holds for WINDOW_S: `_open` starts it (False: not now), `lift` ends it."""
 
-    def __init__(self, record: FaultRecord, kind: FaultKind, link: str, faults: LinkFaults, counter: str,
-                 unit: str, reset_now: bool = False):
-        super().__init__(record)
-        self.kind, self.link, self.faults, self.counter = kind, link, faults, counter
-        self.record.unit = unit
-        self.reset_now = reset_now
+    def _open(self, c: Campaign) -> bool:
+        raise NotImplementedError
 
     def begin(self, c: Campaign) -> bool:
-        proxy = c.fleet.redis_proxy if self.link == "redis" else c.fleet.router_proxy
-        if proxy.faults != LinkFaults():
-            return False  # another window on this link
-        self.proxy = proxy
-        self.before = getattr(proxy.stats, self.counter)
-        proxy.faults = self.faults
-        if self.reset_now:
-            c.fleet.proxies.reset_all(proxy)
-        r = self.record
-        r.started = time.time()
-        r.target = f"workers <-> {self.link} ({proxy.address})"
-        self.until = r.started + WINDOW_S
+        if not self._open(c):
+            return False
+        self.record.started = time.time()
+        self.until = self.record.started + WINDOW_S
         return True
 
     def step(self, c: Campaign) -> bool:
@@ -335,13 +330,36 @@ class LinkFault(Fault):
         self.lift(c)
         return True
 
+
+class LinkFault(WindowFault):
+    """A window of faults on one proxied link (workers <-> Redis or router)."""
+
+    def __init__(self, record: FaultRecord, kind: FaultKind, link: str, faults: LinkFaults, counter: str,
+                 unit: str, reset_now: bool):
+        super().__init__(record)
+        self.kind, self.link, self.faults, self.counter = kind, link, faults, counter
+        self.record.unit = unit
+        self.reset_now = reset_now
+
+    def _open(self, c: Campaign) -> bool:
+        proxy = c.fleet.redis_proxy if self.link == "redis" else c.fleet.router_proxy
+        if proxy.faults != LinkFaults():
+            return False  # another window on this link
+        self.proxy = proxy
+        self.before = getattr(proxy.stats, self.counter)
+        proxy.faults = self.faults
+        if self.reset_now:
+            c.fleet.proxies.reset_all(proxy)
+        self.record.target = f"workers <-> {self.link} ({proxy.address})"
+        return True
+
     def lift(self, c: Campaign) -> None:
         self.proxy.faults = LinkFaults()
         self.record.ended = time.time()
         self.record.affected = getattr(self.proxy.stats, self.counter) - self.before
 
 
-class EngineFault(Fault):
+class EngineFault(WindowFault):
     """A window in which every simulator answers some /generate with an error or never."""
 
     def __init__(self, record: FaultRecord, kind: FaultKind, knob: str, rate: float, counter: str):
@@ -360,21 +378,12 @@ class EngineFault(Fault):
                 log.info("simulator %s: %s not set (%s)", url, self.knob, exc)
         return counts
 
-    def begin(self, c: Campaign) -> bool:
+    def _open(self, c: Campaign) -> bool:
         if c.engine_fault is not None:
             return False
         c.engine_fault = self
         self.before = self._set(c, self.rate)
-        r = self.record
-        r.started = time.time()
-        r.target = f"{self.knob}={self.rate:g} on {len(self.before)} engines"
-        self.until = r.started + WINDOW_S
-        return True
-
-    def step(self, c: Campaign) -> bool:
-        if time.time() < self.until:
-            return False
-        self.lift(c)
+        self.record.target = f"{self.knob}={self.rate:g} on {len(self.before)} engines"
         return True
 
     def lift(self, c: Campaign) -> None:
@@ -385,29 +394,34 @@ class EngineFault(Fault):
         c.engine_fault = None
 
 
+#: Each link fault: the link, what goes wrong on it, the proxy counter that measures it and
+#: its unit, and whether the open connections are reset first.
+LINK_FAULTS = {
+    FaultKind.REDIS_DROP_REPLY: ("redis", LinkFaults(drop_reply_rate=0.05), "replies_dropped", "replies dropped",
+                                 False),
+    FaultKind.REDIS_RESET: ("redis", LinkFaults(reset_rate=0.02), "resets", "connections reset", True),
+    FaultKind.REDIS_LATENCY: ("redis", LinkFaults(latency_s=0.05), "chunks_delayed", "chunks delayed", False),
+    FaultKind.ROUTER_DROP_REPLY: ("router", LinkFaults(drop_reply_rate=0.1), "replies_dropped", "replies dropped",
+                                  False),
+    FaultKind.ROUTER_RESET: ("router", LinkFaults(reset_rate=0.05), "resets", "connections reset", True),
+    FaultKind.ROUTER_LATENCY: ("router", LinkFaults(latency_s=0.2), "chunks_delayed", "chunks delayed", False),
+}
+#: Each engine fault: the simulator's knob (POST /sim/faults), its rate, the counter in /sim/stats.
+ENGINE_FAULTS = {
+    FaultKind.ENGINE_5XX: ("error_rate", 1.0, "errors"),
+    FaultKind.ENGINE_HANG: ("hang_rate", 0.3, "hangs"),
+}
+PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
+                  FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
+                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill}
+
+
 def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:
-    if kind == FaultKind.REDIS_DROP_REPLY:
-        return LinkFault(record, kind, "redis", LinkFaults(drop_reply_rate=0.05), "replies_dropped", "replies dropped")
-    if kind == FaultKind.REDIS_RESET:
-        return LinkFault(record, kind, "redis", LinkFaults(reset_rate=0.02), "resets", "connections reset",
-                         reset_now=True)
-    if kind == FaultKind.REDIS_LATENCY:
-        return LinkFault(record, kind, "redis", LinkFaults(latency_s=0.05), "chunks_delayed", "chunks delayed")
-    if kind == FaultKind.ROUTER_DROP_REPLY:
-        return LinkFault(record, kind, "router", LinkFaults(drop_reply_rate=0.1), "replies_dropped",
-                         "replies dropped")
-    if kind == FaultKind.ROUTER_RESET:
-        return LinkFault(record, kind, "router", LinkFaults(reset_rate=0.05), "resets", "connections reset",
-                         reset_now=True)
-    if kind == FaultKind.ROUTER_LATENCY:
-        return LinkFault(record, kind, "router", LinkFaults(latency_s=0.2), "chunks_delayed", "chunks delayed")
-    if kind == FaultKind.ENGINE_5XX:
-        return EngineFault(record, kind, "error_rate", 1.0, "errors")
-    if kind == FaultKind.ENGINE_HANG:
-        return EngineFault(record, kind, "hang_rate", 0.3, "hangs")
-    simple = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop, FaultKind.TRAINER_KILL: TrainerKill,
-              FaultKind.TRAINER_ROLLING: TrainerRolling, FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill}
-    return simple[kind](record)
+    if kind in LINK_FAULTS:
+        return LinkFault(record, kind, *LINK_FAULTS[kind])
+    if kind in ENGINE_FAULTS:
+        return EngineFault(record, kind, *ENGINE_FAULTS[kind])
+    return PROCESS_FAULTS[kind](record)
 
 
 def schedule(minutes: float, seed: int) -> list[Fault]:
