@@ -17,6 +17,7 @@ import json
 import logging
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -278,9 +279,13 @@ class Campaign:
             lines.append(f"trainer_rolling: {clean} of {len(rolls)} older trainers fenced and exited cleanly "
                          f"(SessionFenced, exit code 0); {sum(f.record.affected for f in rolls)} entries taken over")
         if redis_kills := injected(RedisKill):
-            lines.append(f"redis_kill: {len(redis_kills)} kill -9, each back from its AOF ("
-                         + "; ".join(f.record.note for f in redis_kills[:3]) + (" ..." if len(redis_kills) > 3 else "")
-                         + ")")
+            downtimes = [f.downtime_s for f in redis_kills]
+            lines.append(f"redis_kill: {len(redis_kills)} kill -9, each restarted from its AOF and answering again "
+                         f"after {statistics.median(downtimes):.2f}s (median), {max(downtimes):.2f}s at most; "
+                         f"aof_delayed_fsync at most {max(f.delayed_fsyncs for f in redis_kills)} before a kill")
+        if (feeders := self.fleet.spawned["feeder"]) > 1:
+            lines.append(f"feeder: exited {feeders - 1} times (`rollout push` stops when Redis restarts under it), "
+                         "run again and resumed from its cursor each time")
         return lines
 
     def _report(self) -> ChaosReport:

@@ -301,13 +301,15 @@ class RedisKill(Fault):
             pending = int(c.call(q.redis.xpending, k.results, CONSUMER_GROUP)["pending"])
         except Exception:  # noqa: BLE001 - no consumer group yet: nothing delivered
             pending = 0
-        delayed = int(c.call(q.redis.info, "persistence").get("aof_delayed_fsync", 0))
+        # Writes Redis held back from its AOF past 2 s behind a slow fsync (see the README's
+        # durability paragraph): 0 means every acknowledged write had reached the file.
+        self.delayed_fsyncs = int(c.call(q.redis.info, "persistence").get("aof_delayed_fsync", 0))
         r = self.record
         r.started = r.ended = time.time()
-        downtime = c.fleet.restart_redis()
+        self.downtime_s = c.fleet.restart_redis()
         r.target = f"redis-server ({c.settings.fsync.value})"
         r.affected = inflight + pending
-        r.note = f"answered again after {downtime:.2f}s; aof_delayed_fsync was {delayed}"
+        r.note = f"answered again after {self.downtime_s:.2f}s; aof_delayed_fsync was {self.delayed_fsyncs}"
         return True
 
 
