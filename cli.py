@@ -106,9 +106,9 @@ def _console(stderr: bool = False):
 
 
 @contextmanager
-def _stop_on_sigterm(stopped: Callable[[], str] | None = None):
-    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, exit
-    code 0, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
+def _stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 0):
+    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, with
+    `exit_code`, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
 
     def interrupt(_signum, _frame):
         raise KeyboardInterrupt
@@ -119,7 +119,7 @@ def _stop_on_sigterm(stopped: Callable[[], str] | None = None):
     except KeyboardInterrupt:
         if stopped is not None:
             click.echo(stopped(), err=True)
-        sys.exit(0)
+        sys.exit(exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -654,10 +654,12 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
 
     settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
                              keep=keep)
-    try:
-        report = run_campaign(settings, say=lambda msg: click.echo(msg, err=True))
-    except (ChaosError, RouterError, RedisServerError) as exc:
-        raise click.ClickException(str(exc)) from None
+    # SIGTERM, like Ctrl-C, stops every process the campaign started before it exits.
+    with _stop_on_sigterm(lambda: "chaos campaign stopped before its end: nothing proven", exit_code=1):
+        try:
+            report = run_campaign(settings, say=lambda msg: click.echo(msg, err=True))
+        except (ChaosError, RouterError, RedisServerError) as exc:
+            raise click.ClickException(str(exc)) from None
     click.echo(_dump(report.to_dict()) if as_json else report.render())
     if not report.ok:
         sys.exit(1)

@@ -283,6 +283,9 @@ class Campaign:
             lines.append(f"redis_kill: {len(redis_kills)} kill -9, each restarted from its AOF and answering again "
                          f"after {statistics.median(downtimes):.2f}s (median), {max(downtimes):.2f}s at most; "
                          f"aof_delayed_fsync at most {max(f.delayed_fsyncs for f in redis_kills)} before a kill")
+        if failed := self.fleet.startup_failures:
+            lines.append(f"worker startup: {len(failed)} workers could not reach Redis as they started (their link "
+                         "was faulty) and were run again")
         if (feeders := self.fleet.spawned["feeder"]) > 1:
             lines.append(f"feeder: exited {feeders - 1} times (`rollout push` stops when Redis restarts under it), "
                          "run again and resumed from its cursor each time")

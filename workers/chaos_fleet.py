@@ -38,6 +38,10 @@ DATASET = "chaos"  # the feeder's dataset name: group ids are chaos:<epoch>:<row
 DATASET_ROWS = 2000
 #: Epochs sized so the feeder never runs dry: this many groups per second at most.
 MAX_GROUPS_PER_S = 100
+#: A worker that exits this soon after it started, unable to reach Redis (a faulty link
+#: while it connects), is run again as a supervisor would: `rollout worker` fails fast
+#: at startup, with a clear error, rather than wait. Counted, not an incident.
+STARTUP_S = 10.0
 
 
 @dataclass
@@ -131,6 +135,7 @@ class Fleet:
         self.feeder: Proc | None = None
         self.feeder_done = False
         self.incidents: list[str] = []
+        self.startup_failures: list[str] = []  # workers that could not reach Redis as they started
         self.spawned: Counter = Counter()  # role -> processes started
 
     # -- URLs ------------------------------------------------------------------------------
@@ -240,9 +245,14 @@ class Fleet:
         trainer finished the drain (no trainer is needed any more)."""
         events = []
         for i, w in enumerate(self.workers):
-            if not w.alive and not w.killed:
+            if w.alive or w.killed:
+                continue
+            if time.time() - w.started < STARTUP_S and "cannot reach Redis" in w.last_line():
+                self.startup_failures.append(f"{w.role} (pid {w.pid}): {w.last_line()}")
+                events.append(f"{w.role} (pid {w.pid}) could not reach Redis as it started; run again")
+            else:
                 self._incident(events, w)
-                self.respawn_worker(i)
+            self.respawn_worker(i)
         for i, sim in enumerate(self.sims):
             if not sim.alive and not sim.busy:
                 self._incident(events, sim)
