@@ -151,9 +151,9 @@ def _console(stderr: bool = False):
 
 
 @contextmanager
-def _stop_on_sigterm(stopped: Callable[[], str] | None = None):
-    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, exit
-    code 0, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
+def _stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 0):
+    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, with
+    `exit_code`, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
 
     def interrupt(_signum, _frame):
         raise KeyboardInterrupt
@@ -164,7 +164,7 @@ def _stop_on_sigterm(stopped: Callable[[], str] | None = None):
     except KeyboardInterrupt:
         if stopped is not None:
             click.echo(stopped(), err=True)
-        sys.exit(0)
+        sys.exit(exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -697,6 +697,56 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
         run_stack(opts, _console())
     except (StackError, RedisServerError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+# -- chaos -----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--minutes", default=1.0, show_default=True, type=click.FloatRange(min=0.25),
+              help="How long faults are injected; every fault kind once per minute (or part of one).")
+@click.option("--seed", default=0, show_default=True, help="Seeds when each fault strikes and what it hits.")
+@click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.ALWAYS.value,
+              show_default=True, help="Redis's AOF fsync (see `rollout up --fsync`).")
+@click.option("--workers", default=3, show_default=True, type=click.IntRange(min=3),
+              help="Generation worker processes.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Logs, ledger and Redis data go here (kept). Default: a temporary directory, removed when "
+                   "the campaign is ok.")
+@click.option("--keep", is_flag=True, help="Keep the temporary run directory even when the campaign is ok.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: pushed, trained_once, trained_twice, lost, dead, dropped, faults, ok, ...")
+def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
+    """Run a fault campaign against a real pipeline on this machine, and prove what happened.
+
+    Starts redis-server (AOF), two simulators behind the real sglang-router,
+    worker processes (through fault proxies), a feeder and a trainer process
+    that records every batch in a ledger. Injects, each once per minute at a
+    seeded moment: kill -9 of a worker, the trainer, a simulator and Redis;
+    SIGSTOP of a worker past its lease; a second trainer; dropped replies,
+    resets and latency on the workers' links; engine 5xx and hangs. Then
+    drains and checks that every pushed group was trained exactly once or is a
+    dead letter or a drop with its reason. Progress goes to stderr; exit code 1
+    when the campaign is not ok. It starts its own Redis (--redis-url is not used).
+
+    \b
+    Example:
+      rollout chaos --minutes 1 --seed 7
+    """
+    from workers.chaos import ChaosError, ChaosSettings, run_campaign
+    from workers.router import RouterError
+
+    settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
+                             keep=keep)
+    # SIGTERM, like Ctrl-C, stops every process the campaign started before it exits.
+    with _stop_on_sigterm(lambda: "chaos campaign stopped before its end: nothing proven", exit_code=1):
+        try:
+            report = run_campaign(settings, say=lambda msg: click.echo(msg, err=True))
+        except (ChaosError, RouterError, RedisServerError) as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(_dump(report.to_dict()) if as_json else report.render())
+    if not report.ok:
+        sys.exit(1)
 
 
 # -- status ----------------------------------------------------------------------------

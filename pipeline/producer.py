@@ -307,7 +307,8 @@ def _cursor_fields(queue: Queue, dataset: str) -> list[str]:
             if pattern.fullmatch(f)]
 
 
-def _read_cursor(queue: Queue, dataset: str, epoch: int) -> int:
+def read_cursor(queue: Queue, dataset: str, epoch: int) -> int:
+    """Rows of `epoch` pushed so far (their order: `epoch_order`)."""
     raw = queue.redis.hget(queue.keys.dataset, f"{dataset}:{epoch}")
     try:
         cursor = int(raw or 0)
@@ -392,7 +393,7 @@ def push_dataset(queue: Queue, source: str | Path | Dataset, opts: PushOptions |
     for epoch in range(opts.epochs):
         order = epoch_order(len(rows), epoch, opts)
         field_name = f"{dataset}:{epoch}"
-        cursor = _read_cursor(queue, dataset, epoch)
+        cursor = read_cursor(queue, dataset, epoch)
         report.already += min(cursor, len(order))
         while cursor < len(order):
             room = _wait_for_room(queue, opts.max_queued)

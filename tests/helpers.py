@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,11 +14,12 @@ import pytest
 import redis
 
 from pipeline.consumer import Consumer
-from pipeline.redis_server import free_port
 from pipeline.types import Group
+from workers import router
+from workers.router import router_engine_urls  # noqa: F401 - re-exported for the tests
 from workers.worker import Worker, WorkerSettings
 
-ROUTER_STARTUP_TIMEOUT_S = 30.0
+ROUTER_STARTUP_TIMEOUT_S = router.STARTUP_TIMEOUT_S
 
 
 class WorkerThread:
@@ -146,64 +145,21 @@ def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60)
     return got
 
 
-def router_engine_urls(router_url: str) -> list[str]:
-    try:
-        return [w["url"] for w in http_json(router_url + "/workers", timeout=2)["workers"]]
-    except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError):
-        return []
-
-
-class RouterProcess:
-    """The real router, `python -m sglang_router.launch_router`, on a free port, its
-    output in a log file. Ready when GET /workers lists every engine: sglang-router
-    registers --worker-urls in the background after /health already answers."""
+class RouterProcess(router.RouterProcess):
+    """workers.router.RouterProcess, its failures as test failures (a missing router is a
+    broken test environment, not a skip)."""
 
     def __init__(self, worker_urls: list[str], log_path: str, extra_args: list[str] = ()):
         try:
-            import sglang_router  # noqa: F401
-        except ImportError as exc:  # a missing router is a broken test environment, not a skip
-            pytest.fail(f"sglang-router is not installed ({exc}); `pip install sglang-router` "
-                        "(it is in the [test] extra of pyproject.toml)")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        args = [sys.executable, "-m", "sglang_router.launch_router",
-                "--worker-urls", *worker_urls,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                # the metrics exporter defaults to 0.0.0.0:29000: two routers would collide
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--log-level", "warn", *extra_args]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self.startup_s: float | None = None
-
-    def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read()[-n:].decode(errors="replace")
+            super().__init__(worker_urls, log_path, extra_args)
+        except router.RouterError as exc:
+            pytest.fail(str(exc))
 
     def wait_ready(self, expected: list[str], timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"sglang router exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if sorted(router_engine_urls(self.url)) == sorted(expected):
-                self.startup_s = time.monotonic() - self.started
-                return
-            time.sleep(0.05)
-        pytest.fail(f"sglang router at {self.url} did not list {expected} within {timeout:g}s:\n"
-                    f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # graceful: the router waits for in-flight requests
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
+        try:
+            super().wait_ready(expected, timeout)
+        except router.RouterError as exc:
+            pytest.fail(str(exc))
 
 
 class FakeModelEngine:

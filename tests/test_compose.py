@@ -28,6 +28,7 @@ from pathlib import Path
 import click
 import jsonschema
 import pytest
+import redis
 import yaml
 from packaging.requirements import Requirement
 
@@ -43,7 +44,7 @@ PROFILES = ("sim", "gpu", "gpu2", "demo", "metrics")
 ENGINE_PROFILES = ("sim", "gpu", "gpu2")
 ENV = {"MODEL_PATH": "/models/Qwen2.5-7B-Instruct", "NAMESPACE": "exp1", "BATCH_SIZE": "32",
        "HF_CACHE": "/tmp/hf-cache", "MODEL_DIR": "/data/models", "ENGINE0_GPU": "2", "ENGINE1_GPU": "3",
-       "MEM_FRACTION": "0.7", "REDIS_PORT": "6390"}
+       "MEM_FRACTION": "0.7", "REDIS_PORT": "6390", "REDIS_FSYNC": "always"}
 PROJECT_IMAGE = "rollout-queue:local"
 
 
@@ -127,6 +128,7 @@ def test_settings_are_interpolated(config):
     for name, gpu in (("engine-0", "2"), ("engine-1", "3")):
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [gpu]
     assert services["redis"]["ports"] == ["127.0.0.1:6390:6379/tcp"]
+    assert option(services["redis"]["command"], "--appendfsync") == "always"
 
 
 # -- every command line, parsed by the program that will run it -----------------------
@@ -287,10 +289,11 @@ def test_stand_in_trainer_is_opt_in_under_its_own_consumer_name(config):
     assert option(trainer["command"], "--consumer") not in readme_consumers + ["trainer"]
 
 
-def test_redis_and_feeder(config):
+def test_redis_and_feeder(config, raw):
     services = config["services"]
     cmd = services["redis"]["command"]
     assert cmd[0] == "redis-server" and option(cmd, "--appendonly") == "yes"
+    assert option(raw["services"]["redis"]["command"], "--appendfsync") == "${REDIS_FSYNC:-always}"
     assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
     for name in rollout_services(config):
         svc = services[name]
@@ -434,6 +437,25 @@ class Outside:
             command = [str(Path(find_redis_server()).with_name("redis-cli")), "-p", str(self.port[name]),
                        *command[1:]]
         return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize("fsync", [None, "always", "everysec"])
+def test_redis_fsync_chooses_the_aof_fsync_of_the_redis_it_starts(fsync, tmp_path):
+    """REDIS_FSYNC, through docker-compose's interpolation, into a real redis-server
+    started with the compose file's command; unset, it is `always`."""
+    env = {} if fsync is None else {"REDIS_FSYNC": fsync}
+    services = resolved(env)["services"]
+    outside = Outside({"redis": services["redis"]}, tmp_path)
+    proc = subprocess.Popen(outside.command("redis"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: outside.healthy("redis"), timeout=30, what="the compose file's redis answers PING")
+        client = redis.Redis(port=outside.port["redis"])
+        assert client.config_get("appendfsync") == {"appendfsync": fsync or "always"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.mark.slow

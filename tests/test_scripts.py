@@ -11,9 +11,11 @@ import redis
 from pipeline import scripts
 from pipeline.audit import audit
 from pipeline.codec import decode_group, encode_group
-from pipeline.control import configure, read_control, set_paused, set_weight_version, staleness_limit
+from pipeline.control import (DEFAULT_LEASE_S, configure, read_control, set_paused, set_weight_version,
+                              staleness_limit)
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import ClaimStatus, Place, Published, Queue, SessionFenced, Settle, TrainerSession
+from pipeline.retry import Reconnect
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
 from tests.groups import assert_audit_ok, claim, expire, finish, fresh, inflight, produce, prompts, publish
@@ -63,11 +65,21 @@ def test_claim_never_registers_a_worker(queue):
 
 def test_register_once_with_the_namespace_lease(queue):
     configure(queue.redis, queue.keys, lease_s=12)
-    assert queue.register("w") == 12
+    assert queue.register("w", '{"pid": 1}') == 12
     deadline = queue.redis.zscore(queue.keys.workers, "w")
     assert 11_000 < deadline - queue.now_ms() <= 12_000
     with pytest.raises(ValueError, match="registered already"):
-        queue.register("w")
+        queue.register("w", '{"pid": 2}')
+
+
+def test_a_registration_whose_reply_was_lost_succeeds_when_retried(queue):
+    """Found by `rollout chaos`: a worker whose registration reply was lost retried it, was
+    told its own id was registered already, and exited."""
+    queue._scripts["register"] = LoseReplies(queue._scripts["register"], armed=1)
+    assert Reconnect("test").call(queue.register, "w#1", '{"pid": 1}') == DEFAULT_LEASE_S
+    assert queue.live_workers() == ["w#1"]
+    with pytest.raises(ValueError, match="registered already"):  # another process under that id
+        queue.register("w#1", '{"pid": 2}')
 
 
 def test_claim_by_an_expired_worker_takes_nothing(queue):

@@ -196,6 +196,29 @@ def test_a_reaped_worker_cancels_its_work_and_registers_anew(redis_url, queue, n
     assert report.committed == 8 and queue.stats()["reaped"] == 4
 
 
+def test_a_worker_that_learns_twice_at_once_that_it_was_reaped_registers_anew_once(redis_url, queue, namespace,
+                                                                                     sim):
+    """Found by `rollout chaos`: a worker continued after a SIGSTOP past its lease learned
+    it was reaped from its claim, its heartbeat and its control listener at once, and
+    registered anew three times (#2, #3, #4), leaving two abandoned ids listed as live."""
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], heartbeat_s=10.0))
+    w, first = worker.worker, worker.worker.id
+
+    async def reaped_then_two_heartbeats():
+        # Blocking calls in the worker's own loop: nothing of it runs in between.
+        queue.redis.zadd(queue.keys.workers, {first: 0}, xx=True)
+        assert queue.reap(first) == 0
+        await asyncio.gather(w._heartbeat(), w._heartbeat())
+
+    try:
+        asyncio.run_coroutine_threadsafe(reaped_then_two_heartbeats(), worker._loop).result(30)
+        assert (w.id, w.counters.reincarnations) == (first.replace("#1", "#2"), 1)
+        assert list(queue.workers()) == [w.id]
+    finally:
+        worker.stop()
+    assert_audit_ok(queue)
+
+
 # -- rewards ----------------------------------------------------------------------------
 
 

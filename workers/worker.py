@@ -343,11 +343,13 @@ class Worker:
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
-    async def _reincarnate(self) -> None:
+    async def _reincarnate(self, reaped: str) -> None:
         """We were reaped (stalled past the lease): another worker may have our groups.
-        Cancel everything and register as a new worker."""
+        Cancel everything and register as a new worker. `reaped` is the id Redis refused:
+        the claim loop, the heartbeat and the control listener can learn it at once, and
+        only the first registers anew."""
         async with self._claim_lock:
-            if self.reconnect.down:
+            if self.reconnect.down or self.id != reaped:
                 return
             old = self.id
             log.error("worker %s was reaped (no heartbeat within its %gs lease); cancelling its %d group tasks "
@@ -387,12 +389,12 @@ class Worker:
             await self._sleep(idle_wait)
             idle_wait = min(idle_wait * 2, 0.1)
 
-    async def _claim_eval(self, want: int) -> Claim | None:
+    async def _claim_eval(self, worker_id: str, want: int) -> Claim | None:
         """Eval prompts first, while admission is open (a weight update pauses them too)."""
         if self.eval_queue is None or self._paused or not await self._redis(self.eval_queue.has_prompts):
             return None
         self._claims += 1
-        claim = await self._redis(self.eval_queue.claim, self.id, f"{self.id}:{self._claims}", want)
+        claim = await self._redis(self.eval_queue.claim, worker_id, f"{worker_id}:{self._claims}", want)
         if not self._stopping.is_set():
             for claimed in claim.groups:
                 self._start(claimed, self.eval_queue)
@@ -400,12 +402,13 @@ class Worker:
 
     async def _claim(self, want: int) -> Claim | None:
         async with self._claim_lock:
-            claim = await self._claim_eval(want)
+            worker_id = self.id
+            claim = await self._claim_eval(worker_id, want)
             if claim is None:
                 self._claims += 1
                 # The claim id is the groups' fencing token; a retry after a lost reply
                 # presents the same id and gets the same groups.
-                claim = await self._redis(self.queue.claim, self.id, f"{self.id}:{self._claims}", want)
+                claim = await self._redis(self.queue.claim, worker_id, f"{worker_id}:{self._claims}", want)
                 self._claim_status = claim.status
                 self._queue_version = claim.weight_version
                 if claim.status not in (ClaimStatus.UNREGISTERED, ClaimStatus.EXPIRED):  # answered before `paused`
@@ -415,7 +418,7 @@ class Worker:
                 for claimed in claim.groups:
                     self._start(claimed, self.queue)
         if claim.status == ClaimStatus.UNREGISTERED:
-            await self._reincarnate()
+            await self._reincarnate(worker_id)
             return None
         if claim.status == ClaimStatus.EXPIRED:
             await self._heartbeat()  # renews the lease, or finds we were reaped meanwhile
@@ -827,10 +830,11 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         metrics.INFLIGHT_SAMPLES.set(self.inflight_samples)
+        worker_id = self.id
         info = json.dumps(self.info())
-        beat = await self._redis(self.queue.heartbeat, self.id, info)
-        if beat.reaped or (self.eval_queue and (await self._redis(self.eval_queue.heartbeat, self.id, info)).reaped):
-            await self._reincarnate()
+        beat = await self._redis(self.queue.heartbeat, worker_id, info)
+        if beat.reaped or (self.eval_queue and (await self._redis(self.eval_queue.heartbeat, worker_id, info)).reaped):
+            await self._reincarnate(worker_id)
             return
         self._paused = beat.paused  # a missed event: the heartbeat carries the truth
         self._queue_version = beat.weight_version

@@ -1,0 +1,203 @@
+"""The fault campaign (issue 10): the TCP fault proxy against a real Redis and a real
+simulator, the ledger's arithmetic, and a 90-second campaign with a fixed seed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import uuid
+from collections import Counter
+from http.client import RemoteDisconnected
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tests.helpers import http_json, wait_for
+from workers.chaos_faults import FaultKind, schedule
+from workers.chaos_report import Tally, committed_batches, reason_of
+from workers.fault_proxy import LinkFaults, ProxyThread
+from workers.ledger import Ledger, LedgerEvent, read_ledger
+from workers.simulator import SimConfig, start_simulator
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def proxies():
+    thread = ProxyThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture
+def redis_proxy(proxies, redis_server):
+    return proxies.start("redis", "127.0.0.1", redis_server.port)
+
+
+def through(proxy) -> redis.Redis:
+    """A client through the proxy that does not retry, so each fault shows."""
+    return redis.Redis(host="127.0.0.1", port=proxy.port, retry=Retry(NoBackoff(), 0), socket_timeout=5)
+
+
+# -- the fault proxy ------------------------------------------------------------------
+
+
+def test_the_proxy_forwards_redis_traffic_unchanged(redis_proxy):
+    c, key = through(redis_proxy), f"chaos-{uuid.uuid4().hex}"
+    value = bytes(range(256)) * 8192  # 2 MB: many chunks each way
+    pipe = c.pipeline(transaction=False)
+    for i in range(100):
+        pipe.rpush(key, i)
+    pipe.set(key + ":big", value)
+    pipe.get(key + ":big")
+    assert pipe.execute()[-1] == value
+    assert c.lrange(key, 0, -1) == [str(i).encode() for i in range(100)]
+    assert redis_proxy.stats.connections == 1 and redis_proxy.stats.resets == 0
+
+
+def test_a_dropped_reply_loses_the_reply_not_the_request(redis_proxy, client):
+    c, key = through(redis_proxy), f"chaos-{uuid.uuid4().hex}"
+    c.ping()
+    redis_proxy.faults = LinkFaults(drop_reply_rate=1.0)
+    with pytest.raises(redis.ConnectionError):
+        c.incr(key)
+    assert client.get(key) == b"1"
+    assert redis_proxy.stats.replies_dropped == 1
+
+
+def test_a_reset_cuts_open_connections_and_new_requests(redis_proxy, proxies, client):
+    c, key = through(redis_proxy), f"chaos-{uuid.uuid4().hex}"
+    errors: list[Exception] = []
+
+    def blocked() -> None:
+        try:
+            c.blpop([key], timeout=10)
+        except redis.ConnectionError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=blocked)
+    waiter.start()
+    wait_for(lambda: any(cl.get("cmd") == "blpop" for cl in client.client_list()), what="the BLPOP at the server")
+    assert proxies.reset_all(redis_proxy) == 1
+    waiter.join(10)
+    assert len(errors) == 1 and "reset" in str(errors[0])
+    redis_proxy.faults = LinkFaults(reset_rate=1.0)
+    with pytest.raises(redis.ConnectionError):
+        c.incr(key)
+    assert client.get(key) is None  # never forwarded
+    redis_proxy.faults = LinkFaults()
+    assert c.incr(key) == 1
+
+
+def test_latency_delays_every_chunk_both_ways(redis_proxy):
+    c = through(redis_proxy)
+    c.ping()
+    redis_proxy.faults = LinkFaults(latency_s=0.2)
+    started = time.monotonic()
+    c.ping()
+    assert time.monotonic() - started >= 0.4  # the request and its reply
+    assert redis_proxy.stats.chunks_delayed == 2
+
+
+def test_a_dropped_http_reply_leaves_the_request_done_at_the_engine(proxies):
+    sim = start_simulator(SimConfig(seed=3))
+    try:
+        proxy = proxies.start("router", "127.0.0.1", urlsplit(sim.url).port)
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+        assert http_json(f"http://{proxy.address}/generate", body)["meta_info"]["finish_reason"]
+        proxy.faults = LinkFaults(drop_reply_rate=1.0)
+        with pytest.raises((urllib.error.URLError, ConnectionError, RemoteDisconnected)):
+            http_json(f"http://{proxy.address}/generate", body)
+        wait_for(lambda: http_json(sim.url + "/sim/stats")["stats"].get("submitted") == 2,
+                 what="the engine to have taken both requests")
+        assert proxy.stats.replies_dropped == 1
+    finally:
+        sim.stop()
+
+
+def test_link_fault_settings_are_checked():
+    with pytest.raises(ValueError, match="drop_reply_rate"):
+        LinkFaults(drop_reply_rate=1.5)
+    with pytest.raises(ValueError, match="latency_s"):
+        LinkFaults(latency_s=-1)
+
+
+# -- the ledger and the counting ---------------------------------------------------------
+
+
+def test_a_group_counts_as_trained_once_per_committed_batch(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/1", groups=["a", "b"])
+    ledger.append(LedgerEvent.COMMIT, batch="s.1/1")
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/2", groups=["c"])  # killed before its commit
+    ledger.append(LedgerEvent.TRAIN, batch="s.2/1", groups=["c", "d"])
+    ledger.append(LedgerEvent.COMMIT, batch="s.2/1")
+    ledger.append(LedgerEvent.TRAIN, batch="s.2/2", groups=["a"])  # committed, killed before recording it
+    ledger.close()
+    records, _ = read_ledger(tmp_path / "ledger.jsonl")
+    asked = []
+
+    def committed_in_redis(batch, groups):
+        asked.append(batch)
+        return batch == "s.2/2"
+
+    batches = committed_batches(records, committed_in_redis)
+    assert sorted(batches) == ["s.1/1", "s.2/1", "s.2/2"] and sorted(asked) == ["s.1/2", "s.2/2"]
+    trained = Counter(g for groups in batches.values() for g in groups)
+    tally = Tally(trained, dead={"e": "engine failed 3 times; last error: 503"}, dropped={"f": "all rewards equal"})
+    once, twice, lost, strangers = tally.classify(["a", "b", "c", "d", "e", "f", "g"])
+    assert (once, twice, lost, strangers) == (["b", "c", "d"], ["a"], ["g"], [])
+
+
+def test_the_ledger_reader_leaves_a_line_being_written_for_the_next_read(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    ledger.append(LedgerEvent.START)
+    with path.open("a") as f:
+        f.write('{"event": "commit", "t": 1.0, "pid": 7, "ba')
+    records, offset = read_ledger(path)
+    assert [r.event for r in records] == [LedgerEvent.START]
+    with path.open("a") as f:
+        f.write('tch": "s.1/1"}\n')
+    records, _ = read_ledger(path, offset)
+    assert [(r.event, r.pid, r.fields) for r in records] == [(LedgerEvent.COMMIT, 7, {"batch": "s.1/1"})]
+
+
+def test_dead_letter_reasons_are_cut_to_their_kind():
+    assert reason_of("engine failed 3 times; last error: HTTP 503") == "engine failed N times"
+    assert reason_of("claimed 6 times without finishing; held by w1 (reaped)") == "claimed N times without finishing"
+    assert reason_of("delivered 6 times to the trainer without a commit (it may crash ...)") == \
+        "delivered N times to the trainer without a commit"
+
+
+def test_every_fault_kind_is_scheduled_once_per_minute_at_seeded_moments():
+    plan = [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=7)]
+    assert Counter(kind for kind, _ in plan) == {kind.value: 3 for kind in FaultKind}
+    assert plan == [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=7)]
+    assert plan != [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=8)]
+    assert all(0 < at < 150 for _, at in plan)
+
+
+# -- the campaign ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_90_second_campaign_trains_every_group_once_through_every_fault(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cli", "chaos", "--minutes", "1.5", "--seed", "7", "--json",
+                           "--work-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, timeout=540)
+    assert proc.stdout, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["ok"], (report["problems"], proc.stderr[-4000:])
+    assert report["trained_twice"] == 0 and report["lost"] == 0
+    assert report["faults"] == {kind.value: 2 for kind in FaultKind}  # two windows of 45 s
+    assert report["trained_once"] + report["dead"] + report["dropped"] == report["pushed"] > 0
+    assert report["audit_ok"] and not report["problems"]

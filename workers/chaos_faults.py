@@ -1,0 +1,437 @@
+"""The faults of a fault campaign (`rollout chaos`), one class per kind.
+
+Each fault runs as a small state machine driven by the campaign's loop: `begin()`
+injects it (False: not possible right now, e.g. another trainer fault is under way; the
+loop asks again), `step()` says whether it is over, `lift()` ends a window early (the
+drain). Each fills its FaultRecord: when it was injected and over, what it hit, and any
+problem (a fault whose promise did not hold fails the campaign).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from pipeline.keys import CONSUMER_GROUP
+
+from .chaos_report import FaultRecord
+from .fault_proxy import LinkFaults
+
+if TYPE_CHECKING:
+    from .chaos import Campaign
+    from .chaos_fleet import Proc
+
+log = logging.getLogger(__name__)
+
+#: How long a link or engine fault window lasts.
+WINDOW_S = 3.0
+#: A stopped worker that has not re-registered this long after SIGCONT is a failure.
+REREGISTER_S = 30.0
+#: A trainer fault that found no batch to interrupt, or an older trainer still running,
+#: this long after it began is given up.
+TRAINER_WAIT_S = 60.0
+
+
+class FaultKind(StrEnum):
+    WORKER_KILL = "worker_kill"  # kill -9 of a generation worker; a new one replaces it
+    WORKER_STOP = "worker_stop"  # SIGSTOP past its lease, then SIGCONT
+    TRAINER_KILL = "trainer_kill"  # kill -9 of the trainer between next_batch and commit
+    TRAINER_ROLLING = "trainer_rolling"  # a second trainer while the first runs
+    SIM_KILL = "sim_kill"  # kill -9 of a simulator, restarted on its port
+    REDIS_KILL = "redis_kill"  # kill -9 of redis-server, restarted from its AOF
+    REDIS_DROP_REPLY = "redis_drop_reply"  # worker <-> Redis: requests done, replies lost
+    REDIS_RESET = "redis_reset"  # worker <-> Redis: connections reset
+    REDIS_LATENCY = "redis_latency"  # worker <-> Redis: every chunk delayed
+    ROUTER_DROP_REPLY = "router_drop_reply"  # worker <-> router: the same for HTTP
+    ROUTER_RESET = "router_reset"
+    ROUTER_LATENCY = "router_latency"
+    ENGINE_5XX = "engine_5xx"  # every engine answers /generate with 500/503
+    ENGINE_HANG = "engine_hang"  # engines never answer some /generate (past the request timeout)
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 2.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+class Fault:
+    kind: FaultKind
+
+    def __init__(self, record: FaultRecord):
+        self.record = record
+
+    def begin(self, c: Campaign) -> bool:
+        raise NotImplementedError
+
+    def step(self, c: Campaign) -> bool:
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        """End the fault now (the campaign is draining)."""
+
+
+def _pick_worker(c: Campaign) -> tuple[int, Proc, str] | None:
+    """A running worker no other fault works on, with its registered id."""
+    ids = c.worker_ids()
+    slots = [(i, w) for i, w in enumerate(c.fleet.workers) if w.alive and not w.busy and w.pid in ids]
+    if not slots:
+        return None
+    i, w = c.rng.choice(slots)
+    return i, w, ids[w.pid]
+
+
+class WorkerKill(Fault):
+    kind = FaultKind.WORKER_KILL
+
+    def begin(self, c: Campaign) -> bool:
+        picked = _pick_worker(c)
+        if picked is None:
+            return False
+        i, proc, wid = picked
+        held = sorted(c.call(c.queue.held, wid))
+        proc.kill()
+        r = self.record
+        r.started = r.ended = time.time()
+        r.target, r.affected, r.groups = f"worker {wid}", len(held), held
+        c.fleet.respawn_worker(i)
+        return True
+
+
+class WorkerStop(Fault):
+    """SIGSTOP until the worker is reaped (its lease ran out and another process returned
+    its groups), then SIGCONT: it must notice, publish none of the groups it lost (the
+    claim tokens refuse them) and register anew. The publishes are checked at the end
+    from the groups' histories (Campaign.check_stopped_worker)."""
+
+    kind = FaultKind.WORKER_STOP
+    refused = 0  # its publishes refused after SIGCONT (set by the campaign's check)
+
+    def begin(self, c: Campaign) -> bool:
+        picked = _pick_worker(c)
+        if picked is None:
+            return False
+        self.slot, self.proc, self.wid = picked
+        held = sorted(c.call(c.queue.held, self.wid))
+        self.proc.busy = True
+        self.proc.signal(signal.SIGSTOP)
+        self.proc.stopped = True
+        r = self.record
+        r.started = time.time()
+        r.target, r.affected, r.groups = f"worker {self.wid}", len(held), held
+        self.deadline = r.started + 5 * c.settings.lease_s
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        r, now = self.record, time.time()
+        if self.proc.stopped:
+            reaped = self.wid not in c.call(c.queue.workers)
+            if not reaped and now < self.deadline:
+                return False
+            if not reaped:
+                r.problem = f"worker {self.wid} was not reaped within {5 * c.settings.lease_s:g}s of SIGSTOP"
+            self._continue()
+            self.deadline = now + REREGISTER_S
+            return False
+        new_id = c.worker_ids().get(self.proc.pid)
+        if new_id is not None and new_id != self.wid:
+            r.note = f"re-registered as {new_id} {time.time() - r.ended:.1f}s after SIGCONT"
+            self.proc.busy = False
+            return True
+        if not self.proc.alive or now > self.deadline:
+            r.problem = r.problem or (f"worker {self.wid} did not register anew within {REREGISTER_S:g}s of SIGCONT"
+                                      if self.proc.alive else f"worker {self.wid} died after SIGCONT")
+            self.proc.busy = False
+            return True
+        return False
+
+    def _continue(self) -> None:
+        self.proc.signal(signal.SIGCONT)
+        self.proc.stopped = False
+        self.record.ended = time.time()
+
+    def lift(self, c: Campaign) -> None:
+        if self.proc.stopped:
+            self._continue()
+        self.proc.busy = False
+
+
+def _take_trainer(c: Campaign, fault: Fault) -> Proc | None:
+    """The running trainer, reserved for `fault`: one trainer fault at a time."""
+    trainer = c.fleet.current_trainer
+    if c.trainer_fault is not None or trainer is None or not trainer.alive:
+        return None
+    c.trainer_fault = fault
+    return trainer
+
+
+class TrainerKill(Fault):
+    """Waits for the trainer's next batch in the ledger, then kill -9: between next_batch
+    and commit (its step takes FleetSettings.step_s). A new trainer replaces it."""
+
+    kind = FaultKind.TRAINER_KILL
+
+    def begin(self, c: Campaign) -> bool:
+        trainer = _take_trainer(c, self)
+        if trainer is None:
+            return False
+        self.trainer, self.armed = trainer, time.time()
+        trainer.busy = True
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        batch = c.last_batch(self.trainer.pid, after=self.armed)
+        if batch is None:
+            if self.trainer.alive and time.time() < self.armed + TRAINER_WAIT_S:
+                return False
+            self.record.problem = f"no batch to interrupt within {TRAINER_WAIT_S:g}s"
+            return self._done(c)
+        self.trainer.kill()
+        r = self.record
+        r.started = r.ended = time.time()
+        r.target = f"trainer pid {self.trainer.pid}, batch {batch.fields['batch']}"
+        r.groups = list(batch.fields["groups"])
+        r.affected = len(r.groups)
+        c.read_ledger()
+        if batch.fields["batch"] in c.committed_batch_ids:
+            r.note = "the kill landed after the commit"
+        c.fleet.spawn_trainer()
+        return self._done(c)
+
+    def _done(self, c: Campaign) -> bool:
+        self.trainer.busy = False
+        c.trainer_fault = None
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self._done(c)
+
+
+class TrainerRolling(Fault):
+    """A second trainer while the first runs: the newer session fences the older, which
+    must exit by itself, cleanly (`fenced` in the ledger, exit code 0)."""
+
+    kind = FaultKind.TRAINER_ROLLING
+
+    def begin(self, c: Campaign) -> bool:
+        old = _take_trainer(c, self)
+        if old is None:
+            return False
+        self.old = old
+        self.new = new = c.fleet.spawn_trainer()
+        r = self.record
+        r.started = time.time()
+        r.target = f"trainer pid {old.pid} replaced by pid {new.pid}"
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        r = self.record
+        if self.old.alive:
+            if time.time() < r.started + TRAINER_WAIT_S:
+                return False
+            r.problem = f"the older trainer (pid {self.old.pid}) still ran {TRAINER_WAIT_S:g}s after a newer one started"
+            self.old.busy = True
+            self.old.kill()
+        elif self.old.popen.returncode != 0 or self.old.pid not in c.fenced_pids:
+            r.problem = (f"the older trainer (pid {self.old.pid}) exited with code {self.old.popen.returncode} "
+                         f"{'after' if self.old.pid in c.fenced_pids else 'without'} recording that it was fenced")
+        r.ended = time.time()
+        # What the newer session took over from the older: its Consumer says so.
+        taken = re.search(r"took over (\d+) entries", self.new.log_path.read_text(errors="replace"))
+        r.affected = int(taken.group(1)) if taken else 0
+        c.trainer_fault = None
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        c.trainer_fault = None
+
+
+class SimKill(Fault):
+    """kill -9 of one simulator and a new one on the same port; over when it answers."""
+
+    kind = FaultKind.SIM_KILL
+
+    def begin(self, c: Campaign) -> bool:
+        self.i = c.rng.randrange(len(c.fleet.sims))
+        sim = c.fleet.sims[self.i]
+        if sim.busy or not sim.alive:
+            return False
+        url = c.fleet.sim_urls[self.i]
+        try:
+            load = _http(url + "/sim/stats")["load"]
+            requests = int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            requests = 0
+        sim.kill()
+        r = self.record
+        r.started = r.ended = time.time()
+        r.target, r.affected, r.unit = url, requests, "requests"
+        self.sim = c.fleet.respawn_sim(self.i)
+        self.sim.busy = True
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        try:
+            _http(c.fleet.sim_urls[self.i] + "/health", timeout=1)
+        except (OSError, ValueError):
+            if time.time() < self.record.started + 30:
+                return False
+            self.record.problem = f"simulator {c.fleet.sim_urls[self.i]} did not come back within 30s"
+        self.sim.busy = False
+        return True
+
+
+class RedisKill(Fault):
+    """kill -9 of redis-server, then the same server again from its AOF."""
+
+    kind = FaultKind.REDIS_KILL
+
+    def begin(self, c: Campaign) -> bool:
+        q, k = c.queue, c.queue.keys
+        inflight = c.call(q.inflight_count)
+        try:
+            pending = int(c.call(q.redis.xpending, k.results, CONSUMER_GROUP)["pending"])
+        except Exception:  # noqa: BLE001 - no consumer group yet: nothing delivered
+            pending = 0
+        # Writes Redis held back from its AOF past 2 s behind a slow fsync (see the README's
+        # durability paragraph): 0 means every acknowledged write had reached the file.
+        self.delayed_fsyncs = int(c.call(q.redis.info, "persistence").get("aof_delayed_fsync", 0))
+        r = self.record
+        r.started = r.ended = time.time()
+        self.downtime_s = c.fleet.restart_redis()
+        r.target = f"redis-server ({c.settings.fsync.value})"
+        r.affected = inflight + pending
+        r.note = f"answered again after {self.downtime_s:.2f}s; aof_delayed_fsync was {self.delayed_fsyncs}"
+        return True
+
+
+class WindowFault(Fault):
+    """A fault that holds for WINDOW_S: `_open` starts it (False: not now), `lift` ends it."""
+
+    def _open(self, c: Campaign) -> bool:
+        raise NotImplementedError
+
+    def begin(self, c: Campaign) -> bool:
+        if not self._open(c):
+            return False
+        self.record.started = time.time()
+        self.until = self.record.started + WINDOW_S
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        if time.time() < self.until:
+            return False
+        self.lift(c)
+        return True
+
+
+class LinkFault(WindowFault):
+    """A window of faults on one proxied link (workers <-> Redis or router)."""
+
+    def __init__(self, record: FaultRecord, kind: FaultKind, link: str, faults: LinkFaults, counter: str,
+                 unit: str, reset_now: bool):
+        super().__init__(record)
+        self.kind, self.link, self.faults, self.counter = kind, link, faults, counter
+        self.record.unit = unit
+        self.reset_now = reset_now
+
+    def _open(self, c: Campaign) -> bool:
+        proxy = c.fleet.redis_proxy if self.link == "redis" else c.fleet.router_proxy
+        if proxy.faults != LinkFaults():
+            return False  # another window on this link
+        self.proxy = proxy
+        self.before = getattr(proxy.stats, self.counter)
+        proxy.faults = self.faults
+        if self.reset_now:
+            c.fleet.proxies.reset_all(proxy)
+        self.record.target = f"workers <-> {self.link} ({proxy.address})"
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self.proxy.faults = LinkFaults()
+        self.record.ended = time.time()
+        self.record.affected = getattr(self.proxy.stats, self.counter) - self.before
+
+
+class EngineFault(WindowFault):
+    """A window in which every simulator answers some /generate with an error or never."""
+
+    def __init__(self, record: FaultRecord, kind: FaultKind, knob: str, rate: float, counter: str):
+        super().__init__(record)
+        self.kind, self.knob, self.rate, self.counter = kind, knob, rate, counter
+        self.record.unit = "requests"
+
+    def _set(self, c: Campaign, rate: float) -> dict[str, int]:
+        """Set the knob on every simulator; returns their counters."""
+        counts = {}
+        for url in c.fleet.sim_urls:
+            try:
+                _http(url + "/sim/faults", {self.knob: rate})
+                counts[url] = int(_http(url + "/sim/stats")["stats"].get(self.counter, 0))
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # restarting: it comes back without faults
+                log.info("simulator %s: %s not set (%s)", url, self.knob, exc)
+        return counts
+
+    def _open(self, c: Campaign) -> bool:
+        if c.engine_fault is not None:
+            return False
+        c.engine_fault = self
+        self.before = self._set(c, self.rate)
+        self.record.target = f"{self.knob}={self.rate:g} on {len(self.before)} engines"
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        after = self._set(c, 0.0)
+        # A simulator restarted meanwhile counts from zero again.
+        self.record.affected = sum(n - self.before[u] if n >= self.before.get(u, 0) else n for u, n in after.items())
+        self.record.ended = time.time()
+        c.engine_fault = None
+
+
+#: Each link fault: the link, what goes wrong on it, the proxy counter that measures it and
+#: its unit, and whether the open connections are reset first.
+LINK_FAULTS = {
+    FaultKind.REDIS_DROP_REPLY: ("redis", LinkFaults(drop_reply_rate=0.05), "replies_dropped", "replies dropped",
+                                 False),
+    FaultKind.REDIS_RESET: ("redis", LinkFaults(reset_rate=0.02), "resets", "connections reset", True),
+    FaultKind.REDIS_LATENCY: ("redis", LinkFaults(latency_s=0.05), "chunks_delayed", "chunks delayed", False),
+    FaultKind.ROUTER_DROP_REPLY: ("router", LinkFaults(drop_reply_rate=0.1), "replies_dropped", "replies dropped",
+                                  False),
+    FaultKind.ROUTER_RESET: ("router", LinkFaults(reset_rate=0.05), "resets", "connections reset", True),
+    FaultKind.ROUTER_LATENCY: ("router", LinkFaults(latency_s=0.2), "chunks_delayed", "chunks delayed", False),
+}
+#: Each engine fault: the simulator's knob (POST /sim/faults), its rate, the counter in /sim/stats.
+ENGINE_FAULTS = {
+    FaultKind.ENGINE_5XX: ("error_rate", 1.0, "errors"),
+    FaultKind.ENGINE_HANG: ("hang_rate", 0.3, "hangs"),
+}
+PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
+                  FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
+                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill}
+
+
+def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:
+    if kind in LINK_FAULTS:
+        return LinkFault(record, kind, *LINK_FAULTS[kind])
+    if kind in ENGINE_FAULTS:
+        return EngineFault(record, kind, *ENGINE_FAULTS[kind])
+    return PROCESS_FAULTS[kind](record)
+
+
+def schedule(minutes: float, seed: int) -> list[Fault]:
+    """Every kind once per minute of run (ceil(minutes) windows of equal length), each at a
+    seeded random moment in the first three quarters of its window."""
+    rng = random.Random(f"{seed}|schedule")
+    windows = max(1, int(-(-minutes // 1)))
+    length = minutes * 60 / windows
+    faults = [make_fault(kind, FaultRecord(kind.value, round(w * length + rng.uniform(0.02, 0.75) * length, 2)))
+              for w in range(windows) for kind in FaultKind]
+    return sorted(faults, key=lambda f: f.record.at_s)

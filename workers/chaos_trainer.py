@@ -1,0 +1,178 @@
+"""The fault campaign's trainer, a process of its own so that the campaign can kill it:
+`python -m workers.chaos_trainer --ledger PATH --engine-url ROUTER ...`, the Redis URL
+in ROLLOUT_REDIS_URL (never in argv).
+
+Every step: `next_batch(B)` → the batch's group ids to the ledger (fsynced) → a
+simulated training step → `commit` → the commit to the ledger → a weight update through
+`Controller`, cycling the pause modes abort, retract, in_place by version. On start it
+first pushes the current version's weights to the engines, as a restarted trainer
+loads its checkpoint: that also resumes a pipeline a killed trainer left paused.
+
+A newer session fencing this one (a rolling restart) ends it cleanly: `fenced` in the
+ledger, exit code 0. Once the drain file exists it takes what is left in smaller
+batches and exits with `drained` when every pushed group is settled.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from pipeline.connection import ConnectionFailed, connect
+from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
+from pipeline.control import read_control
+from pipeline.controller import Controller, WeightUpdateError
+from pipeline.queue import Queue
+from pipeline.retry import RedisUnavailable, is_transient
+from pipeline.types import PauseMode
+
+from .engine import EngineError, EngineSet
+from .ledger import Ledger, LedgerEvent
+from .local import REDIS_URL_ENV
+
+log = logging.getLogger("chaos.trainer")
+
+#: The trainer's consumer name; sessions are `chaos-trainer.<generation>`.
+CONSUMER = "chaos-trainer"
+#: Pause modes by weight version: every mode comes up every three steps.
+PAUSE_MODES = (PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE)
+#: A next_batch call gives up after this long and the loop looks at the drain file again.
+BATCH_WAIT_S = 5.0
+#: A weight update failing this long (an engine that never comes back) ends the trainer
+#: with exit code 1; the campaign counts it as an unexpected exit.
+UPDATE_DEADLINE_S = 120.0
+CONTROL_TIMEOUT_S = 30.0
+
+
+@dataclass
+class TrainerSettings:
+    namespace: str
+    engine_url: str  # the router: control calls reach every engine behind it
+    ledger: Path
+    batch_size: int
+    step_s: float  # the simulated training step
+    drain_file: Path
+    filter: str | None = "dapo"  # DAPO's dynamic sampling: drops groups whose rewards are all equal
+
+
+def outstanding(queue: Queue) -> int:
+    """Pushed groups not settled yet (in the prompt list, in flight, or in a stream),
+    from the counters, read atomically."""
+    k = queue.keys
+    pipe = queue.redis.pipeline(transaction=True)
+    pipe.hmget(k.stats, "pushed", "committed", "dropped", "discarded")
+    pipe.xlen(k.dead)
+    (pushed, committed, dropped, discarded), dead = pipe.execute()
+    return int(pushed or 0) - int(committed or 0) - int(dropped or 0) - int(discarded or 0) - dead
+
+
+def connect_patiently(url: str, deadline_s: float = 60.0) -> redis.Redis:
+    """A trainer started while Redis restarts waits for it, as its Redis calls do later."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return connect(url)
+        except ConnectionFailed as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s; retrying", exc)
+            time.sleep(0.5)
+
+
+class ChaosTrainer:
+    def __init__(self, settings: TrainerSettings, redis_url: str):
+        self.settings = settings
+        client = connect_patiently(redis_url)
+        self.consumer = Consumer(client, settings.namespace, consumer=CONSUMER, filter=settings.filter)
+        self.queue = self.consumer.queue
+        self.controller = Controller(self.queue, EngineSet([settings.engine_url], timeout_s=CONTROL_TIMEOUT_S))
+        self.ledger = Ledger(settings.ledger)
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> int:
+        self.ledger.append(LedgerEvent.START)
+        self.update_weights(bump=False)
+        try:
+            while True:
+                n = self.settings.batch_size
+                if self.settings.drain_file.exists():
+                    left = self.consumer.reconnect.call(outstanding, self.queue)
+                    if left <= 0:
+                        self.ledger.append(LedgerEvent.DRAINED)
+                        log.info("drained: every pushed group is settled")
+                        return 0
+                    n = min(n, left)
+                try:
+                    batch = self.consumer.next_batch(n, timeout=BATCH_WAIT_S)
+                except (BatchTimeout, RedisUnavailable) as exc:
+                    log.info("no batch yet: %s", exc)
+                    continue
+                self.ledger.append(LedgerEvent.TRAIN, batch=batch.batch_id, groups=[g.group_id for g in batch.groups])
+                time.sleep(self.settings.step_s)
+                self.consumer.commit(batch)
+                self.ledger.append(LedgerEvent.COMMIT, batch=batch.batch_id)
+                self.update_weights(bump=True)
+        except SessionFenced as exc:
+            self.ledger.append(LedgerEvent.FENCED, reason=str(exc))
+            log.warning("fenced: %s; exiting", exc)
+            return 0
+        finally:
+            self.loop.run_until_complete(self.controller.engines.close())
+
+    def update_weights(self, bump: bool) -> None:
+        """pause → load → resume, retried until it succeeds (an engine restarting, Redis
+        restarting); the next version when `bump`, else the current one again."""
+        deadline = time.monotonic() + UPDATE_DEADLINE_S
+        delay = 0.1
+        while True:
+            try:
+                version = read_control(self.queue.redis, self.queue.keys).weight_version + int(bump)
+                mode = PAUSE_MODES[version % len(PAUSE_MODES)]
+                started = time.monotonic()
+                self.loop.run_until_complete(self.controller.update_weights_from_disk(
+                    f"/checkpoints/chaos/step-{version}", version, mode))
+                self.ledger.append(LedgerEvent.UPDATE, version=version, mode=mode.value,
+                                   seconds=round(time.monotonic() - started, 4))
+                return
+            except (WeightUpdateError, EngineError, TimeoutError, redis.RedisError) as exc:
+                if isinstance(exc, redis.RedisError) and not is_transient(exc):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise RuntimeError(f"weight update failing for {UPDATE_DEADLINE_S:g}s: {exc}") from exc
+                log.warning("weight update failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+
+def parse_args(argv: list[str] | None) -> TrainerSettings:
+    p = argparse.ArgumentParser(prog="python -m workers.chaos_trainer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--engine-url", required=True, help="the router (control calls reach every engine behind it)")
+    p.add_argument("--ledger", type=Path, required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--step-s", type=float, default=0.2, help="simulated training step (seconds)")
+    p.add_argument("--drain-file", type=Path, required=True, help="once it exists: train what is left, then exit")
+    a = p.parse_args(argv)
+    return TrainerSettings(a.namespace, a.engine_url, a.ledger, a.batch_size, a.step_s, a.drain_file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_args(argv)
+    url = os.environ.get(REDIS_URL_ENV)
+    if not url:
+        print(f"chaos trainer: set {REDIS_URL_ENV} to the Redis URL", file=sys.stderr)
+        return 2
+    return ChaosTrainer(settings, url).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
