@@ -200,6 +200,9 @@ def test_router_command_lines_parse_and_name_the_engines_they_wait_for(config):
         assert command[:3] == ["python", "-m", "sglang_router.launch_router"]
         parsed = parse_router_args(command[3:])
         assert parsed.port == 30000
+        # The router's default holds an engine out for 60 s after a short burst of 5xx
+        # (found by `rollout chaos`); 5 s lets generation resume soon after.
+        assert parsed.cb_timeout_duration_secs == 5
         engines = sorted(svc["depends_on"])
         assert sorted(parsed.worker_urls) == [f"http://{e}:30000" for e in engines]
         assert all(svc["depends_on"][e]["condition"] == "service_healthy" for e in engines)
