@@ -9,7 +9,7 @@ every step through pause → update_weights_from_disk → resume:
   sync               B groups per step, wait for all, train, update (in memory)
   in-memory async    one process: a fixed pool of slots, an asyncio.Queue of results,
                      aborted groups kept in memory (bench/in_memory.py), η = 2
-  pipeline η         this project: a redis-server (AOF everysec), a `rollout worker`
+  pipeline η         this project: a redis-server (AOF, fsync always), a `rollout worker`
                      process, the trainer taking exact batches with Consumer and
                      updating through Controller; η = 0, 1, 2, 4
 
@@ -74,7 +74,7 @@ class PipelineRollout:
     def __init__(self, settings: Settings, engine_urls: list[str], eta: int, workdir: Path):
         self.settings = settings
         self.workdir = workdir
-        self.server = RedisServer(workdir / "redis", port=free_port())  # AOF, fsync every second
+        self.server = RedisServer(workdir / "redis", port=free_port())  # AOF, fsync always: the default
         url = self.server.start()
         self.queue = Queue(connect(url), NAMESPACE)
         configure(self.queue.redis, self.queue.keys, max_staleness=eta, batch_size=settings.batch_groups)

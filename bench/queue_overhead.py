@@ -569,7 +569,7 @@ def human(r: dict) -> str:
     lines = [
         f"queue overhead: groups of {r['samples_per_group']} x {r['response_tokens_per_sample']} tokens "
         f"(+{r['prompt_tokens']} prompt), batch {r['batch_size']}, redis {r['redis_version']}, "
-        f"AOF {'on (everysec)' if r['aof'] else 'off'}, {r['rounds']} alternating rounds",
+        f"AOF {'on (fsync always)' if r['aof'] else 'off'}, {r['rounds']} alternating rounds",
         f"result payload {r['result_payload_bytes'] / 1024:.1f} KiB/group, prompt payload "
         f"{r['prompt_payload_bytes'] / 1024:.1f} KiB; bare serializes with the same codec",
         "",
