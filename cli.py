@@ -224,7 +224,8 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--restart-cursor", is_flag=True,
               help="Forget this dataset's cursor and push every row again, under new group ids.")
 @click.option("--max-queued", type=click.IntRange(min=1),
-              help="Feeder mode: keep pushing, but wait while the prompt list holds this many.")
+              help="Feeder mode: keep pushing, but wait while the prompt list holds this many; "
+                   "rides out Redis restarts (retrying with backoff) instead of exiting.")
 @click.option("--max-prompt-bytes", default=DEFAULT_MAX_PROMPT_BYTES, show_default=True,
               type=click.IntRange(min=1), help="Largest row (prompt, label and metadata as stored); larger is bad.")
 @click.option("--tokenizer", help="Hugging Face tokenizer path: with --context-length, refuse prompts too long.")
@@ -258,6 +259,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     from rich.progress import Progress
 
     from pipeline.producer import DatasetError, PushOptions, PushReport, load_dataset, push_dataset
+    from pipeline.retry import Reconnect
 
     if (tokenizer is None) != (context_length is None):
         raise click.UsageError("--tokenizer and --context-length go together: the prompt length is checked "
@@ -281,7 +283,11 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                 return
             with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
                 task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
-                report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n))
+                # A feeder runs for the whole training run: it waits out a Redis restart like
+                # the workers and the trainer do. A one-shot push stops and says how to resume.
+                reconnect = Reconnect(f"feeder {opts.dataset_name or file.name}") if max_queued else None
+                report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n),
+                                      reconnect=reconnect)
         except DatasetError as exc:
             raise click.ClickException(str(exc)) from None
         except redis.RedisError as exc:

@@ -36,6 +36,7 @@ import msgpack
 
 from .codec import encode_group
 from .queue import Queue
+from .retry import Reconnect
 from .types import Group
 
 log = logging.getLogger(__name__)
@@ -368,10 +369,14 @@ def epoch_order(n_rows: int, epoch: int, opts: PushOptions) -> list[int]:
 
 
 def push_dataset(queue: Queue, source: str | Path | Dataset, opts: PushOptions | None = None,
-                 progress: Callable[[int], None] | None = None) -> PushReport:
+                 progress: Callable[[int], None] | None = None, reconnect: Reconnect | None = None) -> PushReport:
     """Push every (epoch, row) not pushed yet. Raises DatasetError on the first bad row
     unless `skip_bad`, in which case bad rows go to the dead-letter stream; and when
-    the dataset's recorded fingerprint does not match (see the module docstring)."""
+    the dataset's recorded fingerprint does not match (see the module docstring).
+
+    With `reconnect` (a feeder), the pushing rides out Redis restarts: a chunk whose
+    reply was lost is pushed again under the same cursor, which the push script refuses
+    if the first try moved it, so nothing is pushed twice."""
     opts = opts or PushOptions()
     if opts.n_samples_per_prompt < 1:
         raise ValueError(f"n_samples_per_prompt must be at least 1, got {opts.n_samples_per_prompt}")
@@ -390,18 +395,20 @@ def push_dataset(queue: Queue, source: str | Path | Dataset, opts: PushOptions |
         log.warning("%s holds no rows: nothing to push", data.path)
         return report
     fingerprint = _claim_fingerprint(queue, dataset, data, opts)
+    call = reconnect.call if reconnect else (lambda fn, *args: fn(*args))
     for epoch in range(opts.epochs):
         order = epoch_order(len(rows), epoch, opts)
         field_name = f"{dataset}:{epoch}"
-        cursor = read_cursor(queue, dataset, epoch)
+        cursor = call(read_cursor, queue, dataset, epoch)
         report.already += min(cursor, len(order))
         while cursor < len(order):
-            room = _wait_for_room(queue, opts.max_queued)
+            room = call(_wait_for_room, queue, opts.max_queued)
             chunk = [rows[i] for i in order[cursor:cursor + min(opts.chunk_size, room)]]
             items = [_item(row, dataset, fingerprint.run, epoch, len(rows), opts) for row in chunk]
-            ok, new_cursor = queue.push(field_name, cursor, items)
+            ok, new_cursor = call(queue.push, field_name, cursor, items)
             if not ok:
-                log.warning("dataset %s epoch %d: another producer moved the cursor to %d; continuing from there",
+                log.warning("dataset %s epoch %d: the cursor moved to %d (another producer, or this push's own "
+                            "earlier try whose reply was lost); continuing from there",
                             dataset, epoch, new_cursor)
                 cursor = new_cursor
                 continue

@@ -324,6 +324,46 @@ def test_worker_and_trainer_ride_out_a_redis_restart(redis_factory, tmp_path):
         sim.stop()
 
 
+def test_a_feeder_rides_out_a_redis_restart(redis_factory, tmp_path):
+    """A feeder (`rollout push --max-queued`) runs for the whole training run: a 2 s
+    restart of redis-server under it must not end it (as it did: "push stopped by a
+    Redis error"). It waits, resumes from the cursor, and pushes every row once."""
+    server = redis_factory("feeder")
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"input": f"What is {i} + 1?", "label": str(i + 1)}) + "\n"
+                               for i in range(60)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ROLLOUT_REDIS_URL=server.url, ROLLOUT_NAMESPACE="feed")
+    feeder = subprocess.Popen([sys.executable, "-m", "cli", "push", str(dataset), "--max-queued", "10", "--json"],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    c = connect(server.url)
+    q = Queue(c, "feed")
+    taken: list[bytes] = []  # what a "worker" took off the prompt list, so the feeder keeps pushing
+    try:
+        wait_for(lambda: c.llen(q.keys.prompts) >= 10, timeout=30, what="the feeder filled the list")
+        taken += c.lpop(q.keys.prompts, 5)
+        wait_for(lambda: c.llen(q.keys.prompts) >= 10, timeout=30, what="the feeder topped the list up")
+        c.close()
+        server.kill()
+        time.sleep(2.0)  # the outage itself: nothing answers on the port for 2 s
+        restarted = redis_factory(data_dir=server.data_dir, port=server.port)
+        c = connect(restarted.url)
+        q = Queue(c, "feed")
+        while feeder.poll() is None and len(taken) + c.llen(q.keys.prompts) < 60:
+            taken += c.lpop(q.keys.prompts, 5) or []
+            time.sleep(0.05)
+        out, err = feeder.communicate(timeout=60)
+        assert feeder.returncode == 0, err
+        assert "Redis unreachable" in err and "Redis is back after" in err
+        report = json.loads(out)
+        assert report["pushed"] + report["already"] <= 60
+        taken += c.lrange(q.keys.prompts, 0, -1)
+        ids = [gid.decode() for gid in taken]
+        assert sorted(ids) == sorted(f"rows.jsonl:0:{i}" for i in range(60))  # every row, each once
+    finally:
+        if feeder.poll() is None:
+            feeder.kill()
+
+
 # -- operators' views of a busy pipeline ------------------------------------------------
 
 

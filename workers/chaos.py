@@ -286,9 +286,6 @@ class Campaign:
         if failed := self.fleet.startup_failures:
             lines.append(f"worker startup: {len(failed)} workers could not reach Redis as they started (their link "
                          "was faulty) and were run again")
-        if (feeders := self.fleet.spawned["feeder"]) > 1:
-            lines.append(f"feeder: exited {feeders - 1} times (`rollout push` stops when Redis restarts under it), "
-                         "run again and resumed from its cursor each time")
         return lines
 
     def _report(self) -> ChaosReport:

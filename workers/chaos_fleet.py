@@ -5,8 +5,7 @@ and trainer processes (`python -m workers.chaos_trainer`).
 
 The workers reach Redis and the router through fault proxies (workers/fault_proxy.py);
 the trainer and the feeder talk to Redis directly. `supervise()` replaces what died by
-itself and records it: a process that dies unasked is an incident (the feeder excepted:
-`rollout push` stops on a Redis outage by design and resumes from its cursor).
+itself and records it: a process that dies unasked is an incident.
 """
 from __future__ import annotations
 
@@ -269,9 +268,8 @@ class Fleet:
             if self.feeder.popen.returncode == 0:
                 self.feeder_done = True
                 events.append("the feeder pushed the whole dataset")
-            else:  # `rollout push` stops on a Redis outage; pushing again resumes from its cursor
-                events.append(f"feeder exited with code {self.feeder.popen.returncode} "
-                              f"({self.feeder.last_line()}); restarted")
+            else:  # a feeder rides out Redis restarts: its exit is an incident
+                self._incident(events, self.feeder)
                 self.feeder = self._spawn_feeder()
         if self.server.process is not None and self.server.process.poll() is not None:
             self.incidents.append(f"redis-server exited by itself with code {self.server.process.returncode}")
