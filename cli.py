@@ -721,7 +721,9 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
                    "the campaign is ok.")
 @click.option("--keep", is_flag=True, help="Keep the temporary run directory even when the campaign is ok.")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object: pushed, trained_once, trained_twice, lost, dead, dropped, faults, ok, ...")
+              help="One JSON object: pushed, trained_once, trained_twice, lost, dead, dropped, faults, ok, "
+                   "seed, minutes, batches, dead_reasons, dropped_reasons, by_kind, audit_ok, checks, problems "
+                   "(docs/cli.md).")
 def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     """Run a fault campaign against a real pipeline on this machine, and prove what happened.
 

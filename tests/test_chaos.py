@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.helpers import http_json, wait_for
+from tests.test_json_schemas import CHAOS, check
 from workers.chaos_faults import FaultKind, schedule
 from workers.chaos_report import Tally, committed_batches, reason_of
 from workers.fault_proxy import LinkFaults, ProxyThread
@@ -197,6 +198,7 @@ def test_a_90_second_campaign_trains_every_group_once_through_every_fault(tmp_pa
     assert proc.stdout, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["ok"], (report["problems"], proc.stderr[-4000:])
+    check(report, CHAOS)  # docs/cli.md's keys and types
     assert report["trained_twice"] == 0 and report["lost"] == 0
     assert report["faults"] == {kind.value: 2 for kind in FaultKind}  # two windows of 45 s
     assert report["trained_once"] + report["dead"] + report["dropped"] == report["pushed"] > 0

@@ -98,9 +98,17 @@ DEMO_TORCH_KEYS = {"ok", "error", "steps", "reward_first", "reward_last", "rewar
                    "logprob_mean_abs_diff", "weight_versions_seen", "engine_versions_ok", "samples_continued",
                    "audit_ok", "audit", "seconds", "curve"}
 
+CHAOS = {"pushed": int, "trained_once": int, "trained_twice": int, "lost": int, "dead": int, "dropped": int,
+         "faults": MapOf(int), "ok": bool, "seed": int, "minutes": NUM, "batches": int,
+         "dead_reasons": MapOf(int), "dropped_reasons": MapOf(int),
+         "by_kind": MapOf({"injected": int, "affected": int, "unit": str, "recovery_p50_s": (*NUM, NONE),
+                           "recovery_max_s": (*NUM, NONE)}),
+         "audit_ok": bool, "checks": ListOf(str), "problems": ListOf(str)}
+
 #: command (as in docs/cli.md and --help) -> its schema
 SCHEMAS = {("push",): PUSH, ("status",): STATUS, ("inspect",): INSPECT, ("audit",): AUDIT, ("configure",): CONFIGURE,
-           ("dead", "list"): DEAD_LIST, ("dead", "show"): DEAD_SHOW, ("consume",): CONSUME, ("demo",): DEMO_SIM}
+           ("dead", "list"): DEAD_LIST, ("dead", "show"): DEAD_SHOW, ("consume",): CONSUME, ("demo",): DEMO_SIM,
+           ("chaos",): CHAOS}  # chaos's output is checked by tests/test_chaos.py's campaign
 
 
 def check(value, schema, where: str = "$") -> None:
