@@ -60,6 +60,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/<name>.py` from a clone
+    sys.path.insert(0, str(REPO))
+
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure
@@ -71,7 +75,6 @@ from workers.local import stop_processes
 
 log = logging.getLogger("bench.inflight")
 
-REPO = Path(__file__).resolve().parent.parent
 TARGET_INFLIGHT = 4096
 N_SAMPLES = 8
 NAMESPACE = "bench-inflight"

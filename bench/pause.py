@@ -86,7 +86,7 @@ def worker_child(args: argparse.Namespace) -> None:
         r = connect(args.redis_url)
         last = None
         while not stop.is_set():
-            state = worker.state
+            state = worker.state()  # read from this thread: a snapshot of plain attributes
             if state != last:
                 r.rpush(state_key(args.namespace) + ":" + worker.id, json.dumps([state, time.time()]))
                 last = state

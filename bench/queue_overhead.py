@@ -57,6 +57,10 @@ from pathlib import Path
 import msgpack
 import redis
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/<name>.py` from a clone
+    sys.path.insert(0, str(REPO))
+
 from pipeline.codec import decode_group, encode_group
 from pipeline.connection import PROTOCOL, connect
 from pipeline.consumer import Consumer

@@ -22,9 +22,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from workers.simulator import SimConfig, start_simulator
-
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/sim_fleet.py` from a clone
+    sys.path.insert(0, str(REPO))
+
+from workers.simulator import SimConfig, start_simulator  # noqa: E402
+
 SAMPLE_PERIOD_S = 0.05  # utilization sampling period per engine
 STARTUP_TIMEOUT_S = 30.0
 
