@@ -200,7 +200,8 @@ class PipelineLoop:
         self.queue = Queue(self.client, ns)
         self.consumer = Consumer(self.client, ns, consumer="bench-trainer", block_s=1.0)
         self.worker = "bench-worker"
-        self.queue.register(self.worker)
+        self.lease_s = self.queue.register(self.worker)
+        self.last_beat = time.monotonic()
         self.claims = 0
         self.row = 0
 
@@ -211,6 +212,9 @@ class PipelineLoop:
         groups = [fresh_group(self.content, self.ns, self.row + i) for i in range(n)]
         self.row += n
         self.queue.push_groups(groups)
+        if time.monotonic() - self.last_beat > self.lease_s / 4:  # as a worker does, or its lease runs out
+            self.queue.heartbeat(self.worker, "{}")
+            self.last_beat = time.monotonic()
         t1 = pc()
         s["push"] += t1 - t0
         claimed = []
