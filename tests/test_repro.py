@@ -1,0 +1,47 @@
+"""The repro scripts of issue 8 (scripts/repro/, the scenarios of ../shared/repro/ on
+today's API) run and print the correct behaviour: they stay runnable as the API moves."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+EXPECTED = {
+    "r1_two_trainers.py": ["A commit refused: trainer session trainer-A.1 was replaced", "B commit -> 3", ": OK"],
+    "r2_dup_payload.py": ["second push: 0 groups", "second claim: []", "commit -> 1", ": OK"],
+    "r3_producer_seed.py": ["refused: dataset 'data.jsonl' was pushed before", "(seed: 1 -> 2)", "duplicates: []"],
+    "r4_reaped_reregister.py": ["claim after the reap: unregistered []", "heartbeat says reaped: True",
+                                "T1 publish (old token): refused", "W#2 claims g0 -> publish: ok"],
+    "r5_claim_retry.py": ["worker was handed: ['g0']", "in-flight hash   : ['g0']", ": OK"],
+    "r5b_claim_retry_user_client.py": ["worker was handed: ['g0']", "in-flight hash   : ['g0']", "pending: 1",
+                                       "commit -> 1", ": OK"],
+    "r6_stranded.py": ["in-flight in Redis: []", ": OK"],
+    "r7_segments.py": ["segments [20] mask len 20", "decodes"],
+    "r8_starvation.py": ["reaped: 0; lost publishes: 0"],
+    "r9_claim_error_kills_worker.py": ["worker thread alive: True | error: None"],
+    "r10_resume_stall.py": ["resume() took"],
+}
+
+
+def test_every_script_is_checked():
+    assert set(EXPECTED) == {p.name for p in (ROOT / "scripts" / "repro").glob("r*.py")}
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_repro_script_shows_the_correct_behaviour(script):
+    proc = subprocess.run([sys.executable, f"scripts/repro/{script}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "WRONG" not in out, out
+    for expected in EXPECTED[script]:
+        assert expected in out, f"{script}: {expected!r} not in\n{out}"
+    if script == "r10_resume_stall.py":
+        assert float(re.search(r"resume\(\) took ([0-9.]+)s", out).group(1)) < 1.0, out
