@@ -76,14 +76,18 @@ class Reconnect:
 
     def call(self, fn: Callable[..., T], *args: Any, deadline: float | None = None, **kwargs: Any) -> T:
         """fn(*args, **kwargs), retried through connection errors until `deadline`
-        (time.monotonic(); None: forever). Raises RedisUnavailable after it."""
+        (time.monotonic(); None: forever). Raises RedisUnavailable after it. The first
+        failure is always retried once, whatever the deadline: a call is often the
+        middle of an operation (a settle while screening a batch), and one lost reply
+        must not leave it half done when a retry would finish it."""
         delay = self.first_s
+        retried = False
         while True:
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
-                time.sleep(self._failed(exc, delay, deadline))
-                delay = min(self.max_s, delay * 2)
+                time.sleep(self._failed(exc, delay, deadline if retried else None))
+                delay, retried = min(self.max_s, delay * 2), True
                 continue
             self._succeeded()
             return result
@@ -94,12 +98,13 @@ class Reconnect:
         of their own, so slow rewards can never delay a heartbeat)."""
         loop = asyncio.get_running_loop()
         delay = self.first_s
+        retried = False
         while True:
             try:
                 result = await loop.run_in_executor(executor, lambda: fn(*args))
             except Exception as exc:
-                await asyncio.sleep(self._failed(exc, delay, deadline))
-                delay = min(self.max_s, delay * 2)
+                await asyncio.sleep(self._failed(exc, delay, deadline if retried else None))
+                delay, retried = min(self.max_s, delay * 2), True
                 continue
             self._succeeded()
             return result

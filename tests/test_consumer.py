@@ -212,6 +212,24 @@ def test_lost_commit_reply_then_retry_is_done_once(queue, consumer):
     assert_audit_ok(queue)
 
 
+def test_a_lost_settle_reply_is_retried_even_when_the_wait_is_over(queue, client, namespace):
+    """Found by the conservation test under load: next_batch's timeout had run out when
+    the reply to a settle made while screening (a DAPO drop) was lost, and next_batch
+    failed with RedisUnavailable instead of finishing: one lost reply always gets a retry."""
+    c = Consumer(client, namespace, filter="dapo", block_s=0.1)
+    produce(queue, 1, prefix="flat", rewards=[0.0, 0.0])
+    produce(queue, 1, prefix="k", rewards=[0.0, 2.0])
+    settle = c.queue._scripts["settle"] = LoseReplies(c.queue._scripts["settle"], armed=1)
+    try:
+        batch = c.next_batch(1, timeout=0)  # the wait is over before the settle's reply is lost
+    except BatchTimeout:  # what was screened stays screened; the next call goes on
+        batch = c.next_batch(1, timeout=5)
+    assert not settle.armed and [e.group_id for e in queue.read_stream(queue.keys.dropped)] == ["flat0"]
+    assert [g.group_id for g in batch.groups] == ["k0"]
+    c.commit(batch)
+    assert_audit_ok(queue)
+
+
 def test_released_batch_comes_first_and_a_poison_batch_ends_in_dead_letters(queue, client, namespace):
     """Issue 8 #12: a step that failed hands its batch back; one that keeps failing
     (it crashes the trainer) is dead-lettered after max_deliveries."""
