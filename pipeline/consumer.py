@@ -212,7 +212,7 @@ class Consumer:
                 settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
                 metrics.dead += 1
                 continue
-            lag = control.weight_version - (group.oldest_version(control.version_clock) or 0)
+            lag = control.lag(group)
             if lag < 0:
                 metrics.ahead += 1
             if control.max_staleness is not None and lag > control.max_staleness:
@@ -292,7 +292,7 @@ class Consumer:
             return
         keep, settle = [], []
         for h in self._held:
-            lag = control.weight_version - (h.group.oldest_version(control.version_clock) or 0)
+            lag = control.lag(h.group)
             if lag > control.max_staleness:
                 settle.append(self._stale(h.entry, h.group, lag, control, metrics))
             else:
@@ -386,7 +386,7 @@ class Consumer:
             prom.FILTER_DROPS.labels(reason).inc(count)
         for h in taken:
             self._uncommitted[h.entry.entry_id] = h.entry
-            lag = control.weight_version - (h.group.oldest_version(control.version_clock) or 0)
+            lag = control.lag(h.group)
             metrics.staleness[lag] = metrics.staleness.get(lag, 0) + 1
             prom.STALENESS.observe(lag)
         self._batches += 1

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from .keys import Keys
-from .types import ReleasePolicy, VersionClock, member
+from .types import Group, ReleasePolicy, VersionClock, member
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class ControlState:
         if self.max_staleness is None or not self.batch_size:
             return None
         return staleness_limit(self.max_staleness, self.weight_version, self.batch_size)
+
+    def lag(self, group: Group) -> int:
+        """How many weight versions `group` is behind the trainer's, on this namespace's clock."""
+        return self.weight_version - (group.oldest_version(self.version_clock) or 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)

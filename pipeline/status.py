@@ -308,7 +308,7 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         except DecodeError:
             malformed += 1
             continue
-        lag = control.weight_version - (group.oldest_version(control.version_clock) or 0)
+        lag = control.lag(group)
         by_lag[lag] = by_lag.get(lag, 0) + 1
         if control.max_staleness is not None and lag > control.max_staleness:
             over += 1

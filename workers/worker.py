@@ -900,20 +900,24 @@ class Worker:
         depths = self.queue.depths()
         metrics.sample_namespace(depths, self.queue.stats() if self.settings.metrics_port else {})
         now = time.monotonic()
-        reap, self._last_reap = (True, now) if now - self._last_reap >= self.lease_s / 4 else (False, self._last_reap)
+        reap = now - self._last_reap >= self.lease_s / 4
         orphans = now - self._last_orphan_reap >= 10 * self.lease_s
+        if reap:
+            self._last_reap = now
         if orphans:
             self._last_orphan_reap = now
+        control = None  # the training namespace's: its pause (a weight update) holds eval groups back too
         for queue in self.queues:
             if reap:
                 queue.reap_expired()
             if orphans:
                 queue.reap_orphans()
-            if depths["requeue"] if queue is self.queue else queue.redis.xlen(queue.keys.requeue):
-                # The training namespace's pause (a weight update) holds eval groups back too.
-                control = read_control(self.queue.redis, self.queue.keys)
+            requeued = depths["requeue"] if queue is self.queue else queue.redis.xlen(queue.keys.requeue)
+            if requeued:
+                control = control or read_control(self.queue.redis, self.queue.keys)
                 if not control.paused:
                     queue.release(control.release_policy)
+
 
 def reward_args(settings: WorkerSettings) -> SimpleNamespace:
     """The `args` a reward gets: the worker's settings, also under slime's names (a slime
