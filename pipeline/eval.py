@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import redis
@@ -33,8 +34,8 @@ class EvalResult:
     name: str
     groups: list[Group] = field(default_factory=list)
 
-    @property
-    def samples(self) -> list:
+    @cached_property
+    def samples(self) -> list:  # read_eval fills `groups` before anyone reads this
         return sorted((s for g in self.groups for s in g.samples), key=lambda s: (s.index is None, s.index or 0))
 
     def rewards(self, reward_key: str | None = None) -> list:
@@ -73,14 +74,14 @@ def push_eval(client: redis.Redis, namespace: str, path: str | Path, name: str, 
     return report.pushed + report.already
 
 
-def read_eval(client: redis.Redis, namespace: str, passes: dict[str, int] | None, timeout: float | None = None,
-              consumer: str = EVAL_CONSUMER) -> dict[str, EvalResult]:
+def read_eval(client: redis.Redis, namespace: str, passes: dict[str, int] | None,
+              timeout: float | None = None) -> dict[str, EvalResult]:
     """Finished eval groups, committed once read, by dataset. With `passes` (pass name ->
     groups pushed), wait until every group of those passes is back; groups of other passes
     met meanwhile (an earlier pass nobody read) are committed and left out; `timeout` is
     for all of them. Without, take what is finished, waiting up to `timeout` for each next
     group."""
-    reader = Consumer(client, eval_namespace(namespace), consumer=consumer)
+    reader = Consumer(client, eval_namespace(namespace), consumer=EVAL_CONSUMER)
     wanted = dict(passes or {})
     out: dict[str, EvalResult] = {}
     deadline = None if timeout is None else time.monotonic() + timeout

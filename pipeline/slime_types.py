@@ -123,13 +123,6 @@ def to_slime_sample(sample: Sample, types: SlimeTypes | None = None) -> Any:
     return types.sample.from_dict(sample.to_dict())
 
 
-_OUR_FIELDS = set(Sample.__dataclass_fields__)
-
-
 def from_slime_sample(sample: Any) -> Sample:
     """Our Sample from slime's (or from ours): the fields both share."""
-    data = sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample))
-    kept = {k: v for k, v in data.items() if k in _OUR_FIELDS}
-    status = kept.get("status", Status.PENDING)
-    kept["status"] = Status(getattr(status, "value", status))
-    return Sample(**kept)
+    return Sample.from_dict(sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample)))

@@ -105,6 +105,15 @@ class Sample:
         key = getattr(args, "reward_key", None)
         return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        """Inverse of `to_dict` (ours or slime's) for the fields Sample has; the others are
+        ignored. `status` may be a string or any enum member with our values."""
+        kwargs = {k: v for k, v in data.items() if k in _SAMPLE_FIELD_NAMES}
+        if "status" in kwargs:
+            kwargs["status"] = Status(getattr(kwargs["status"], "value", kwargs["status"]))
+        return cls(**kwargs)
+
     def to_dict(self) -> dict[str, Any]:
         """slime's `Sample.to_dict` shape: status as its string value."""
         return {
@@ -122,6 +131,9 @@ class Sample:
             "weight_versions": list(self.weight_versions),
             "status": self.status.value,
         }
+
+
+_SAMPLE_FIELD_NAMES = frozenset(Sample.__dataclass_fields__)
 
 
 def parse_version(version: str | int | None) -> int | None:

@@ -239,11 +239,8 @@ class Campaign:
         return ids
 
     def _dropped(self) -> dict[str, str]:
-        out, start = {}, "-"
-        while rows := self.queue.redis.xrange(self.queue.keys.dropped, start, "+", count=1000):
-            out.update({text(f.get(b"gid", b"")): text(f.get(b"reason", b"")) for _, f in rows})
-            start = "(" + text(rows[-1][0])
-        return out
+        q = self.queue
+        return {e.group_id: e.reason or "" for e in q.iter_stream(q.keys.dropped, with_data=False)}
 
     def check_stopped_worker(self, fault: WorkerStop) -> str:
         """A problem if the stopped worker published a group after it was reaped; else ""

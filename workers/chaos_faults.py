@@ -119,7 +119,7 @@ class WorkerStop(Fault):
         picked = _pick_worker(c)
         if picked is None:
             return False
-        self.slot, self.proc, self.wid = picked
+        _, self.proc, self.wid = picked
         held = sorted(c.call(c.queue.held, self.wid))
         self.proc.busy = True
         self.proc.signal(signal.SIGSTOP)

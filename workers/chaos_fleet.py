@@ -114,7 +114,6 @@ def write_dataset(path: Path, rows: int, seed: int) -> None:
 class Fleet:
     def __init__(self, settings: FleetSettings, run_dir: Path):
         self.s = settings
-        self.run_dir = run_dir
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.ledger_path = run_dir / "ledger.jsonl"

@@ -60,15 +60,7 @@ __all__ = ["DEFAULT_QUEUE", "AllowlistedJob", "JobRefused", "RQReward", "run_rew
 # --------------------------------------------------------------------------- rq worker side
 
 
-_SAMPLE_FIELDS = frozenset(f.name for f in fields(Sample))
-
-
-def sample_from_dict(data: dict[str, Any]) -> Sample:
-    """Inverse of `Sample.to_dict` for the fields Sample knows; unknown keys are ignored."""
-    kwargs = {k: v for k, v in data.items() if k in _SAMPLE_FIELDS}
-    if "status" in kwargs:
-        kwargs["status"] = Status(kwargs["status"])
-    return Sample(**kwargs)
+sample_from_dict = Sample.from_dict  # the job's samples arrive as Sample.to_dict() JSON
 
 
 @functools.lru_cache(maxsize=64)

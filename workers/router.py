@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pipeline.redis_server import free_port
 
+from .local import stop_processes
+
 STARTUP_TIMEOUT_S = 30.0
 
 
@@ -70,11 +72,5 @@ class RouterProcess:
                           f"{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # graceful: the router waits for in-flight requests
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_processes([self.proc], timeout_s=10)  # SIGTERM first: the router waits for in-flight requests
         self._log.close()

@@ -46,9 +46,9 @@ search(KEYS[6], 'dead')
 local committed = redis.call('ZSCORE', KEYS[7], gid)
 if committed then where[#where + 1] = {place = 'committed', at_ms = tonumber(committed)} end
 
-local trainer = redis.call('HMGET', KEYS[11], 'session', 'generation')
+local session = redis.call('HGET', KEYS[11], 'session')
 return {cjson.encode({
   where = where, now_ms = now_ms(), claims = tonumber(redis.call('HGET', KEYS[8], gid) or '0'),
   history = redis.call('HGET', KEYS[9], gid) or '', admitted = redis.call('HGET', KEYS[10], gid) or false,
-  session = trainer[1] or false,
+  session = session or false,
 }), payload or false}
