@@ -391,7 +391,7 @@ class EngineFault(WindowFault):
     def lift(self, c: Campaign) -> None:
         after = self._set(c, 0.0)
         # A simulator restarted meanwhile counts from zero again.
-        self.record.affected = sum(n - self.before[u] if n >= self.before.get(u, 0) else n for u, n in after.items())
+        self.record.affected = sum(n - b if n >= (b := self.before.get(u, 0)) else n for u, n in after.items())
         self.record.ended = time.time()
         c.engine_fault = None
 
