@@ -346,12 +346,17 @@ class Consumer:
             self._screen(self._own_pending(deadline), control, metrics, deadline)
             self._held_version = control.weight_version
         self._recheck_held(control, metrics, deadline)
-        while len(self._held) < n:
+        # At least one read per call, even when groups held from an earlier call fill the
+        # batch: the read script is what checks this session is still current, and a
+        # fenced session must not hand out groups its successor has taken over.
+        confirmed = False
+        while len(self._held) < n or not confirmed:
             remaining = None if deadline is None else deadline - time.monotonic()
             # Out of time: one last look without blocking, so groups that are already
             # there are taken rather than reported missing.
             expired = remaining is not None and remaining <= 0
-            entries, newest, pending = self._read(n - len(self._held), deadline)
+            entries, newest, pending = self._read(max(0, n - len(self._held)), deadline)
+            confirmed = True
             delivered = [(e, 1) for e in entries]
             if pending > len(self._held) + len(self._fallback) + len(self._uncommitted) + len(entries):
                 delivered += self._lost(entries, deadline)

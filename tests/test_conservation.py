@@ -28,7 +28,7 @@ from pipeline.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, read_control, set_weight_version, staleness_limit
-from pipeline.queue import ClaimStatus, Place, Published, Queue
+from pipeline.queue import ClaimStatus, Place, Published, Queue, text
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
 
@@ -87,12 +87,17 @@ class ConservationMachine(RuleBasedStateMachine):
             self.push(initial, 2)
         self._measure()
 
-    def _measure(self):
-        """Sizes the preconditions look at, read once per step (one round trip)."""
+    def _measure(self) -> dict[str, dict[str, str]]:
+        """Sizes the preconditions look at and what each worker holds in Redis (group id
+        -> claim token), read once per step in one round trip."""
         k = self.queue.keys
         pipe = self.client.pipeline(transaction=False)
         pipe.llen(k.prompts).xlen(k.results).xlen(k.requeue)
-        self.sizes = dict(zip(("prompts", "results", "requeue"), pipe.execute()))
+        for w in WORKERS:
+            pipe.hgetall(k.inflight(self.ids[w]))
+        *sizes, = pipe.execute()
+        self.sizes = dict(zip(("prompts", "results", "requeue"), sizes))
+        return {w: {text(g): text(t) for g, t in held.items()} for w, held in zip(WORKERS, sizes[3:])}
 
     def _consumer(self) -> Consumer:
         consumer = Consumer(self.client, self.namespace, filter=self.filter, block_s=0.01)
@@ -341,21 +346,19 @@ class ConservationMachine(RuleBasedStateMachine):
         if self.eta is not None:
             admitted = read_control(self.client, self.queue.keys).admitted
             assert admitted <= staleness_limit(self.eta, self.version, self.batch_size)
-        for w in WORKERS:
-            actual = self.queue.held(self.ids[w])
+        for w, actual in self._measure().items():
             assert actual == {gid: token for gid, (_, token) in self.held[w].items()}, (w, actual)
-        self._measure()
 
 
 def test_conservation(redis_factory):
     # A server of its own, with a finer timer (hz) so the short blocking reads of
     # next_batch end on time instead of on the default 100 ms tick; DEBUG RELOAD for
     # the restart rule (Redis 7 refuses DEBUG unless enabled).
-    server = redis_factory("conservation", aof=False, extra_config=["hz 100"])
+    server = redis_factory("conservation", aof=False, port=None, extra_config=["hz 100"])
     version = connect(server.url).info("server")["redis_version"]
     if int(version.split(".")[0]) >= 7:
         server.stop()
-        server = redis_factory("conservation7", aof=False, extra_config=["hz 100", "enable-debug-command yes"])
+        server = redis_factory("conservation7", aof=False, port=None, extra_config=["hz 100", "enable-debug-command yes"])
     ConservationMachine.url = server.url
     run_state_machine_as_test(
         ConservationMachine,

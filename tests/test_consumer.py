@@ -188,6 +188,23 @@ def test_a_fenced_session_cannot_take_new_entries(queue, client, namespace):
     assert {c["name"].decode() for c in pending["consumers"]} == {b.session.consumer}
 
 
+def test_a_fenced_session_does_not_hand_out_groups_it_read_before_the_fence(queue, client, namespace):
+    """Found by the conservation machine: a session's batch timed out with one group read
+    (held in its memory for the next call); a newer session took that group over. The old
+    session's next call must not hand the held group out without asking Redis."""
+    produce(queue, 1)
+    a = Consumer(client, namespace, consumer="A", block_s=0.01)
+    with pytest.raises(BatchTimeout):
+        a.next_batch(2, timeout=0.05)
+    b = Consumer(client, namespace, consumer="B", block_s=0.01)
+    batch = b.next_batch(1, timeout=5)
+    assert [g.group_id for g in batch.groups] == ["g0"]
+    with pytest.raises(SessionFenced, match="A.1 was replaced by session B.2"):
+        a.next_batch(1, timeout=1)
+    assert b.commit(batch) == 1
+    assert assert_audit_ok(queue).committed == 1
+
+
 def test_lost_read_reply_strands_nothing(queue, consumer):
     """The read ran (entries delivered to the session), its reply was lost; the retry
     reads on, and the session notices the entries it does not know and takes them."""

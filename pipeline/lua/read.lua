@@ -1,5 +1,6 @@
--- Deliver up to ARGV[4] new results entries to the current trainer session; a fenced
--- session gets an error instead, so it can never take entries it would strand.
+-- Deliver up to ARGV[4] new results entries to the current trainer session (0: none, only
+-- the fence check); a fenced session gets an error instead, so it can never take entries
+-- it would strand.
 -- KEYS: results, trainer
 -- ARGV: consumer group, consumer, generation, count
 -- Returns {newest entry id ('0-0' when empty), entries pending for this consumer, then
@@ -9,7 +10,11 @@ if current[1] ~= ARGV[3] then
   return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
                            tostring(current[2]) .. ' (generation ' .. tostring(current[1]) .. ')')
 end
-local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
+-- COUNT 0 would mean no limit: a count of 0 only confirms the session.
+local reply = nil
+if tonumber(ARGV[4]) > 0 then
+  reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
+end
 local pending = 0
 local summary = redis.call('XPENDING', KEYS[1], ARGV[1])
 for _, row in ipairs(summary[4] or {}) do
