@@ -16,7 +16,10 @@ committed batch, the drop log or the dead-letter stream.
 """
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
 import uuid
 
 import redis
@@ -350,18 +353,48 @@ class ConservationMachine(RuleBasedStateMachine):
             assert actual == {gid: token for gid, (_, token) in self.held[w].items()}, (w, actual)
 
 
-def test_conservation(redis_factory):
-    # A server of its own, with a finer timer (hz) so the short blocking reads of
-    # next_batch end on time instead of on the default 100 ms tick; DEBUG RELOAD for
-    # the restart rule (Redis 7 refuses DEBUG unless enabled).
-    server = redis_factory("conservation", aof=False, port=None, extra_config=["hz 100"])
+def _server(redis_factory, name: str):
+    """A server of its own, with a finer timer (hz) so the short blocking reads of
+    next_batch end on time instead of on the default 100 ms tick; DEBUG RELOAD for the
+    restart rule (Redis 7 refuses DEBUG unless enabled)."""
+    server = redis_factory(name, aof=False, port=None, extra_config=["hz 100"])
     version = connect(server.url).info("server")["redis_version"]
     if int(version.split(".")[0]) >= 7:
         server.stop()
-        server = redis_factory("conservation7", aof=False, port=None, extra_config=["hz 100", "enable-debug-command yes"])
-    ConservationMachine.url = server.url
+        server = redis_factory(f"{name}-7", aof=False, port=None, extra_config=["hz 100", "enable-debug-command yes"])
+    return server
+
+
+def run_examples(url: str, examples: int) -> None:
+    ConservationMachine.url = url
     run_state_machine_as_test(
         ConservationMachine,
-        settings=settings(max_examples=EXAMPLES, stateful_step_count=15, deadline=None,
+        settings=settings(max_examples=examples, stateful_step_count=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
     )
+
+
+def test_conservation(redis_factory):
+    """EXAMPLES in all, split between this process and a child process (each with its
+    own server and its own random seed) so that both cores of a CI machine work."""
+    shards = min(2, os.cpu_count() or 1)
+    urls = [_server(redis_factory, f"conservation{i}").url for i in range(shards)]
+    share = EXAMPLES // shards
+    children = [subprocess.Popen([sys.executable, "-m", "tests.test_conservation", url, str(share)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for url in urls[1:]]
+    try:
+        run_examples(urls[0], EXAMPLES - share * len(children))
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.communicate()
+        raise
+    for child in children:
+        output = child.communicate()[0]
+        assert child.returncode == 0, f"the conservation machine failed in the child process:\n{output}"
+
+
+if __name__ == "__main__":  # a shard of test_conservation, run by it in a child process
+    logging.disable(logging.WARNING)  # the reaps and refusals the machine provokes; a failure prints its example
+    run_examples(sys.argv[1], int(sys.argv[2]))
