@@ -385,13 +385,13 @@ def test_conservation(redis_factory):
                 for url in urls[1:]]
     try:
         run_examples(urls[0], EXAMPLES - share * len(children))
-    except BaseException:
+        outputs = [child.communicate()[0] for child in children]
+    finally:  # a failure here, or the test's timeout: no child outlives the test
         for child in children:
-            child.kill()
-            child.communicate()
-        raise
-    for child in children:
-        output = child.communicate()[0]
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    for child, output in zip(children, outputs):
         assert child.returncode == 0, f"the conservation machine failed in the child process:\n{output}"
 
 
