@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import redis
 from hypothesis import HealthCheck, settings
@@ -35,6 +36,7 @@ from pipeline.queue import ClaimStatus, Place, Published, Queue, text
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
 
+ROOT = Path(__file__).resolve().parent.parent  # where `python -m tests.test_conservation` runs
 WORKERS = ("w0", "w1", "w2")
 #: Examples per CI run (issue 8 asks for at least 2,000); CONSERVATION_EXAMPLES overrides.
 EXAMPLES = int(os.environ.get("CONSERVATION_EXAMPLES", "2000"))
@@ -380,7 +382,7 @@ def test_conservation(redis_factory):
     shards = min(2, os.cpu_count() or 1)
     urls = [_server(redis_factory, f"conservation{i}").url for i in range(shards)]
     share = EXAMPLES // shards
-    children = [subprocess.Popen([sys.executable, "-m", "tests.test_conservation", url, str(share)],
+    children = [subprocess.Popen([sys.executable, "-m", "tests.test_conservation", url, str(share)], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for url in urls[1:]]
     try:
