@@ -4,6 +4,7 @@ and every one runs as the README says, `python bench/<name>.py`, from a clone.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*.py") if "ArgumentParse
 def test_every_benchmark_runs_as_a_script_without_the_package_installed(script, tmp_path):
     """`python bench/x.py` puts bench/ first on sys.path, not the repository: a benchmark
     that imports `pipeline` must find it itself (queue_overhead.py and inflight.py did not)."""
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-I", str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

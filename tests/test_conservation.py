@@ -100,9 +100,9 @@ class ConservationMachine(RuleBasedStateMachine):
         pipe.llen(k.prompts).xlen(k.results).xlen(k.requeue)
         for w in WORKERS:
             pipe.hgetall(k.inflight(self.ids[w]))
-        *sizes, = pipe.execute()
-        self.sizes = dict(zip(("prompts", "results", "requeue"), sizes))
-        return {w: {text(g): text(t) for g, t in held.items()} for w, held in zip(WORKERS, sizes[3:])}
+        replies = pipe.execute()
+        self.sizes = dict(zip(("prompts", "results", "requeue"), replies[:3]))
+        return {w: {text(g): text(t) for g, t in held.items()} for w, held in zip(WORKERS, replies[3:])}
 
     def _consumer(self) -> Consumer:
         consumer = Consumer(self.client, self.namespace, filter=self.filter, block_s=0.01)
@@ -360,7 +360,9 @@ def _server(redis_factory, name: str):
     next_batch end on time instead of on the default 100 ms tick; DEBUG RELOAD for the
     restart rule (Redis 7 refuses DEBUG unless enabled)."""
     server = redis_factory(name, aof=False, port=None, extra_config=["hz 100"])
-    version = connect(server.url).info("server")["redis_version"]
+    probe = connect(server.url)
+    version = probe.info("server")["redis_version"]
+    probe.close()
     if int(version.split(".")[0]) >= 7:
         server.stop()
         server = redis_factory(f"{name}-7", aof=False, port=None, extra_config=["hz 100", "enable-debug-command yes"])

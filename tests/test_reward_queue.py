@@ -31,7 +31,7 @@ from rq.serializers import DefaultSerializer, JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
 from pipeline.types import Sample, Status
-from workers.reward_queue import DEFAULT_QUEUE, AllowlistedJob, RQReward, sample_from_dict, score_group_job
+from workers.reward_queue import DEFAULT_QUEUE, AllowlistedJob, RQReward, score_group_job
 from workers.rewards import RewardError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ async def nan_reward(args, sample):
 
 def test_sample_round_trip():
     sample = make_group(["x"])[0]
-    assert sample_from_dict(json.loads(json.dumps(sample.to_dict()))) == sample
+    assert Sample.from_dict(json.loads(json.dumps(sample.to_dict()))) == sample
 
 
 def test_builtin_reward_scored_by_rq_worker(conn):

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,21 +46,18 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from pipeline.types import Sample, Status
+from pipeline.types import Sample
 from workers.rewards import Reward, RewardError, RewardValue, load_reward, validate_reward
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "rollout-rewards"
 
-__all__ = ["DEFAULT_QUEUE", "AllowlistedJob", "JobRefused", "RQReward", "run_reward_worker", "sample_from_dict",
+__all__ = ["DEFAULT_QUEUE", "AllowlistedJob", "JobRefused", "RQReward", "run_reward_worker",
            "score_group_job"]
 
 
 # --------------------------------------------------------------------------- rq worker side
-
-
-sample_from_dict = Sample.from_dict  # the job's samples arrive as Sample.to_dict() JSON
 
 
 @functools.lru_cache(maxsize=64)
@@ -75,7 +72,8 @@ def score_group_job(path: str, group: bool, args: dict[str, Any], samples: list[
     Exceptions propagate, so rq marks the job failed and stores the traceback text.
     """
     reward = _cached_reward(path, group)
-    return asyncio.run(reward.score(SimpleNamespace(**args), [sample_from_dict(s) for s in samples]))
+    # each sample arrives as Sample.to_dict() JSON (the serializer is JSON, never pickle)
+    return asyncio.run(reward.score(SimpleNamespace(**args), [Sample.from_dict(s) for s in samples]))
 
 
 #: The only function a reward worker runs, as rq names it in a job.

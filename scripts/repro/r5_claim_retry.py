@@ -2,12 +2,11 @@
 # busy); the caller retries. Correct: the retry presents the same claim id and gets the
 # same groups; nothing else is held. Tests: tests/test_scripts.py,
 # tests/test_worker_faults.py (Issue 8 #4).
-import threading
 import time
 
 import redis
 
-from common import Group, Queue, audit, connect, server
+from common import Group, Queue, audit, busy, connect, server
 
 s = server(); ns = "r5"
 admin = connect(s.url)
@@ -15,9 +14,7 @@ q0 = Queue(admin, ns); q0.push_groups([Group.fresh(f"g{i}", "p", 2, row=i) for i
 q = Queue(connect(s.url, socket_timeout=0.2), ns)
 q.register("W")
 q.claim("W", "W:0", 0)  # load the script
-busy = "local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 " \
-       "while true do local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > 0.5 then break end end return 1"
-th = threading.Thread(target=lambda: connect(s.url, socket_timeout=5).eval(busy, 0)); th.start(); time.sleep(0.05)
+th = busy(s.url)
 claim = None
 while claim is None:   # what the worker's Reconnect does: the same call again
     try:

@@ -2,12 +2,10 @@
 # on its own, and the same for the trainer's read. Correct: the retried claim returns
 # the same groups; the trainer's batch is exactly what it asked for and nothing else is
 # left pending for it. Tests: tests/test_scripts.py (Issue 8 #4), tests/test_consumer.py.
-import threading
-import time
 
 import redis
 
-from common import Consumer, Group, Queue, audit, connect, produce, server
+from common import Consumer, Group, Queue, audit, busy, connect, produce, server
 from pipeline.keys import CONSUMER_GROUP
 
 s = server(); ns = "r5b"
@@ -16,16 +14,14 @@ q0 = Queue(admin, ns); q0.push_groups([Group.fresh(f"g{i}", "p", 2, row=i) for i
 q = Queue(redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=0.2), ns)
 q.register("W")
 q.claim("W", "W:0", 0)
-busy = "local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 " \
-       "while true do local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > 0.5 then break end end return 1"
-th = threading.Thread(target=lambda: connect(s.url, socket_timeout=5).eval(busy, 0)); th.start(); time.sleep(0.05)
+th = busy(s.url)
 claim = q.claim("W", "W:1", 1); th.join()
 print("worker was handed:", [x.group_id for x in claim.groups])
 print("in-flight hash   :", sorted(q0.held("W")))
 q0.leave("W")  # the worker goes: its group back to the prompts
 produce(q0, 4, prefix="r")
 t = Consumer(redis.Redis(host="127.0.0.1", port=s.port, socket_timeout=0.2), ns, block_s=0.05)
-th = threading.Thread(target=lambda: connect(s.url, socket_timeout=5).eval(busy, 0)); th.start(); time.sleep(0.05)
+th = busy(s.url)
 b = t.next_batch(1, timeout=5); th.join()
 print("batch:", [g.group_id for g in b.groups], " pending:", admin.xpending(q0.keys.results, CONSUMER_GROUP)["pending"])
 print("commit ->", t.commit(b)); print(audit(q0).summary())
