@@ -21,7 +21,7 @@ from typing import Callable
 import click
 import redis
 
-from pipeline.acl import Role
+from pipeline.ops.acl import Role
 from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
@@ -30,7 +30,7 @@ from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
-from workers.local import REDIS_URL_ENV
+from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
@@ -64,14 +64,14 @@ class Context:
     def warn_if_empty(self, queue: Queue) -> None:
         """Control commands act on an empty namespace too (e.g. pause before the first
         push), but a typo there would leave the real pipeline running: say so."""
-        from pipeline.status import empty_message, namespace_is_empty
+        from pipeline.ops.status import empty_message, namespace_is_empty
 
         if namespace_is_empty(queue.redis, queue.keys):
             click.echo(f"warning: {empty_message(queue.redis, self.namespace)}", err=True)
 
     def nonempty_queue(self) -> Queue:
         """The queue, or a one-line error when the namespace holds nothing at all."""
-        from pipeline.status import empty_message, namespace_is_empty
+        from pipeline.ops.status import empty_message, namespace_is_empty
 
         queue = self.queue()
         if namespace_is_empty(queue.redis, queue.keys):
@@ -506,7 +506,7 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
     Example:
       rollout sim-engine --port 30000 --median-tokens 128 --p99-tokens 1280
     """
-    from workers.simulator import SimConfig, serve
+    from engines.simulator import SimConfig, serve
 
     try:
         config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
@@ -549,8 +549,8 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
       rollout torch-engine --port 30000 --layers 2 --width 128 --max-running 64
     """
     try:
-        from workers.byte_lm import ModelConfig
-        from workers.torch_engine import TorchEngineConfig, serve
+        from engines.byte_lm import ModelConfig
+        from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
         raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
     try:
@@ -615,13 +615,13 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
     try:
         if engine == "torch":
             try:
-                from workers.grpo_run import GRPOOptions, run_grpo
+                from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
                 raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
                                            "pip install 'rollout-queue[torch]'") from None
             summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
         else:
-            from workers.demo import DemoOptions, run_demo
+            from local.demo import DemoOptions, run_demo
 
             summary = run_demo(DemoOptions(**given), echo=echo)
     except RedisServerError as exc:
@@ -683,7 +683,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
       rollout push prompts.jsonl --n-samples 8      # in another terminal
       rollout consume --batch-size 16 --steps 10    # a stand-in trainer
     """
-    from workers.stack import StackError, StackOptions, run_stack
+    from local.stack import StackError, StackOptions, run_stack
 
     if obj.redis_url:
         raise click.UsageError("`rollout up` starts its own Redis: drop --redis-url / ROLLOUT_REDIS_URL "
@@ -741,8 +741,8 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     Example:
       rollout chaos --minutes 1 --seed 7
     """
-    from workers.chaos import ChaosError, ChaosSettings, run_campaign
-    from workers.router import RouterError
+    from chaos.campaign import ChaosError, ChaosSettings, run_campaign
+    from local.router import RouterError
 
     settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
                              keep=keep)
@@ -804,8 +804,8 @@ def status(obj: Context, as_json, watch, interval, sample_s, worker_name) -> Non
       rollout status --watch --interval 1
       rollout status --worker host-1234-ab12cd
     """
-    from pipeline.status import RateTracker, empty_message, snapshot
-    from pipeline.status_render import render
+    from pipeline.ops.status import RateTracker, empty_message, snapshot
+    from pipeline.ops.status_render import render
 
     queue = obj.queue()
     if worker_name is not None:
@@ -835,8 +835,8 @@ def status(obj: Context, as_json, watch, interval, sample_s, worker_name) -> Non
 def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> None:
     from dataclasses import asdict
 
-    from pipeline.inspect import UnknownWorker, worker_groups
-    from pipeline.status_render import age
+    from pipeline.ops.inspect import UnknownWorker, worker_groups
+    from pipeline.ops.status_render import age
 
     try:
         found = worker_groups(queue, name)
@@ -887,7 +887,7 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
       rollout inspect prompts.jsonl:0:17
       rollout inspect prompts.jsonl:0:17 --json | jq .history
     """
-    from pipeline.inspect import locate
+    from pipeline.ops.inspect import locate
 
     report = locate(obj.nonempty_queue(), group_id)
     if as_json:
@@ -897,8 +897,8 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
-    from pipeline.status import snapshot
-    from pipeline.status_render import render
+    from pipeline.ops.status import snapshot
+    from pipeline.ops.status_render import render
 
     try:
         if as_json:
@@ -951,7 +951,7 @@ def audit_cmd(obj: Context, as_json) -> None:
       rollout --namespace exp1 audit
       rollout audit --json | jq .lost
     """
-    from pipeline.audit import audit
+    from pipeline.ops.audit import audit
 
     queue = obj.nonempty_queue()
     with _console(stderr=True).status("auditing (reading every stream) ..."):
@@ -1239,7 +1239,7 @@ def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -
     Example:
       rollout eval push aime.jsonl --n-samples 4 && rollout eval results --wait 600
     """
-    from pipeline.eval import push_eval
+    from pipeline.trainers.eval import push_eval
     from pipeline.keys import eval_namespace
     from pipeline.producer import DatasetError, PushOptions
 
@@ -1269,7 +1269,7 @@ def eval_results(obj: Context, wait_s, reward_key, as_json) -> None:
     Example:
       rollout eval results --wait 600 --json
     """
-    from pipeline.eval import read_eval
+    from pipeline.trainers.eval import read_eval
     from pipeline.keys import eval_namespace
 
     results = read_eval(obj.queue().redis, obj.namespace, None, timeout=wait_s)
@@ -1372,7 +1372,7 @@ def _retry_mark(letter) -> str:
 
 
 def _age(seconds) -> str:
-    from pipeline.status_render import age
+    from pipeline.ops.status_render import age
 
     return age(seconds)
 
@@ -1654,7 +1654,7 @@ def acl(obj: Context, role, role_namespace, user, password) -> None:
     """
     import secrets
 
-    from pipeline.acl import default_user, setuser_line
+    from pipeline.ops.acl import default_user, setuser_line
 
     namespace = role_namespace or obj.namespace
     try:
@@ -1691,7 +1691,7 @@ def purge(obj: Context, yes) -> None:
     Example:
       rollout --namespace scratch purge --yes
     """
-    from pipeline.admin import namespace_keys, purge as purge_keys
+    from pipeline.ops.admin import namespace_keys, purge as purge_keys
 
     queue = obj.queue()
     n_keys = sum(1 for _ in namespace_keys(queue.redis, obj.namespace))

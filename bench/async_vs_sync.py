@@ -49,7 +49,7 @@ from bench.in_memory import InMemoryRollout  # noqa: E402
 from bench.rl_loop import (PAUSE_MODES, Row, Settings, Tokens, TrainedBatch, group_tokens,  # noqa: E402
                            make_groups, make_row, run_trainer)
 from bench.sim_fleet import SimFleet  # noqa: E402
-from pipeline.audit import audit  # noqa: E402
+from pipeline.ops.audit import audit  # noqa: E402
 from pipeline.codec import decode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
@@ -58,7 +58,7 @@ from pipeline.controller import Controller  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
 from workers.engine import EngineSet  # noqa: E402
-from workers.local import start_worker_process, stop_processes  # noqa: E402
+from local.processes import start_worker_process, stop_processes  # noqa: E402
 
 NAMESPACE = "asyncbench"
 BATCH_TIMEOUT_S = 120.0

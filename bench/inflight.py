@@ -71,7 +71,7 @@ from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import Group
-from workers.local import stop_processes
+from local.processes import stop_processes
 
 log = logging.getLogger("bench.inflight")
 

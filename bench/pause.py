@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline.audit import audit  # noqa: E402
+from pipeline.ops.audit import audit  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import BatchTimeout, Consumer  # noqa: E402
 from pipeline.control import read_control  # noqa: E402

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from pipeline.types import Group
-from workers.simulator import SimConfig
+from engines.simulator import SimConfig
 
 from .sim_fleet import SimFleet, Window
 

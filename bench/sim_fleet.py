@@ -1,6 +1,6 @@
 """SGLang simulators as separate processes, and their slot utilization over a window.
 
-Each simulator (`workers.simulator.start_simulator`) gets its own process, as real engines
+Each simulator (`engines.simulator.start_simulator`) gets its own process, as real engines
 would, so their HTTP work does not share a GIL with the code being measured.
 
 Utilization is read from the simulators themselves: a sampler thread polls every
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python bench/sim_fleet.py` from a clone
     sys.path.insert(0, str(REPO))
 
-from workers.simulator import SimConfig, start_simulator  # noqa: E402
+from engines.simulator import SimConfig, start_simulator  # noqa: E402
 
 SAMPLE_PERIOD_S = 0.05  # utilization sampling period per engine
 STARTUP_TIMEOUT_S = 30.0

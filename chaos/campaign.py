@@ -1,13 +1,13 @@
 """`rollout chaos --minutes N --seed S`: a fault campaign against a real pipeline on this
 machine, and the proof of what happened.
 
-The fleet (workers/chaos_fleet.py) runs redis-server with its AOF, simulators behind the
+The fleet (chaos/fleet.py) runs redis-server with its AOF, simulators behind the
 real sglang-router, three or more workers (reaching Redis and the router through fault
 proxies), a feeder and a trainer process that writes every batch to a ledger before it
 commits and updates weights through Controller after every step. The campaign injects
-every fault kind (workers/chaos_faults.py) once per minute of run, each at a seeded
+every fault kind (chaos/faults.py) once per minute of run, each at a seeded
 random moment; then it drains: faults off, the feeder stopped, the trainer takes what
-is left. The report (workers/chaos_report.py) counts every pushed group as trained
+is left. The report (chaos/report.py) counts every pushed group as trained
 once, trained twice, dead, dropped or lost, and each fault's recovery: from its end
 to the trainer's next batch.
 """
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.producer import PushOptions, epoch_order, group_id, read_cursor
 from pipeline.queue import Queue, text
 from pipeline.retry import Reconnect
 
-from .chaos_faults import Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
-from .chaos_fleet import DATASET, DATASET_ROWS, Fleet, FleetSettings
-from .chaos_report import ChaosReport, Tally, committed_batches, kind_rows, reason_of, set_recovery
+from .faults import Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
+from .fleet import DATASET, DATASET_ROWS, Fleet, FleetSettings
+from .report import ChaosReport, Tally, committed_batches, kind_rows, reason_of, set_recovery
 from .ledger import LedgerEvent, Record, read_ledger
 
 log = logging.getLogger(__name__)

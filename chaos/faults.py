@@ -17,18 +17,40 @@ import time
 import urllib.error
 import urllib.request
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from pipeline.keys import CONSUMER_GROUP
+from pipeline.queue import Queue
 
-from .chaos_report import FaultRecord
 from .fault_proxy import LinkFaults
+from .fleet import Fleet, FleetSettings, Proc
+from .ledger import Record
+from .report import FaultRecord
 
-if TYPE_CHECKING:
-    from .chaos import Campaign
-    from .chaos_fleet import Proc
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+class Campaign(Protocol):
+    """What a fault sees of the campaign that drives it (chaos/campaign.py): the fleet, the
+    ledger, and the one trainer fault and one engine window allowed at a time."""
+
+    settings: FleetSettings
+    fleet: Fleet
+    rng: random.Random
+    committed_batch_ids: set[str]
+    fenced_pids: set[int]
+    trainer_fault: Fault | None
+    engine_fault: Fault | None
+
+    @property
+    def queue(self) -> Queue: ...
+    def call(self, fn: Callable[..., T], *args) -> T: ...
+    def worker_ids(self) -> dict[int, str]: ...
+    def read_ledger(self) -> None: ...
+    def last_batch(self, pid: int, after: float) -> Record | None: ...
 
 #: How long a link or engine fault window lasts.
 WINDOW_S = 3.0

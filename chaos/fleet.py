@@ -1,9 +1,9 @@
 """The processes of a fault campaign (`rollout chaos`), each one a real process the
 campaign can kill: redis-server with its AOF, `rollout sim-engine` simulators behind the
 real sglang-router, `rollout worker` processes, a feeder (`rollout push --max-queued`)
-and trainer processes (`python -m workers.chaos_trainer`).
+and trainer processes (`python -m chaos.trainer`).
 
-The workers reach Redis and the router through fault proxies (workers/fault_proxy.py);
+The workers reach Redis and the router through fault proxies (chaos/fault_proxy.py);
 the trainer and the feeder talk to Redis directly. `supervise()` replaces what died by
 itself and records it: a process that dies unasked is an incident.
 """
@@ -26,8 +26,8 @@ from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServer, free_port
 
 from .fault_proxy import FaultProxy, ProxyThread
-from .local import REDIS_URL_ENV, start_worker_process, stop_processes, wait_healthy
-from .router import RouterProcess
+from local.processes import REDIS_URL_ENV, start_worker_process, stop_processes, wait_healthy
+from local.router import RouterProcess
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Fleet:
 
     def _spawn_trainer(self) -> Proc:
         return self._popen("trainer", [
-            sys.executable, "-m", "workers.chaos_trainer", "--namespace", NAMESPACE,
+            sys.executable, "-m", "chaos.trainer", "--namespace", NAMESPACE,
             "--engine-url", self.router.url, "--ledger", str(self.ledger_path),
             "--batch-size", str(self.s.batch_size), "--step-s", str(self.s.step_s),
             "--drain-file", str(self.drain_file)])

@@ -1,5 +1,5 @@
 """The fault campaign's trainer, a process of its own so that the campaign can kill it:
-`python -m workers.chaos_trainer --ledger PATH --engine-url ROUTER ...`, the Redis URL
+`python -m chaos.trainer --ledger PATH --engine-url ROUTER ...`, the Redis URL
 in ROLLOUT_REDIS_URL (never in argv).
 
 Every step: `next_batch(B)` → the batch's group ids to the ledger (fsynced) → a
@@ -33,9 +33,9 @@ from pipeline.queue import Queue
 from pipeline.retry import RedisUnavailable, is_transient
 from pipeline.types import PauseMode
 
-from .engine import EngineError, EngineSet
+from workers.engine import EngineError, EngineSet
 from .ledger import Ledger, LedgerEvent
-from .local import REDIS_URL_ENV
+from local.processes import REDIS_URL_ENV
 
 log = logging.getLogger("chaos.trainer")
 
@@ -152,7 +152,7 @@ class ChaosTrainer:
 
 
 def parse_args(argv: list[str] | None) -> TrainerSettings:
-    p = argparse.ArgumentParser(prog="python -m workers.chaos_trainer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m chaos.trainer", description=__doc__.split("\n\n")[0])
     p.add_argument("--namespace", required=True)
     p.add_argument("--engine-url", required=True, help="the router (control calls reach every engine behind it)")
     p.add_argument("--ledger", type=Path, required=True)

@@ -1,6 +1,6 @@
 """A small causal language model over the project's byte vocabulary, built from a
-config (no download), shared by the PyTorch engine (workers/torch_engine.py) and the
-trainer that feeds it (workers/grpo.py), so both compute the same function.
+config (no download), shared by the PyTorch engine (engines/torch_engine.py) and the
+trainer that feeds it (local/grpo.py), so both compute the same function.
 
 Pre-LayerNorm transformer: learned token and position embeddings, `n_layers` blocks of
 causal multi-head attention and a GELU MLP, a final LayerNorm and an output layer over
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer
 
 CHECKPOINT_FORMAT = "rollout-byte-lm/1"
 
@@ -179,7 +179,7 @@ class ByteLM(nn.Module):
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, from `forward` logits: [B, T-1].
     The distribution is softmax(logits / temperature), the one SGLang samples from and
-    reports by default (see workers/torch_engine.py)."""
+    reports by default (see engines/torch_engine.py)."""
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     return logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
 

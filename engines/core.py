@@ -4,7 +4,7 @@ Requests wait FIFO and at most `max_running_requests` run at once. Pause in `abo
 `retract` or `in_place` mode, continue, abort by rid prefix; new /generate calls are
 held at an admission gate while paused or while weights load (SGLang's
 model_update_lock); every answer carries the weight version current when its request
-ended. A backend (workers/simulator.py, workers/torch_engine.py) subclasses `Engine`
+ended. A backend (engines/simulator.py, engines/torch_engine.py) subclasses `Engine`
 and says how tokens are produced through a few hooks:
 
 - `_create(spec, ...)` builds its request object; `_start(req, prefill)` makes it
@@ -12,7 +12,7 @@ and says how tokens are produced through a few hooks:
   cache (retracted or ended); `_finish(req, finish)` is what the backend calls when a
   request ends by itself.
 - `output(req)` answers "what has this request produced so far", the only thing the
-  HTTP layer (workers/engine_server.py) reads from a request besides its bookkeeping.
+  HTTP layer (engines/server.py) reads from a request besides its bookkeeping.
 - `_load_weights(source, path)` loads new weights.
 
 All methods run on the server's event loop.
@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from pipeline.types import PauseMode, choices
 
 from .generate_request import GenSpec
-from .tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 

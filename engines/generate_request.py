@@ -1,7 +1,7 @@
 """The SGLang `/generate` request contract: parse and validate a body into one
 `GenSpec` per (prompt, sample), as SGLang's GenerateReqInput, SamplingParams.verify()
 and TokenizerManager do, with their error messages. Shared by every engine backend
-behind workers/engine_server.py.
+behind engines/server.py.
 """
 from __future__ import annotations
 

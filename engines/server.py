@@ -1,4 +1,4 @@
-"""An SGLang-compatible HTTP server in front of any `workers.engine_core.Engine`.
+"""An SGLang-compatible HTTP server in front of any `engines.core.Engine`.
 
 It answers like SGLang 0.5.15's native HTTP server (see shared/SGLANG_API.md):
 `/generate` (single, batch, ``n > 1``, SSE streaming), `/abort_request`,
@@ -6,12 +6,12 @@ It answers like SGLang 0.5.15's native HTTP server (see shared/SGLANG_API.md):
 weight-update and weight-version endpoints, `/get_model_info`, `/get_server_info`,
 `/health`, `/health_generate`, `/flush_cache`, `/v1/models` and `/v1/loads`.
 
-This module owns the wire: request validation (via workers/generate_request.py),
+This module owns the wire: request validation (via engines/generate_request.py),
 answer shapes, streaming and the control routes. It asks its engine what a request
 has produced so far (`Engine.output`) and changes engine state only through the
-engine's methods. Backends: the simulator (workers/simulator.py, which adds its
+engine's methods. Backends: the simulator (engines/simulator.py, which adds its
 `/sim/*` routes and fault injection by subclassing `EngineServer`) and the PyTorch
-engine (workers/torch_engine.py).
+engine (engines/torch_engine.py).
 
 Deliberate simplifications: streaming chunks are emitted every `stream_interval_s`
 seconds rather than every token; unknown sampling parameters are a 400.
@@ -30,7 +30,7 @@ from aiohttp import web
 
 from pipeline.types import PauseMode, choices
 
-from .engine_core import Engine, EngineRequest, Outcome, Output, Restarted, WeightLoadError, WeightSource
+from .core import Engine, EngineRequest, Outcome, Output, Restarted, WeightLoadError, WeightSource
 from .generate_request import SchemaError, parse_generate
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The SGLang simulator: an engine backend that needs no GPU and no model.
 
-Behind the shared HTTP layer (workers/engine_server.py) it answers like SGLang
+Behind the shared HTTP layer (engines/server.py) it answers like SGLang
 0.5.15's native server, so the workers, the demo, the tests and the benchmarks can
 run without an engine. What it "generates" (byte tokens, see
 `workers.tokenizer.ByteTokenizer`): filler text whose total length is log-normal
@@ -36,12 +36,12 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine_core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
-from .engine_server import (EngineServer, ServerHandle, drop, error, error_response, json_reply, read_body,
+from .core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
+from .server import (EngineServer, ServerHandle, drop, error, error_response, json_reply, read_body,
                             start_in_thread)
-from .engine_server import serve as serve_engine
+from .server import serve as serve_engine
 from .generate_request import GenSpec, SchemaError
-from .tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 

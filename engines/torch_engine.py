@@ -1,9 +1,9 @@
 """A real PyTorch engine behind the SGLang-compatible server: `rollout torch-engine`.
 
-The model is `workers.byte_lm.ByteLM` (random and seeded, or loaded from a
+The model is `engines.byte_lm.ByteLM` (random and seeded, or loaded from a
 checkpoint), on CUDA when present, else CPU. The scheduling (waiting queue,
 `max_running_requests`, pause modes, abort, the admission gate, weight versions) is
-workers/engine_core.py's; this module produces the tokens.
+engines/core.py's; this module produces the tokens.
 
 Continuous batching with a KV cache: every running request owns a slot of one
 `KVCache`. Each decode step, run on the server's event loop between HTTP events,
@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 from .byte_lm import ByteLM, KVCache, ModelConfig, load_checkpoint
-from .engine_core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
-from .engine_server import EngineServer, ServerHandle, start_in_thread
-from .engine_server import serve as serve_engine
+from .core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
+from .server import EngineServer, ServerHandle, start_in_thread
+from .server import serve as serve_engine
 from .generate_request import GenSpec
-from .tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
     python examples/grpo_tiny.py --png curve.png # where to plot it (when matplotlib is installed)
 
 Redis, `rollout torch-engine` processes, `rollout worker` processes and this process
-as the trainer (see workers/grpo_run.py). The prompt names a letter case ("lower: " or
+as the trainer (see local/grpo_run.py). The prompt names a letter case ("lower: " or
 "upper: "); the reward is the share of the response written in it. Every step checks
 that the trainer's log-probs of every trained token, under the weights of the version
 that generated it, match the engine's within 1e-4.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from workers.grpo_run import GRPOOptions, run_grpo
+from local.grpo_run import GRPOOptions, run_grpo
 
 
 @click.command()

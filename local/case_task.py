@@ -1,4 +1,4 @@
-"""The toy task of the GRPO example (workers/grpo.py): write letters of the case the
+"""The toy task of the GRPO example (local/grpo.py): write letters of the case the
 prompt names.
 
 A prompt is ``"lower: "`` or ``"upper: "``; the reward is the share of the response's
@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.types import Sample
 
 CASES = {"lower": range(ord("a"), ord("z") + 1), "upper": range(ord("A"), ord("Z") + 1)}
-REWARD_PATH = "workers.case_task:case_reward"  # what `rollout worker --reward` loads
+REWARD_PATH = "local.case_task:case_reward"  # what `rollout worker --reward` loads
 
 
 def prompt_for(case: str) -> str:

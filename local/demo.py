@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure
@@ -27,9 +27,9 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, register_local, unregister_local
 
-from .engine import EngineSet
-from .local import start_worker_process, stop_processes
-from .simulator import SimConfig, start_simulator
+from workers.engine import EngineSet
+from .processes import start_worker_process, stop_processes
+from engines.simulator import SimConfig, start_simulator
 
 log = logging.getLogger(__name__)
 

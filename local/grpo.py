@@ -1,6 +1,6 @@
-"""A GRPO trainer for `workers.byte_lm.ByteLM`, fed by the pipeline's exact batches.
+"""A GRPO trainer for `engines.byte_lm.ByteLM`, fed by the pipeline's exact batches.
 
-Each step: tensors from `pipeline.torch_adapter.batch_to_tensors`; **train-inference
+Each step: tensors from `pipeline.trainers.torch_adapter.batch_to_tensors`; **train-inference
 agreement**, the log-probs of every response token recomputed under the weights of the
 version that generated it (per engine-call segment: `Sample.weight_versions` and the
 worker's segment lengths) and compared with the rollout log-probs the engine returned,
@@ -22,11 +22,11 @@ import torch
 from torch.func import functional_call
 
 from pipeline.consumer import Batch
-from pipeline.torch_adapter import batch_to_tensors, group_advantages
+from pipeline.trainers.torch_adapter import batch_to_tensors, group_advantages
 from pipeline.types import parse_version
 
-from .byte_lm import ByteLM, ModelConfig, save_checkpoint, token_logprobs
-from .tokenizer import ByteTokenizer
+from engines.byte_lm import ByteLM, ModelConfig, save_checkpoint, token_logprobs
+from workers.tokenizer import ByteTokenizer
 from pipeline.types import SEGMENTS_KEY
 
 AGREEMENT_TOLERANCE = 1e-4  # float32: max |Δ log-prob| for tokens generated under one version

@@ -1,10 +1,10 @@
 """A complete GRPO run through the real pipeline: `examples/grpo_tiny.py` and
 `rollout demo --engine torch`.
 
-Embedded Redis → the toy task's prompts (workers/case_task.py) pushed as groups →
+Embedded Redis → the toy task's prompts (local/case_task.py) pushed as groups →
 `rollout torch-engine` processes starting from the trainer's initial checkpoint →
 `rollout worker` processes (reward: the case task) → this process as the trainer:
-exact batches from `Consumer`, one `workers.grpo.Trainer` step each, the new weights
+exact batches from `Consumer`, one `local.grpo.Trainer` step each, the new weights
 saved and loaded by every engine through `Controller.update_weights_from_disk` (abort
 mode, so interrupted samples continue under the new weights as a new segment), with
 η = 1 (admission paced to (η + version + 1) · B groups, staleness checked at
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import Consumer
 from pipeline.control import configure
@@ -36,10 +36,10 @@ from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import parse_version
 
-from . import case_task
-from .engine import EngineSet
+from local import case_task
+from workers.engine import EngineSet
 from .grpo import AgreementError, StepReport, Trainer, TrainerSettings
-from .local import start_torch_engine_process, start_worker_process, stop_processes, wait_healthy
+from .processes import start_torch_engine_process, start_worker_process, stop_processes, wait_healthy
 
 log = logging.getLogger(__name__)
 

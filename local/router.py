@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.redis_server import free_port
 
-from .local import stop_processes
+from .processes import stop_processes
 
 STARTUP_TIMEOUT_S = 30.0
 

@@ -23,10 +23,10 @@ from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import (Fsync, RedisServer, RedisServerError, local_redis_url, register_local,
                                    rollout_home, unregister_local)
-from pipeline.status import RateTracker, snapshot
-from pipeline.status_render import one_line, render
+from pipeline.ops.status import RateTracker, snapshot
+from pipeline.ops.status_render import one_line, render
 
-from .local import start_worker_process, stop_processes
+from .processes import start_worker_process, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Stack:
         if self.opts.engine_urls:
             self.engine_urls = list(self.opts.engine_urls)
         else:
-            from .simulator import SimConfig, start_simulator
+            from engines.simulator import SimConfig, start_simulator
 
             base = dict(self.opts.sim_config)
             seed = int(base.pop("seed", 0))

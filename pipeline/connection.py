@@ -16,7 +16,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, UnixDomainSocketConnection
 
-from .acl import ExplainingRedis
+from .permissions import ExplainingRedis
 from .tls import check_tls_options
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 # The trainer's consumer group on the results stream.
 CONSUMER_GROUP = "trainer"
-# The companion namespace of evaluation passes (pipeline/eval.py): `<ns>.eval`.
+# The companion namespace of evaluation passes (pipeline/trainers/eval.py): `<ns>.eval`.
 EVAL_SUFFIX = ".eval"
 
 

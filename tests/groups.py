@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from pipeline.audit import AuditReport, audit
+from pipeline.ops.audit import AuditReport, audit
 from pipeline.queue import Claim, ClaimedGroup, Place, Published, Queue
 from pipeline.types import Group, Status
 

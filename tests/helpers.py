@@ -16,7 +16,7 @@ import redis
 from pipeline.consumer import Consumer
 from pipeline.types import Group
 from workers import router
-from workers.router import router_engine_urls  # noqa: F401 - re-exported for the tests
+from local.router import router_engine_urls  # noqa: F401 - re-exported for the tests
 from workers.worker import Worker, WorkerSettings
 
 ROUTER_STARTUP_TIMEOUT_S = router.STARTUP_TIMEOUT_S
@@ -146,7 +146,7 @@ def consume_all(consumer: Consumer, total: int, batch: int, timeout: float = 60)
 
 
 class RouterProcess(router.RouterProcess):
-    """workers.router.RouterProcess, its failures as test failures (a missing router is a
+    """local.router.RouterProcess, its failures as test failures (a missing router is a
     broken test environment, not a skip)."""
 
     def __init__(self, worker_urls: list[str], log_path: str, extra_args: list[str] = ()):

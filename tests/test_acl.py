@@ -2,7 +2,7 @@
 redis-server, which scripts/test installs).
 
 Each role runs its whole cycle under the ACL user `rollout acl` prints, and ends with
-an empty ACL log for that user: a command missing from pipeline/acl.py fails here,
+an empty ACL log for that user: a command missing from pipeline/ops/acl.py fails here,
 including one a background loop would only log (the worker's maintenance).
 """
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from pipeline.acl import SETTLING, PermissionDenied, Role, default_user, setuser_line
-from pipeline.audit import audit
+from pipeline.ops.acl import SETTLING, Role, default_user, setuser_line
+from pipeline.permissions import PermissionDenied
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.controller import Controller
@@ -28,7 +29,7 @@ from tests.conftest import CORE_REDIS_BINARIES
 from tests.groups import claim, publish
 from tests.helpers import WorkerThread, wait_for
 from workers.engine import EngineSet
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 
@@ -263,7 +264,7 @@ def test_rollout_acl_prints_a_line_redis_accepts_without_the_password(admin, ser
     assert line.startswith("ACL SETUSER ") and "s3cret-pw" not in line
     assert admin.execute_command(*shlex.split(line)) == b"OK"
     user = admin.acl_getuser(default_user(Role.TRAINER, namespace))
-    # the namespace and its evaluation companion (pipeline/eval.py)
+    # the namespace and its evaluation companion (pipeline/trainers/eval.py)
     assert (user["keys"], user["channels"]) == ([f"~{{{namespace}}}:*", f"~{{{namespace}.eval}}:*"],
                                                 [f"&{{{namespace}}}:events", f"&{{{namespace}.eval}}:events"])
     client = connect(f"redis://{default_user(Role.TRAINER, namespace)}:s3cret-pw@127.0.0.1:{server.port}")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
 from pipeline.control import read_control
 from pipeline.producer import PushOptions, push_dataset

@@ -21,11 +21,11 @@ from redis.retry import Retry
 
 from tests.helpers import http_json, wait_for
 from tests.test_json_schemas import CHAOS, check
-from workers.chaos_faults import FaultKind, schedule
-from workers.chaos_report import Tally, committed_batches, reason_of
-from workers.fault_proxy import LinkFaults, ProxyThread
-from workers.ledger import Ledger, LedgerEvent, read_ledger
-from workers.simulator import SimConfig, start_simulator
+from chaos.faults import FaultKind, schedule
+from chaos.report import Tally, committed_batches, reason_of
+from chaos.fault_proxy import LinkFaults, ProxyThread
+from chaos.ledger import Ledger, LedgerEvent, read_ledger
+from engines.simulator import SimConfig, start_simulator
 
 REPO = Path(__file__).resolve().parent.parent
 

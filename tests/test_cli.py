@@ -12,7 +12,7 @@ from pipeline.control import read_control
 from pipeline.queue import Place, Queue
 from pipeline.redis_server import register_local, unregister_local
 from pipeline.types import Group, Status
-from pipeline.audit import AUDIT_JSON_KEYS
+from pipeline.ops.audit import AUDIT_JSON_KEYS
 from tests.groups import claim, publish
 from tests.helpers import one_error_line
 
@@ -214,7 +214,7 @@ def test_pause_resume_without_engines(run, queue, client):
 
 @pytest.fixture(scope="module")
 def sim():
-    from workers.simulator import SimConfig, start_simulator
+    from engines.simulator import SimConfig, start_simulator
 
     handle = start_simulator(SimConfig(seed=1))
     yield handle

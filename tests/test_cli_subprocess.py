@@ -20,7 +20,7 @@ from tests.helpers import FakeModelEngine, http_json
 from workers.tokenizer import encode_prompt, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
-DATASET = REPO / "workers" / "data" / "arithmetic.jsonl"
+DATASET = REPO / "local" / "data" / "arithmetic.jsonl"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from redis.cluster import RedisCluster
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect, socket_timeout_of
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, set_paused

@@ -312,8 +312,8 @@ def test_workers_scale(raw):
     worker = raw["services"]["worker"]
     # `--scale worker=N` needs no fixed container name and no fixed host port.
     assert "container_name" not in worker and "ports" not in worker
-    assert raw["services"]["feeder"]["command"][2].endswith("/app/workers/data/arithmetic.jsonl}")
-    assert (REPO / "workers" / "data" / "arithmetic.jsonl").exists()
+    assert raw["services"]["feeder"]["command"][2].endswith("/app/local/data/arithmetic.jsonl}")
+    assert (REPO / "local" / "data" / "arithmetic.jsonl").exists()
 
 
 def test_prometheus_scrapes_the_metrics_ports(config):

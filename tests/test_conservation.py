@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, read_control, set_weight_version, staleness_limit

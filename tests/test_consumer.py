@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, set_paused, set_weight_version

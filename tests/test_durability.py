@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, read_control, set_weight_version
@@ -279,7 +279,7 @@ def test_worker_and_trainer_ride_out_a_redis_restart(redis_factory, tmp_path):
     """Issue 8 #9: a 2 s restart of redis-server (from its AOF) under a live `rollout
     worker` and `rollout consume`: both reconnect, carry on, and the run ends with every
     group trained once and a clean audit."""
-    from workers.simulator import SimConfig, start_simulator
+    from engines.simulator import SimConfig, start_simulator
 
     server = redis_factory("restart")
     c = connect(server.url)
@@ -372,7 +372,7 @@ def test_the_audit_is_exact_on_a_busy_pipeline(redis_url, client, namespace):
     commits: every one adds up (the old audit read place after place and reported groups
     missing or twice as they moved)."""
     from tests.helpers import WorkerThread
-    from workers.simulator import SimConfig, start_simulator
+    from engines.simulator import SimConfig, start_simulator
     from workers.worker import SamplingSettings, WorkerSettings
 
     q = Queue(client, namespace)

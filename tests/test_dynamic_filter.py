@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, read_control, set_weight_version
 from pipeline.filters import DynamicFilterOutput
 from pipeline.queue import Place, Queue
 from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, wait_for
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 from tests.groups import claim, publish
 

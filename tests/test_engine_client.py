@@ -723,7 +723,7 @@ def test_engine_set_health_never_raises():
 
 @pytest.fixture(scope="module")
 def router_env(tmp_path_factory):
-    from workers.simulator import SimConfig, start_simulator
+    from engines.simulator import SimConfig, start_simulator
 
     sims = [start_simulator(SimConfig(seed=i, decode_tokens_per_s=400.0, length_median=16.0,
                                       length_p99=64.0)) for i in range(2)]
@@ -891,7 +891,7 @@ def test_pause_and_abort_through_engine_set_end_requests_routed_by_router(router
 
 @pytest.mark.slow
 def test_engine_set_refresh_sees_engine_added_to_router(router_env):
-    from workers.simulator import start_simulator
+    from engines.simulator import start_simulator
 
     router, sims = router_env
     extra = start_simulator()

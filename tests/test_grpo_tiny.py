@@ -14,9 +14,9 @@ import torch
 
 from pipeline.consumer import Batch, BatchMetrics
 from pipeline.types import Group, Sample, Status
-from workers.byte_lm import ByteLM, ModelConfig, token_logprobs
-from workers.case_task import case_reward, prompt_for
-from workers.grpo import AGREEMENT_TOLERANCE, AgreementError, Trainer, TrainerSettings
+from engines.byte_lm import ByteLM, ModelConfig, token_logprobs
+from local.case_task import case_reward, prompt_for
+from local.grpo import AGREEMENT_TOLERANCE, AgreementError, Trainer, TrainerSettings
 from pipeline.types import SEGMENTS_KEY
 from tests.test_json_schemas import DEMO_TORCH_KEYS
 

@@ -9,7 +9,7 @@ from pipeline.consumer import Consumer
 from pipeline.redis_server import free_port
 from pipeline.types import Group
 from tests.helpers import WorkerThread, http_json, wait_for
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 

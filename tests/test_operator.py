@@ -18,17 +18,17 @@ from prometheus_client import REGISTRY
 from rich.console import Console
 
 from pipeline import metrics
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
 from pipeline.control import configure
-from pipeline.inspect import GroupPlace, UnknownWorker, locate, worker_groups
+from pipeline.ops.inspect import GroupPlace, UnknownWorker, locate, worker_groups
 from pipeline.queue import Place
-from pipeline.status import snapshot
-from pipeline.status_render import render
+from pipeline.ops.status import snapshot
+from pipeline.ops.status_render import render
 from pipeline.types import Group, ReleasePolicy
 from tests.groups import assert_audit_ok, claim, die_holding, expire, finish, fresh, publish
 from tests.helpers import WorkerThread, http_json, one_error_line, wait_for
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent

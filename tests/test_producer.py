@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
 from pipeline.producer import DatasetError, PushOptions, epoch_order, push_dataset
 from pipeline.queue import Queue

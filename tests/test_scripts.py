@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from pipeline import scripts
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.codec import decode_group, encode_group
 from pipeline.control import (DEFAULT_LEASE_S, configure, read_control, set_paused, set_weight_version,
                               staleness_limit)
@@ -300,7 +300,7 @@ def test_clean_hand_backs_requeues_and_finishing_do_not_count(queue):
 
 
 def test_dead_retry_resets_the_claim_count(queue):
-    from pipeline.deadletters import retry
+    from pipeline.ops.deadletters import retry
 
     configure(queue.redis, queue.keys, max_claims=1)
     queue.push_groups(fresh(1))

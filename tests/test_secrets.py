@@ -8,8 +8,8 @@ from pathlib import Path
 from pipeline.queue import Queue
 from pipeline.redis_server import free_port
 from tests.helpers import wait_for
-from workers.local import REDIS_URL_ENV, start_worker_process, stop_processes
-from workers.simulator import SimConfig, start_simulator
+from local.processes import REDIS_URL_ENV, start_worker_process, stop_processes
+from engines.simulator import SimConfig, start_simulator
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.helpers import http_call as call
-from workers.simulator import SimConfig, draw_output_length, start_simulator
+from engines.simulator import SimConfig, draw_output_length, start_simulator
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

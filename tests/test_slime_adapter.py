@@ -1,4 +1,4 @@
-"""pipeline.slime_adapter: slime's rollout function and data source over the queue,
+"""pipeline.trainers.slime_adapter: slime's rollout function and data source over the queue,
 with the stand-in types (slime not installed) and with the stand-in `slime` package
 (tests/fake_slime.py) in sys.modules, against a real redis-server."""
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 
 from pipeline import slime_adapter as sa
 from pipeline import slime_types as st
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
 from pipeline.consumer import BatchMetrics
 from pipeline.control import configure, read_control
 from pipeline.filters import DynamicFilterOutput
 from pipeline.queue import ClaimStatus, Place
-from pipeline.slime_checks import SamplingMismatch, SlimeConfigError
-from pipeline.slime_metrics import slime_metrics
+from pipeline.trainers.slime_checks import SamplingMismatch, SlimeConfigError
+from pipeline.trainers.slime_metrics import slime_metrics
 from pipeline.types import Group, Sample, SamplingRecord, Status, VersionClock
 from tests import fake_slime
 from tests.fake_slime import Sample as FakeSlimeSample
@@ -223,7 +223,7 @@ def test_generate_rollout_with_stand_in_types(queue, redis_url, namespace):
 
 def test_checkpoints_need_our_data_source(redis_url, namespace):
     args = make_args(redis_url, namespace, save="/ckpt", save_interval=5)
-    with pytest.raises(SlimeConfigError, match="--data-source-path pipeline.slime_adapter.RedisDataSource"):
+    with pytest.raises(SlimeConfigError, match="--data-source-path pipeline.trainers.slime_adapter.RedisDataSource"):
         sa.generate_rollout(args, 0, data_source=object())
 
 
@@ -498,7 +498,7 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
 
 @pytest.fixture
 def sim():
-    from workers.simulator import SimConfig, start_simulator
+    from engines.simulator import SimConfig, start_simulator
 
     handle = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20000.0, length_median=24, length_p99=240,
                                        prefill_s=0.001))

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, read_control, set_weight_version, staleness_limit
 from pipeline.queue import Place, Queue
 from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, holds_for, wait_for
 from workers.engine import EngineSet
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 from tests.groups import claim, publish
 

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from pipeline import deadletters
-from pipeline.admin import namespace_pattern, purge
-from pipeline.audit import audit
+from pipeline.ops.admin import namespace_pattern, purge
+from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
 from pipeline.control import configure, set_paused, set_weight_version
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Place, Queue
-from pipeline.status import RateTracker, empty_message, namespace_is_empty, snapshot
-from pipeline.status_render import render
+from pipeline.ops.status import RateTracker, empty_message, namespace_is_empty, snapshot
+from pipeline.ops.status_render import render
 from pipeline.types import Group, Status
 from tests.groups import claim, publish
 from tests.helpers import wait_for

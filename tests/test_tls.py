@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.connection import ConnectionFailed, connect
 from pipeline.consumer import Consumer
 from pipeline.queue import Queue
@@ -22,7 +22,7 @@ from pipeline.redis_server import RedisServer, RedisServerError, free_port
 from pipeline.types import Group
 from tests.conftest import CORE_REDIS_BINARIES
 from tests.helpers import WorkerThread
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 from pipeline.redis_server import free_port
 from tests.helpers import FakeModelEngine, wait_for
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.tokenizer import (
     ByteTokenizer,
     EngineModel,

@@ -1,4 +1,4 @@
-"""pipeline.torch_adapter: padded tensors from a batch, masks and log-prob alignment,
+"""pipeline.trainers.torch_adapter: padded tensors from a batch, masks and log-prob alignment,
 GRPO advantages, the zero-copy path against the list path, commit-on-next with Redis."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pipeline import codec
 from pipeline.codec import decode_group, encode_group  
 from pipeline.consumer import Consumer  
 from pipeline.queue import Place  
-from pipeline.torch_adapter import RolloutIterable, _torch, batch_to_tensors, group_advantages  
+from pipeline.trainers.torch_adapter import RolloutIterable, _torch, batch_to_tensors, group_advantages  
 from pipeline.types import Group, Status  
 from tests.groups import claim, publish
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import RouterProcess, http_call, wait_for
-from workers.byte_lm import ByteLM, ModelConfig, save_checkpoint, token_logprobs
+from engines.byte_lm import ByteLM, ModelConfig, save_checkpoint, token_logprobs
 from workers.tokenizer import ByteTokenizer
-from workers.torch_engine import TorchEngineConfig, start_torch_engine
+from engines.torch_engine import TorchEngineConfig, start_torch_engine
 
 TOK = ByteTokenizer()
 PROMPT = list(b"lower: ")

@@ -14,7 +14,7 @@ import time
 import pytest
 from aiohttp import web
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
 from pipeline.control import configure, read_control, set_paused
 from pipeline.controller import Controller, WeightUpdateError
@@ -22,7 +22,7 @@ from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.helpers import RouterProcess, WorkerThread, consume_all, holds_for, http_json, wait_for
 from workers.engine import EngineSet
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 MAX_NEW = 200

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
 from pipeline.control import configure
 from pipeline.controller import Controller
@@ -19,7 +19,7 @@ from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from workers.engine import EngineSet
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent

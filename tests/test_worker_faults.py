@@ -18,7 +18,7 @@ import pytest
 import redis
 from aiohttp import web
 
-from pipeline.audit import audit
+from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
 from pipeline.control import configure
 from pipeline.queue import Queue
@@ -26,7 +26,7 @@ from pipeline.types import Group
 from tests.groups import assert_audit_ok
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from workers.rewards import Reward
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent

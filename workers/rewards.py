@@ -59,7 +59,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.slime_types import slime_types, to_slime_sample
+from pipeline.trainers.slime_types import slime_types, to_slime_sample
 from pipeline.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
 #: `model_type`s in /get_model_info of the project's own engines, whose models read
-#: UTF-8 bytes as token ids: the simulator (workers/simulator.py) and the tiny PyTorch
-#: model (workers/torch_engine.py).
+#: UTF-8 bytes as token ids: the simulator (engines/simulator.py) and the tiny PyTorch
+#: model (engines/torch_engine.py).
 BYTE_MODEL_TYPES = frozenset({"sim-byte-lm", "byte-lm"})
 #: While an engine does not answer yet (a model still loading), log this often.
 ENGINE_WAIT_LOG_S = 30.0

@@ -90,7 +90,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)
-    serve_eval: bool = True  # also serve `<namespace>.eval` (pipeline/eval.py), ahead of training
+    serve_eval: bool = True  # also serve `<namespace>.eval` (pipeline/trainers/eval.py), ahead of training
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 

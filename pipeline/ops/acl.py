@@ -1,5 +1,5 @@
-"""Least-privilege Redis ACL users for the roles that touch a pipeline, and clear
-errors when Redis refuses one of their commands.
+"""Least-privilege Redis ACL users for the roles that touch a pipeline (the errors when
+Redis refuses one of their commands are pipeline/permissions.py's).
 
 Each role (worker, trainer, admin) may use only its namespace's keys (`{ns}:*`), the
 events channel, and the commands it sends. Those are listed here and nowhere else:
@@ -15,20 +15,18 @@ results, even though both go through the same settle script.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from enum import Enum
 
-import redis
 
-from . import scripts
+from pipeline import scripts
+from pipeline.keys import Keys, eval_namespace
+from pipeline.permissions import SCRIPT_CALL
+
 from .admin import namespace_pattern
-from .keys import Keys, eval_namespace
 
 #: Commands that take an entry out of a stream; a role gets them only on the streams it settles.
 SETTLING = frozenset({"xack", "xdel"})
-
-_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
 
 
 class Role(str, Enum):
@@ -65,7 +63,7 @@ class Access:
 
 def script_commands(name: str) -> frozenset[str]:
     """The commands lua/<name>.lua calls, with those of the prelude every script carries."""
-    return frozenset(c.lower() for c in _CALL.findall(scripts.source(name)))
+    return frozenset(c.lower() for c in SCRIPT_CALL.findall(scripts.source(name)))
 
 
 def _access(scripts=(), commands=(), settles=(), publishes=False, subscribes=False) -> Access:
@@ -127,7 +125,7 @@ def default_user(role: Role, namespace: str) -> str:
 
 def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[str]:
     """Arguments of `ACL SETUSER` for `role` on `namespace` and its evaluation companion
-    `<namespace>.eval` (pipeline/eval.py: workers serve both) after the command name.
+    `<namespace>.eval` (pipeline/trainers/eval.py: workers serve both) after the command name.
     `reset` first, so running it again replaces whatever the user had."""
     spaces = [namespace, eval_namespace(namespace)]
     access = ROLES[role]
@@ -148,73 +146,3 @@ def setuser_line(role: Role, namespace: str, user: str, password: str) -> str:
     """One `ACL SETUSER ...` line, as redis-cli reads it from stdin (ACL SETUSER joins
     the words of a selector in parentheses itself)."""
     return " ".join(["ACL", "SETUSER", *setuser_args(role, namespace, user, password)])
-
-
-# -- refusals that name the command --------------------------------------------------------
-
-
-class PermissionDenied(redis.exceptions.NoPermissionError):
-    """Redis refused a command under the user's ACL; the message names the command
-    (inside a script: the script, its line and the command there)."""
-
-
-_SCRIPT_PLACE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
-_SCRIPT_REFUSAL = "The user executing the script can't"
-
-
-def _user(client: redis.Redis) -> str:
-    return client.connection_pool.connection_kwargs.get("username") or "default"
-
-
-class ExplainingPipeline(redis.client.Pipeline):
-    """A pipeline whose refusals say "permission denied" (redis-py names the command)."""
-
-    def execute(self, raise_on_error: bool = True):
-        try:
-            return super().execute(raise_on_error)
-        except redis.exceptions.NoPermissionError as exc:
-            raise PermissionDenied(f"permission denied for Redis user {_user(self)!r}: {exc}") from None
-
-
-class ExplainingRedis(redis.Redis):
-    """redis.Redis whose ACL refusals raise PermissionDenied saying which command was
-    refused. Redis's own text names no command for a key refusal, and inside a script
-    only its sha and line."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._script_sources: dict[str, str] = {}
-
-    def register_script(self, script: str | bytes):
-        registered = super().register_script(script)
-        self._script_sources[registered.sha] = script if isinstance(script, str) else script.decode()
-        return registered
-
-    def pipeline(self, transaction: bool = True, shard_hint=None) -> ExplainingPipeline:
-        return ExplainingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-
-    def execute_command(self, *args, **options):
-        try:
-            return super().execute_command(*args, **options)
-        except redis.exceptions.ResponseError as exc:
-            text = str(exc)
-            if not isinstance(exc, redis.exceptions.NoPermissionError) and _SCRIPT_REFUSAL not in text:
-                raise
-            raise PermissionDenied(self._explain(args, text)) from None
-
-    def _explain(self, args: tuple, text: str) -> str:
-        command = str(args[0]).upper()
-        reason = text.split(" script: ")[0]
-        if command == "EVALSHA" and len(args) > 1 and args[1] in self._script_sources:
-            command = f"EVALSHA of {scripts.name_of(self._script_sources[args[1]])}"
-        place = _SCRIPT_PLACE.search(text)
-        if place and place.group(1) in self._script_sources:
-            source = self._script_sources[place.group(1)]
-            line_no = int(place.group(2))
-            lines = source.splitlines()
-            line = lines[line_no - 1] if 0 < line_no <= len(lines) else ""
-            called = _CALL.search(line)
-            inner = called.group(1).upper() if called else "a command"
-            name, file_line = scripts.origin(source, line_no)
-            command = f"{inner} in {name} line {file_line} (run by {command})"
-        return f"permission denied for Redis user {_user(self)!r}: {command}: {reason}"

@@ -5,7 +5,7 @@ from typing import Callable
 
 import redis
 
-from .keys import Keys
+from pipeline.keys import Keys
 
 
 def namespace_pattern(namespace: str) -> str:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from . import scripts
-from .keys import CONSUMER_GROUP
-from .queue import Queue, text
+from pipeline import scripts
+from pipeline.keys import CONSUMER_GROUP
+from pipeline.queue import Queue, text
 
 #: The keys of AuditReport.to_dict(), documented in docs/cli.md (`rollout audit --json`).
 AUDIT_JSON_KEYS = (

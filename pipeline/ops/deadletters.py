@@ -22,10 +22,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import DecodeError, encode_group
-from .producer import reread_rows
-from .queue import Queue, Settle, StreamEntry
-from .types import Group
+from pipeline.codec import DecodeError, encode_group
+from pipeline.producer import reread_rows
+from pipeline.queue import Queue, Settle, StreamEntry
+from pipeline.types import Group
 
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from . import scripts
-from .codec import DecodeError, decode_group
-from .control import read_control
-from .keys import CONSUMER_GROUP
-from .queue import Queue, parse_history, text
-from .types import Group
+from pipeline import scripts
+from pipeline.codec import DecodeError, decode_group
+from pipeline.control import read_control
+from pipeline.keys import CONSUMER_GROUP
+from pipeline.queue import Queue, parse_history, text
+from pipeline.types import Group
 
 #: Entries of the drop log read per round trip while searching it.
 DROP_LOG_PAGE = 1000

@@ -1,7 +1,7 @@
 """A point-in-time picture of one pipeline, for `rollout status` and the `rollout up`
 dashboard: depths, workers, control state, throughput, staleness, backlog age, the
 workers reaped or departed lately and the groups claimed again and again. Drawing it
-is pipeline/status_render.py's job.
+is pipeline/ops/status_render.py's job.
 
 Everything is read with a handful of round trips; nothing is written.
 
@@ -44,10 +44,10 @@ from typing import Any
 
 import redis
 
-from .codec import DecodeError
-from .control import read_control
-from .keys import CONSUMER_GROUP, Keys
-from .queue import Queue, text
+from pipeline.codec import DecodeError
+from pipeline.control import read_control
+from pipeline.keys import CONSUMER_GROUP, Keys
+from pipeline.queue import Queue, text
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures

@@ -1,4 +1,4 @@
-"""Drawing a status snapshot (pipeline/status.py) with rich, for `rollout status` and
+"""Drawing a status snapshot (pipeline/ops/status.py) with rich, for `rollout status` and
 the `rollout up` dashboard: laid out for 80 columns, the alerts last."""
 from __future__ import annotations
 

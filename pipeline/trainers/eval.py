@@ -16,11 +16,11 @@ from pathlib import Path
 
 import redis
 
-from .consumer import BatchTimeout, Consumer
-from .keys import eval_namespace
-from .producer import PushOptions, push_dataset
-from .queue import Queue
-from .types import Group, Status
+from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.keys import eval_namespace
+from pipeline.producer import PushOptions, push_dataset
+from pipeline.queue import Queue
+from pipeline.types import Group, Status
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """slime plug points backed by the Redis queue.
 
-- `--rollout-function-path pipeline.slime_adapter.generate_rollout`: rollout r returns
+- `--rollout-function-path pipeline.trainers.slime_adapter.generate_rollout`: rollout r returns
   exactly `args.rollout_batch_size` finished groups from the results stream, sorted by
   sample `index`, as `RolloutFnTrainOutput(samples, metrics)`; with `evaluation=True`
-  it runs an eval pass through `<ns>.eval` (pipeline/eval.py) and returns
+  it runs an eval pass through `<ns>.eval` (pipeline/trainers/eval.py) and returns
   `RolloutFnEvalOutput`.
-- `--data-source-path pipeline.slime_adapter.RedisDataSource`: slime's `DataSource`
+- `--data-source-path pipeline.trainers.slime_adapter.RedisDataSource`: slime's `DataSource`
   (`get_samples`, `add_samples`, `save`, `load`, `__len__`) over the same queue.
 
 What keeps slime from training on the wrong data (docs/trainers.md):
@@ -15,7 +15,7 @@ What keeps slime from training on the wrong data (docs/trainers.md):
 * a batch is committed when the checkpoint that includes its step is saved
   (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
   first, in order;
-* groups sampled with settings other than slime's are refused (pipeline/slime_checks.py).
+* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py).
 """
 from __future__ import annotations
 
@@ -28,19 +28,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .connection import connect
-from .consumer import (
+from pipeline.connection import connect
+from pipeline.consumer import (
     DEFAULT_FALLBACK_WAIT_S,
     Batch,
     BatchMetrics,
     BatchTimeout,
     Consumer,
 )
-from .control import configure, read_control, set_weight_version
+from pipeline.control import configure, read_control, set_weight_version
 from .eval import pass_name, push_eval, read_eval
-from .filters import BUILTIN_FILTERS, load_object
-from .producer import PushOptions
-from .queue import StreamEntry
+from pipeline.filters import BUILTIN_FILTERS, load_object
+from pipeline.producer import PushOptions
+from pipeline.queue import StreamEntry
 from .slime_checks import (
     SamplingMismatch,
     SlimeConfigError,
@@ -60,7 +60,7 @@ from .slime_types import (
     slime_types,
     to_slime_sample,
 )
-from .types import Group, Sample, VersionClock
+from pipeline.types import Group, Sample, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class QueueSettings:
     def from_args(cls, args: Any) -> QueueSettings:
         url = getattr(args, "rollout_redis_url", None) or os.environ.get(URL_ENV)
         if not url:
-            from .redis_server import local_redis_url
+            from pipeline.redis_server import local_redis_url
 
             url = local_redis_url()
         if not url:
@@ -168,7 +168,7 @@ class RedisDataSource:
     def __init__(self, args: Any, *, client: Any = None):
         self.args = args
         self.types: SlimeTypes = require(MIN_ROLLOUT_FUNCTION if uses_our_rollout(args) else MIN_DATA_SOURCE,
-                                         "pipeline.slime_adapter")
+                                         "pipeline.trainers.slime_adapter")
         check_top_p(args)
         check_data_source_use(args)
         self.settings = QueueSettings.from_args(args)
@@ -444,11 +444,11 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     rollout `rollout_id` from the queue, exactly `args.rollout_batch_size` groups. Uses
     `data_source` when it is a RedisDataSource, else one built from `args` / the
     environment (which also picks up slime's `save`/`load` only through ours)."""
-    types = require(MIN_ROLLOUT_FUNCTION, "pipeline.slime_adapter.generate_rollout")
+    types = require(MIN_ROLLOUT_FUNCTION, "pipeline.trainers.slime_adapter.generate_rollout")
     if not isinstance(data_source, RedisDataSource) and saves_checkpoints(args):
         raise SlimeConfigError(
             "slime saves checkpoints (--save-interval) to its own data source, so the queue could not tie its "
-            "commits to them: pass --data-source-path pipeline.slime_adapter.RedisDataSource")
+            "commits to them: pass --data-source-path pipeline.trainers.slime_adapter.RedisDataSource")
     source = data_source if isinstance(data_source, RedisDataSource) else default_source(args)
     if evaluation:
         return evaluate(args, rollout_id, source)

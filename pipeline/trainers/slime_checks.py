@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .types import Group, SamplingRecord
+from pipeline.types import Group, SamplingRecord
 
 #: slime's rollout function that calls `get_samples(1)` per group from a thread of its own.
 FULLY_ASYNC_ROLLOUT = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
-OUR_ROLLOUT = "pipeline.slime_adapter.generate_rollout"
+OUR_ROLLOUT = "pipeline.trainers.slime_adapter.generate_rollout"
 
 
 class SlimeConfigError(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .consumer import BatchMetrics
+from pipeline.consumer import BatchMetrics
 
 
 def _metric_name(reason: str) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .types import Sample
+from pipeline.types import Sample
 
 #: `RolloutFnTrainOutput`, which `--rollout-function-path` must return, is in slime 0.2.0.
 MIN_ROLLOUT_FUNCTION = (0, 2, 0)

@@ -19,8 +19,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from . import codec
-from .consumer import Batch, Consumer
+from pipeline import codec
+from pipeline.consumer import Batch, Consumer
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ def _torch():
     try:
         import torch
     except ImportError:
-        raise ImportError("pipeline.torch_adapter needs PyTorch: pip install torch "
+        raise ImportError("pipeline.trainers.torch_adapter needs PyTorch: pip install torch "
                           "(or pip install 'rollout-queue[torch]')") from None
     return torch
 

@@ -9,7 +9,7 @@ import time
 
 sys.path.insert(0, os.getcwd())
 
-from pipeline.audit import audit  # noqa: E402,F401
+from pipeline.ops.audit import audit  # noqa: E402,F401
 from pipeline.connection import connect  # noqa: E402,F401
 from pipeline.consumer import Consumer  # noqa: E402,F401
 from pipeline.queue import Place, Queue  # noqa: E402,F401

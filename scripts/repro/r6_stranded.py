@@ -8,7 +8,7 @@ import numpy as np
 from common import Group, Queue, audit, connect, server
 from tests.helpers import WorkerThread, wait_for
 from workers.rewards import Reward
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 logging.basicConfig(level=logging.CRITICAL)

@@ -9,7 +9,7 @@ from common import Group, Queue, connect, server
 from pipeline.control import configure
 from tests.helpers import WorkerThread
 from workers.rewards import Reward
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 logging.basicConfig(level=logging.CRITICAL)

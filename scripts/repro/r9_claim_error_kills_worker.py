@@ -9,7 +9,7 @@ from common import Group, Queue, audit, connect, server
 
 import pipeline.queue as pq  # noqa: E402 (common puts the project on sys.path)
 from tests.helpers import WorkerThread, wait_for
-from workers.simulator import SimConfig, start_simulator
+from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 
 logging.basicConfig(level=logging.CRITICAL)
