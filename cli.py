@@ -1325,7 +1325,7 @@ def dead_list(obj: Context, limit, as_json) -> None:
     """
     from rich.table import Table
 
-    from pipeline import deadletters
+    from pipeline.ops import deadletters
 
     queue = obj.nonempty_queue()
     total = deadletters.count(queue)
@@ -1398,7 +1398,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
       rollout dead show 1712345678901-0
       rollout dead show data.jsonl:0:17 --json
     """
-    from pipeline import deadletters
+    from pipeline.ops import deadletters
 
     queue = obj.nonempty_queue()
     letters, missing = deadletters.find(queue, [ident])
@@ -1458,7 +1458,7 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
       rollout dead retry 1712345678901-0 1712345678950-0
       rollout dead retry --all --restart
     """
-    from pipeline import deadletters
+    from pipeline.ops import deadletters
 
     queue = obj.nonempty_queue()
     try:
@@ -1483,7 +1483,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
       rollout dead drop 1712345678901-0
       rollout dead drop --all
     """
-    from pipeline import deadletters
+    from pipeline.ops import deadletters
 
     queue = obj.nonempty_queue()
     try:

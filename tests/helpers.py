@@ -15,7 +15,7 @@ import redis
 
 from pipeline.consumer import Consumer
 from pipeline.types import Group
-from workers import router
+from local import router
 from local.router import router_engine_urls  # noqa: F401 - re-exported for the tests
 from workers.worker import Worker, WorkerSettings
 

@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeline import slime_adapter as sa
+from pipeline.trainers import slime_adapter as sa
 
 
 def main() -> None:

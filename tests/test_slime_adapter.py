@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import slime_adapter as sa
-from pipeline import slime_types as st
+from pipeline.trainers import slime_adapter as sa
+from pipeline.trainers import slime_types as st
 from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
 from pipeline.consumer import BatchMetrics

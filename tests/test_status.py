@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline import deadletters
+from pipeline.ops import deadletters
 from pipeline.ops.admin import namespace_pattern, purge
 from pipeline.ops.audit import audit
 from pipeline.consumer import Consumer
