@@ -73,6 +73,10 @@ def _parse_here(argv: list[str]) -> None:
     import types
 
     sys.modules["triton"] = types.ModuleType("triton")
+    # The test environment's transformers (the [llm] extra) is not the one SGLang pins, and
+    # through torch._dynamo it would take the triton stand-in for the real package: the
+    # parser runs as where transformers is absent, which it tolerates.
+    sys.modules["transformers"] = None
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(argv)  # a msgspec Struct: its fields are the settings
