@@ -258,14 +258,14 @@ def test_a_group_continued_with_other_sampling_settings_starts_over(redis_url, n
     worker = Worker(settings(redis_url, namespace, ["http://127.0.0.1:9"],
                              sampling=SamplingSettings(max_new_tokens=128, temperature=0.7)))
     group = Group.fresh("g", "What is 1 + 1?", 2, label="2")
-    worker._stamp_sampling(group)
+    worker.runner._stamp_sampling(group)
     assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)
     group.prompt_ids = [1, 2]
     for s in group.samples:
         s.tokens, s.response_length, s.status, s.weight_versions = [1, 2, 3], 1, Status.ABORTED, ["0"]
-    worker._stamp_sampling(group)  # the same settings: continued as it is
+    worker.runner._stamp_sampling(group)  # the same settings: continued as it is
     assert group.samples[0].tokens == [1, 2, 3]
     group.sampling = SamplingRecord(1.0, 1.0, -1, 128)
-    worker._stamp_sampling(group)
+    worker.runner._stamp_sampling(group)
     assert [s.tokens for s in group.samples] == [[], []] and group.prompt_ids == []
     assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)

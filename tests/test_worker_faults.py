@@ -110,7 +110,7 @@ def test_a_group_redis_no_longer_gives_this_worker_is_cancelled(redis_url, queue
     push(queue, 1)
     worker = WorkerThread(settings(redis_url, namespace, [slow.url]))
     try:
-        wait_for(lambda: worker.worker._running, what="a task")
+        wait_for(lambda: worker.worker.runner.running, what="a task")
         queue.redis.delete(queue.keys.inflight(worker.worker.id))  # an operator, a bug, a split brain
         queue.redis.rpush(queue.keys.prompts, "g0")
         wait_for(lambda: worker.worker.counters.cancelled >= 1, what="the task cancelled")
@@ -179,7 +179,7 @@ def test_a_reaped_worker_cancels_its_work_and_registers_anew(redis_url, queue, n
     push(queue, 8)
     worker = WorkerThread(settings(redis_url, namespace, [slow.url], concurrency_per_engine=8))
     try:
-        wait_for(lambda: len(worker.worker._running) == 4, what="4 groups in flight")
+        wait_for(lambda: len(worker.worker.runner.running) == 4, what="4 groups in flight")
         first = worker.worker.id
         queue.redis.zadd(queue.keys.workers, {first: 0}, xx=True)  # a stall past the lease...
         assert queue.reap(first) == 4  # ...and another worker reaped it
@@ -208,7 +208,7 @@ def test_a_worker_that_learns_twice_at_once_that_it_was_reaped_registers_anew_on
         # Blocking calls in the worker's own loop: nothing of it runs in between.
         queue.redis.zadd(queue.keys.workers, {first: 0}, xx=True)
         assert queue.reap(first) == 0
-        await asyncio.gather(w._heartbeat(), w._heartbeat())
+        await asyncio.gather(w.liveness.heartbeat(), w.liveness.heartbeat())
 
     try:
         asyncio.run_coroutine_threadsafe(reaped_then_two_heartbeats(), worker._loop).result(30)

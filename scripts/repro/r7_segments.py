@@ -7,13 +7,14 @@ from types import SimpleNamespace
 from common import Group
 from pipeline.codec import DecodeError, decode_group, encode_group
 from workers.engine import GenerateResult
-from workers.worker import Worker
+from workers.group_run import GroupRunner
 
 fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda version: None)
 
 
 def gen(sample, n, version, finish):
-    Worker._append(fake, sample, GenerateResult([7] * n, [-0.1] * n, "x" * n, finish, None, version, 0, n, "r", None))
+    GroupRunner._append(fake, sample,
+                        GenerateResult([7] * n, [-0.1] * n, "x" * n, finish, None, version, 0, n, "r", None))
 
 
 g = Group.fresh("g0", "p", 1); g.prompt_ids = [1, 2]; s = g.samples[0]; s.tokens = [1, 2]

@@ -1,0 +1,91 @@
+"""What the worker's collaborators share: its id, Redis access, counters, and what Redis last said about admission."""
+from __future__ import annotations
+
+import asyncio
+import queue as threadqueue
+import threading
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeline.queue import Queue
+from pipeline.retry import Reconnect
+from pipeline.types import VersionClock
+
+from .settings import WorkerSettings
+
+
+@dataclass
+class WorkerCounters:
+    groups_completed: int = 0
+    groups_requeued: int = 0
+    groups_dead: int = 0
+    groups_lost: int = 0  # publish refused: reaped or handed back while we worked on them
+    handed_back: int = 0  # held in Redis with no task here, given back by reconciliation
+    cancelled: int = 0  # tasks cancelled because Redis no longer gave us their group
+    reincarnations: int = 0  # times this process was reaped and registered anew
+    requests: int = 0
+    engine_errors: int = 0
+    reward_errors: int = 0
+    versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
+
+
+class DaemonPool(Executor):
+    """A fixed set of daemon threads. A call stuck in code we do not control (a reward
+    in an endless loop) is abandoned instead of hanging the process at exit, as a
+    ThreadPoolExecutor would (it joins its threads)."""
+
+    def __init__(self, size: int, name: str):
+        self._work: threadqueue.SimpleQueue = threadqueue.SimpleQueue()
+        for i in range(size):
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._work.get()
+            if future is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # daemon threads: nothing to wait for
+
+
+class WorkerContext:
+    """The state more than one of the worker's collaborators reads or writes. Each
+    collaborator keeps the rest of its state to itself."""
+
+    def __init__(self, settings: WorkerSettings, queue: Queue, eval_queue: Queue | None, worker_id: str):
+        self.settings = settings
+        self.id = worker_id  # changes when the worker registers anew (Liveness.reincarnate)
+        self.queue = queue
+        # Eval passes go through a companion namespace with books of their own: claimed
+        # first whenever it has prompts, so evaluation never waits behind training.
+        self.eval_queue = eval_queue
+        self.queues = [queue] + ([eval_queue] if eval_queue else [])
+        self.counters = WorkerCounters()
+        self.reconnect = Reconnect(f"worker {self.id}")
+        self.lease_s = 0.0  # the namespace's, learned at registration and with every heartbeat
+        self.capacity = settings.concurrency_per_engine * len(settings.engine_urls)  # in samples
+        self.paused = False  # admission paused (a weight update is under way)
+        self.queue_version = 0  # the trainer's weight version, as the last claim or heartbeat said
+        # On the queue clock (slime) the engines number versions their own way: no warnings.
+        self.version_clock = VersionClock.ENGINE
+        self.wake = asyncio.Event()  # wakes the claim loop: a slot freed, control changed
+        self.stopping = asyncio.Event()
+        self.claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
+        self.redis_pool = DaemonPool(6, "redis")  # one of them waits on control events
+
+    async def redis(self, fn: Callable, *args: Any, deadline: float | None = None) -> Any:
+        """A Redis call on the Redis pool, retried through outages."""
+        return await self.reconnect.acall(self.redis_pool, fn, *args, deadline=deadline)

@@ -1,0 +1,371 @@
+"""Running claimed groups: their sample slots, the engine requests, scoring, and publishing where each group goes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import metrics
+from pipeline.codec import EncodeError, encode_group
+from pipeline.queue import ClaimedGroup, Place, Published, Queue
+from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
+
+from .context import WorkerContext
+from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
+from .engine_health import EngineHealth
+from .rewards import MissingLabel, Reward, RewardError
+from .tokenizer import encode_prompt
+
+log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class GroupFailed(Exception):
+    """A group cannot be finished; it goes to dead letters with this message."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason  # short category: engine, bad_request, reward, missing_label, input, encode
+
+
+@dataclass(eq=False)
+class Running:
+    """A group this worker works on, with the token of the claim that took it."""
+
+    group: Group
+    token: str
+    payload: bytes  # as claimed: what a dead letter keeps if the group cannot be encoded
+    serial: int  # unique in this process; request ids start with "<worker id>/<serial>/"
+    slots: int
+    queue: Queue  # the namespace it was claimed from (training, or its eval companion)
+    task: asyncio.Task | None = None
+    publishing: bool = False
+
+
+class GroupRunner:
+    """One task per claimed group, a sample slot per sample still to generate: tokenize,
+    call /generate for every unfinished sample, then requeue, score and publish, or
+    dead-letter. One bad group never stops the others."""
+
+    def __init__(self, ctx: WorkerContext, engines: EngineSet, engine_health: EngineHealth, tokenizer: Any,
+                 reward: Reward | Any, reward_args: Any):
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.engines = engines
+        self.engine_health = engine_health
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.reward_args = reward_args
+        self.running: dict[str, Running] = {}  # group id -> what works on it
+        self.inflight_samples = 0
+        self._serial = 0
+        # Samples per group, to size claims; unknown until the first claim, so that one
+        # takes a single group (slime over-prefetched n-fold by guessing 1).
+        self.group_size = ctx.capacity
+        self.outstanding = 0  # engine requests in flight
+        self.last_answer = time.monotonic()
+        self._versions_ahead_seen: set[str] = set()
+        self.aborts: set[asyncio.Task] = set()
+        self._abort_slots = asyncio.Semaphore(16)  # aborts in flight at once
+
+    # -- slots and tasks -------------------------------------------------------------
+
+    def start(self, claimed: ClaimedGroup, queue: Queue) -> None:
+        group = claimed.group
+        if group is None:
+            return  # malformed: the queue dead-lettered it
+        old = self.running.get(group.group_id)
+        if old is not None:  # claimed again while an old task lingers: that one's token is stale
+            old.task.cancel()
+            self._release_slots(old)
+        group.worker = self.ctx.id
+        group.claimed_at = time.time()
+        if group.n_samples > self.ctx.capacity:
+            log.warning("group %s has %d samples, more than this worker's capacity of %d: running it alone",
+                        group.group_id, group.n_samples, self.ctx.capacity)
+        self.group_size = max(1, group.n_samples)
+        # A slot per sample to generate, given back as each request finishes: a group
+        # waiting on its slowest sample holds one slot, not n (the engine sees the rest free).
+        slots = max(1, sum(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples))
+        self._serial += 1
+        run = Running(group, claimed.token, claimed.payload, self._serial, slots, queue)
+        self.running[group.group_id] = run
+        self.inflight_samples += slots
+        run.task = asyncio.create_task(self._process(run))
+        # A done callback, not a finally: it also runs for a task cancelled before it started.
+        run.task.add_done_callback(lambda _t, r=run: self._finished(r))
+
+    def _release_slots(self, run: Running) -> None:
+        self.inflight_samples -= run.slots
+        run.slots = 0
+
+    def _finished(self, run: Running) -> None:
+        self._release_slots(run)
+        if self.running.get(run.group.group_id) is run:
+            del self.running[run.group.group_id]
+        self.ctx.wake.set()
+
+    async def cancel_all(self, why: str) -> None:
+        """Cancel every group task (each aborts its requests on the engines)."""
+        runs = list(self.running.values())
+        if not runs:
+            return
+        log.info("%s: cancelling %d group tasks", why, len(runs))
+        for run in runs:
+            run.task.cancel()
+        await asyncio.gather(*(r.task for r in runs), return_exceptions=True)
+
+    def _abort_request(self, rid: str) -> None:
+        """Best effort, in the background: a request the engines would otherwise finish
+        for nobody. (SGLang only aborts a rid it knows, so one at a time, every engine:
+        behind a router nobody knows which engine has it.)"""
+        async def abort() -> None:
+            async with self._abort_slots:
+                try:
+                    await self.engines.abort(rid=rid)
+                except Exception as exc:
+                    log.debug("abort of request %s failed: %s", rid, exc)
+
+        task = asyncio.create_task(abort())
+        self.aborts.add(task)
+        task.add_done_callback(self.aborts.discard)
+
+    # -- one group -------------------------------------------------------------------
+
+    async def _process(self, run: Running) -> None:
+        group = run.group
+        try:
+            place, failure = await self._generate_group(run)
+            group.finished_at = time.time()
+            group.error = None if failure is None else str(failure)
+            await self._publish(run, place, failure)
+        except asyncio.CancelledError:
+            self.ctx.counters.cancelled += 1
+            raise
+        except Exception as exc:  # one bad group must never take the worker down
+            log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
+            metrics.DEAD_LETTERS.labels("worker_error").inc()
+            # What was claimed, not the group as generated: that may be what cannot be stored.
+            # If even this fails, the group stays held in Redis with no task, and the next
+            # reconciliation gives it back (and max_claims ends a group that keeps doing it).
+            run.publishing = True
+            try:
+                outcome = await self.ctx.redis(run.queue.publish, self.ctx.id, group.group_id, run.token,
+                                               run.payload, Place.DEAD, f"worker error: {type(exc).__name__}: {exc}",
+                                               "worker_error")
+            except Exception as again:
+                log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
+                          group.group_id, again)
+                return
+            if outcome != Published.REFUSED:
+                self.ctx.counters.groups_dead += 1
+
+    async def _publish(self, run: Running, place: Place, failure: GroupFailed | None) -> None:
+        group = run.group
+        try:
+            payload = encode_group(group, self.settings.keep_response_text or place != Place.RESULTS)
+        except EncodeError as exc:
+            # What was generated breaks the schema: it must not reach the trainer.
+            log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",
+                      group.group_id, exc)
+            place, payload = Place.DEAD, run.payload
+            failure = GroupFailed(f"cannot store the generated group: {exc}", "encode")
+        if failure is not None:
+            metrics.DEAD_LETTERS.labels(failure.reason).inc()
+        error, reason = (None, "") if failure is None else (str(failure), failure.reason)
+        run.publishing = True
+        outcome = await self.ctx.redis(run.queue.publish, self.ctx.id, group.group_id, run.token, payload, place,
+                                       error, reason)
+        metrics.GROUPS_PUBLISHED.labels(place.value if outcome != Published.REFUSED else "lost").inc()
+        counters = self.ctx.counters
+        if outcome == Published.REFUSED:
+            counters.groups_lost += 1
+        elif place == Place.RESULTS:
+            counters.groups_completed += 1
+        elif place == Place.REQUEUE:
+            counters.groups_requeued += 1
+            log.info("group %s: unfinished (paused or engines down); partial output requeued", group.group_id)
+        else:
+            counters.groups_dead += 1
+            log.error("group %s: dead-lettered: %s", group.group_id, error)
+
+    async def _generate_group(self, run: Running) -> tuple[Place, GroupFailed | None]:
+        """Returns where the group goes and, for dead letters, why."""
+        group = run.group
+        try:
+            if not group.samples:
+                raise GroupFailed("group has no samples", "input")
+            self._stamp_sampling(group)
+            if not group.prompt_ids:
+                group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
+                                                 self.settings.apply_chat_template)
+            await asyncio.gather(*(self._generate_sample_in_slot(run, s) for s in group.samples
+                                   if s.status in (Status.PENDING, Status.ABORTED)))
+            if any(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples):
+                return Place.REQUEUE, None
+            await self._score(group)
+            return Place.RESULTS, None
+        except GroupFailed as exc:
+            return Place.DEAD, exc
+        except ValueError as exc:  # the tokenizer refused the prompt
+            return Place.DEAD, GroupFailed(f"bad prompt: {exc}", "input")
+
+    def _stamp_sampling(self, group: Group) -> None:
+        """Record the settings this worker samples with. A group continued here after a
+        worker with other settings started it starts over: one sample's tokens must come
+        from one distribution, the one the trainer computes probabilities with."""
+        mine = self.settings.sampling.record()
+        if group.sampling is not None and group.sampling != mine:
+            log.warning("group %s: started with %s, this worker samples with %s; generating it again from its "
+                        "prompt", group.group_id, group.sampling, mine)
+            group.reset()
+        group.sampling = mine
+
+    async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
+        try:
+            await self._generate_sample(run, sample)
+        finally:
+            if run.slots > 1:  # the group's last slot goes with the group
+                run.slots -= 1
+                self.inflight_samples -= 1
+                self.ctx.wake.set()
+
+    async def _generate_sample(self, run: Running, sample: Sample) -> None:
+        s, group = self.settings, run.group
+        if not sample.tokens:
+            sample.tokens = list(group.prompt_ids)
+        failures = group.attempts  # carried over from earlier claims of this group
+        attempt = 0
+        while True:
+            remaining = s.sampling.max_new_tokens - sample.response_length
+            if remaining <= 0:
+                sample.status = Status.TRUNCATED  # nothing left to generate: no request
+                return
+            if self.ctx.paused or self.engine_health.down is not None:
+                # A weight update is under way (a request sent now would wait at the paused
+                # engine where an abort cannot reach it), or the engines are down: leave the
+                # sample as it is; the group is requeued and continues later, maybe elsewhere.
+                return
+            attempt += 1
+            # A new request id per attempt: an engine still holding the first would refuse a
+            # duplicate.
+            rid = f"{self.ctx.id}/{run.serial}/{sample.index}/{attempt}"
+            try:
+                result = await self._request(rid, sample.tokens, s.sampling.params(remaining))
+                self._append(sample, result)
+                if result.finish_type != "abort":
+                    self.engine_health.ok()
+                    return
+                if await self.engine_health.pause_explains_abort():
+                    return  # requeued with its partial output; continues after the resume
+                error = EngineError(f"engine aborted request {rid} while nothing was paused "
+                                    f"({(result.finish_reason or {}).get('message', 'no message')})")
+            except EngineRequestError as exc:
+                metrics.ENGINE_ERRORS.labels("bad_request").inc()
+                raise GroupFailed(f"engine rejected the request: {exc}", "bad_request") from None
+            except EngineError as exc:  # unavailable, timed out, or an answer that breaks the protocol
+                error = exc
+            self.engine_health.failed(error)
+            if self.engine_health.down is not None:
+                return  # not this group's fault: it is requeued for a worker with engines
+            # Attempts count per sample: the n samples of a group failing in the same
+            # moment are one bad moment, not n. The group keeps its worst count.
+            failures += 1
+            group.attempts = max(group.attempts, failures)
+            if failures >= s.max_attempts:
+                raise GroupFailed(f"engine failed {failures} times; last error: {error}", "engine") from None
+            delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
+            log.debug("group %s: engine error (%s); retry %d in %.1fs", group.group_id, error, failures, delay)
+            await asyncio.sleep(delay)
+
+    async def _request(self, rid: str, tokens: list[int], params: dict) -> GenerateResult:
+        self.ctx.counters.requests += 1
+        self.outstanding += 1
+        started = time.monotonic()
+        try:
+            result = await self.engines.generate(tokens, params, rid=rid)
+        except asyncio.CancelledError:  # reaped, shutting down, or the group is no longer ours
+            self._abort_request(rid)
+            raise
+        except EngineError as exc:
+            if exc.status is None and not isinstance(exc, EngineProtocolError):
+                self._abort_request(rid)  # timed out or cut off: the engine may still be generating it
+            raise
+        finally:
+            self.outstanding -= 1
+        self.last_answer = time.monotonic()
+        metrics.GENERATION_LATENCY.observe(self.last_answer - started)
+        metrics.OUTPUT_TOKENS.observe(len(result.output_ids))
+        return result
+
+    def _append(self, sample: Sample, result: GenerateResult) -> None:
+        """Add one engine answer to a sample; a continuation extends the previous one."""
+        n_new = len(result.output_ids)
+        previous_mask = sample.loss_mask
+        sample.tokens += result.output_ids
+        sample.response_length += n_new
+        sample.response += result.text
+        sample.rollout_log_probs = (sample.rollout_log_probs or []) + result.output_log_probs
+        segments = sample.metadata.setdefault(SEGMENTS_KEY, [])
+        if n_new:  # a call that produced nothing (aborted while queued) adds no version
+            sample.weight_versions.append(result.weight_version)
+            segments.append(n_new)
+            self._check_version(result.weight_version)
+        sample.status = FINISH_STATUS[result.finish_type]
+        if sample.status == Status.ABORTED:
+            metrics.SAMPLES_ABORTED.inc()
+        if previous_mask is not None:
+            sample.loss_mask = previous_mask + [1] * n_new
+        if self.settings.mask_offpolicy_prefix and sample.status != Status.ABORTED:
+            sample.loss_mask = offpolicy_mask(sample.weight_versions, segments)
+
+    def _check_version(self, version: str) -> None:
+        """An engine ahead of the queue's weight version means the trainer updates the
+        engines without telling the queue: staleness checks would be off. Say so."""
+        v = parse_version(version)
+        if v is None or v <= self.ctx.queue_version or self.ctx.version_clock == VersionClock.QUEUE:
+            return
+        self.ctx.counters.versions_ahead += 1
+        if version not in self._versions_ahead_seen:
+            self._versions_ahead_seen.add(version)
+            log.warning("worker %s: an engine generates with weight version %s, ahead of the queue's %d: bump "
+                        "the queue's version with every weight update (Controller.resume(weight_version=...), "
+                        "`rollout resume --weight-version`)", self.ctx.id, version, self.ctx.queue_version)
+
+    async def _score(self, group: Group) -> None:
+        for attempt in range(1, self.settings.max_attempts + 1):
+            try:
+                rewards = await asyncio.wait_for(self.reward.score(self.reward_args, group.samples),
+                                                 self.settings.reward_timeout_s)
+                for s, r in zip(group.samples, rewards):
+                    s.reward = r
+                return
+            except MissingLabel as exc:
+                self.ctx.counters.reward_errors += 1
+                raise GroupFailed(f"{exc}; not retried: give the rows a label (push --label-key), or use a reward "
+                                  f"that needs none", "missing_label") from None
+            except (RewardError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    # A synchronous reward keeps its thread until it returns; the pool has
+                    # others, and the group is retried or dead-lettered meanwhile.
+                    exc = RewardError(f"reward took longer than {self.settings.reward_timeout_s:g}s "
+                                      f"(--reward-timeout); abandoned")
+                self.ctx.counters.reward_errors += 1
+                if attempt == self.settings.max_attempts:
+                    raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", "reward") from None
+                log.warning("group %s: reward error (%s); retry %d", group.group_id, exc, attempt)
+                await asyncio.sleep(min(self.settings.backoff_max_s, self.settings.backoff_s * 2 ** (attempt - 1)))
+
+
+def offpolicy_mask(weight_versions: list[str], segment_lengths: list[int]) -> list[int]:
+    """loss_mask 0 for tokens from engine calls whose weight version is not the one that
+    finished the sample (slime's --mask-offpolicy-in-partial-rollout)."""
+    final = weight_versions[-1]
+    mask: list[int] = []
+    for version, n in zip(weight_versions, segment_lengths):
+        mask += [1 if version == final else 0] * n
+    return mask

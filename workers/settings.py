@@ -1,0 +1,43 @@
+"""The worker's settings: one dataclass, read by the worker and by every collaborator it owns."""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from pipeline import metrics
+from pipeline.control import DEFAULT_HEARTBEAT_S
+
+from .sampling import SamplingSettings
+
+
+@dataclass
+class WorkerSettings:
+    redis_url: str
+    engine_urls: list[str]
+    namespace: str = "rollout"
+    concurrency_per_engine: int = 512  # samples, as slime's sglang_server_concurrency
+    tokenizer: str | None = None  # None: the byte-level tokenizer; else a HF path
+    apply_chat_template: bool = False
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    reward: str = "math_boxed"  # built-in name or dotted path
+    group_reward: bool = False  # slime's --group-rm
+    reward_key: str | None = None
+    rm_url: str | None = None  # for the remote_rm built-in
+    rm_type: str | None = None  # slime's --rm-type, for a reward that reads it (slime's async_rm)
+    reward_queue: str | None = None  # rq queue name: score in rq workers instead of here
+    reward_timeout_s: float = 300.0  # a reward call running longer is abandoned and retried
+    reward_threads: int = 16  # threads for synchronous reward functions
+    max_attempts: int = 3  # engine or reward failures per group before dead-lettering
+    backoff_s: float = 0.5  # first retry delay; doubles up to backoff_max_s
+    backoff_max_s: float = 30.0
+    engine_down_after: int = 5  # consecutive engine failures that stop claiming
+    request_timeout_s: float = 600.0
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
+    mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
+    metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
+    keep_response_text: bool = False  # include response texts in results (tokens are always there)
+    serve_eval: bool = True  # also serve `<namespace>.eval` (pipeline/trainers/eval.py), ahead of training
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
