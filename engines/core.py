@@ -70,7 +70,7 @@ class EngineSettings:
     served_model_name: str | None = None  # defaults to model_path
     weight_version: str = "default"
     context_length: int = 32768
-    max_total_num_tokens: int = 1_000_000  # KV capacity reported by /v1/loads
+    max_total_num_tokens: int = 1_000_000  # KV capacity in tokens (/v1/loads; the simulator enforces it)
     max_running_requests: int = 256
     startup_s: float = 0.0  # /health answers 503 this long after start
 

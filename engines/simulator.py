@@ -10,10 +10,18 @@ probability `SimConfig.skill`, so a response cut by ``max_new_tokens`` loses its
 answer. Everything is seeded: the same seed and request give the same output (see
 `Engine.sample_key` for what "same" means).
 
-Timing: at most `max_running_requests` decode at once, the rest wait FIFO. A
-running request pays `prefill_s`, then produces `decode_tokens_per_s` tokens per
-second. No task runs per request: each has one timer for its completion time, and
-partial progress (for aborts, pauses, streaming) is computed from elapsed time.
+Timing (engines/profiles.py): at most `max_running_requests` run at once, the rest
+wait FIFO, and a request that does not fit the KV cache (`max_total_num_tokens`) waits
+too. The engine runs steps back to back; each decodes one token for every running
+request and prefills a chunk of new prompts, and takes t1·(1 + c·b + d·KV + p·prefill)
+with t1 = 1/`decode_tokens_per_s` and the coefficients of `engine_profile` (`flat`:
+c = d = 0 and a fixed `prefill_s` per request). When the cache fills, running
+requests are retracted as SGLang retracts them (counted in `total_retractions`). No
+task runs per request: one timer per engine, and the step clock is read lazily.
+
+Lengths: with a `sampling_seed` the whole response (length, text, log-probs) follows
+from that seed on every engine, and a request continued after an abort (prompt +
+partial output) produces the rest of it. Without one, see `Engine.sample_key`.
 
 Simulator-only endpoints (not SGLang's): ``GET|POST /sim/faults`` reads or sets the
 fault-injection knobs (`FAULT_FIELDS`), ``POST /sim/restart`` drops every
