@@ -69,6 +69,9 @@ PROFILES: dict[str, EngineProfile] = {p.name: p for p in (
                   "h100-llama8b with twice the per-request and per-KV-token step cost"),
 )}
 CALIBRATED = "h100-llama8b"
+#: The calibrated profile's t1 in real seconds (one request decoding alone); a simulator
+#: at decode_tokens_per_s = 1 / CALIBRATED_T1_S ≈ 161 runs in real time.
+CALIBRATED_T1_S = 0.0062
 
 
 def engine_profile(name: str) -> EngineProfile:

@@ -401,6 +401,7 @@ class SimEngine(Engine):
 
     def _complete_step(self) -> None:
         self._step += 1
+        self.stats["decode_tokens"] += self._step_decoders
         for req, tokens in self._step_prefill:
             if req.prefill_left == 0 and req in self._prefilling:
                 self._prefilling.remove(req)
@@ -435,12 +436,12 @@ class SimEngine(Engine):
             chunk.append((req, take))
         decoders = len(self._decoding)
         if not decoders and not chunk:
-            self._step_end = None
+            self._step_end, self._step_decoders = None, 0
             return
         if self.kv_tokens + decoders > self.config.max_total_num_tokens and decoders > 1:
             for req, take in chunk:  # undone: the step does not run
                 req.prefill_left += take
-            self._step_end, self._stalled = None, True
+            self._step_end, self._stalled, self._step_decoders = None, True, 0
             return
         self._step_prefill, self._step_decoders = chunk, decoders
         self._step_end = at + self.step_s(decoders, sum(take for _, take in chunk))

@@ -24,22 +24,34 @@ def run_bench(script: str, *args: str) -> dict:
 
 
 def test_async_vs_sync_smallest_run_reports_consistent_rows():
-    steps, batch, n = 2, 4, 2
+    steps, batch, n, seeds = 2, 4, 2, 2
     out = run_bench("async_vs_sync.py", "--engines", "2", "--slots", "8", "--n-samples", str(n), "--batch",
                     str(batch), "--median", "32", "--steps", str(steps), "--warmup", "1", "--etas", "2",
-                    "--tails", "10")
-    assert set(out) == {"speedup_eta2", "vs_inmemory_eta2", "utilization_eta2", "rows", "settings"}
+                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "")
+    headline = {"speedup_tokens_eta2", "speedup_samples_eta2", "vs_inmemory_eta2", "trained_utilization_eta2"}
+    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings"}
+    assert out["seeds"] == [0, 1] and out["profile"] == "h100-llama8b" and set(out["ranges"]) == headline
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
-    assert out["speedup_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["utilization_eta2"] <= 1
+    assert out["speedup_tokens_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["trained_utilization_eta2"] <= 1
+    for key in headline:
+        lo, hi = out["ranges"][key]
+        assert lo <= out[key] <= hi
     for row in out["rows"]:
-        assert row["samples_per_s"] > 0 and row["ratio_to_sync"] > 0
-        assert 0 <= row["trainer_idle"] < 1 and 0 < row["utilization"] <= 1
-        assert sum(row["staleness"].values()) == steps * batch  # every trained group, once
-        tokens = row["tokens"]
-        assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
-        assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
-    assert out["rows"][0]["staleness"] == {"0": steps * batch}  # sync trains on fresh groups only
-    assert out["rows"][2]["audit"].endswith(": OK")
+        assert [p["seed"] for p in row["per_seed"]] == out["seeds"]  # every row has its per-seed values
+        assert row["trained_tokens_per_s"]["median"] > 0 and row["tokens_x_sync"]["median"] > 0
+        for p in row["per_seed"]:
+            assert p["samples_per_s"] > 0 and 0 <= p["trainer_idle"] < 1
+            # (trained may exceed generated in the window: groups generated before it are trained in it)
+            assert 0 < p["trained_utilization"] <= 1.05 and 0 < p["generated_utilization"] <= 1.05
+            for clock in ("oldest", "completion"):
+                assert sum(p[f"staleness_{clock}"].values()) == steps * batch  # every trained group, once
+            tokens = p["tokens"]
+            assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
+            assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
+    sync = out["rows"][0]
+    assert all(p["staleness_oldest"] == {"0": steps * batch} for p in sync["per_seed"])  # fresh groups only
+    assert sync["tokens_x_sync"] == {"median": 1.0, "range": [1.0, 1.0]}
+    assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
 
 def test_redis_capacity_smallest_run_reports_every_fsync_mode():
