@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_bench(script: str, *args: str) -> dict:
+def run_bench(script: str, *args: str, timeout: float = 120) -> dict:
     proc = subprocess.run([sys.executable, f"bench/{script}", "--json", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -54,11 +54,18 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
     assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
 
-def test_redis_capacity_smallest_run_reports_every_fsync_mode():
-    out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1")
-    for key in ("server_us_per_group", "groups_per_s_saturated", "engines_per_core", "publish_to_delivery_p99_ms"):
-        assert out[key] > 0, key
+def test_redis_capacity_smallest_run_reports_every_sample_length_and_fsync_mode():
+    out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1", timeout=300)
+    lengths = {"256", "1024", "2048"}
+    for key in ("server_us_per_group", "engines_per_core", "fsync_blocked_us_per_group", "engine_tokens_per_s"):
+        assert set(out[key]) == lengths, key
+        assert all(out[key][n] >= 0 for n in lengths), key
+    assert all(out["server_us_per_group"][n] > 0 and out["engines_per_core"][n] > 0 for n in lengths)
+    # a longer sample costs an engine longer steps (a bigger cache): fewer tokens/s
+    assert out["engine_tokens_per_s"]["256"] > out["engine_tokens_per_s"]["1024"] > out["engine_tokens_per_s"]["2048"]
+    assert out["publish_to_delivery_p99_ms"] > 0
     assert set(out["by_fsync"]) == {"everysec", "always"}
+    assert out["by_fsync"]["everysec"]["fsync_blocked_us_per_group"] <= out["by_fsync"]["always"]["server_us_per_group"]
     for mode in out["by_fsync"].values():
         assert mode["groups_per_s_measured"] > 0 and 0 < mode["server_cpu_at_measured"] <= 1.5
         for load in ("50%", "90%"):
