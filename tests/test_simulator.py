@@ -19,6 +19,9 @@ import pytest
 
 from tests.helpers import http_call as call
 from engines.simulator import SimConfig, draw_output_length, start_simulator
+from pipeline.codec import decode_group, encode_group
+from pipeline.types import Group
+from workers.sampling import SamplingSettings
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -733,3 +736,17 @@ def test_a_full_kv_cache_makes_requests_wait_and_retracts_running_ones():
     assert [out["output_ids"] for _, out in results] == expected
     assert stats["kv_waits"] >= 1 and stats["retractions"] >= 1
     assert sum(out["meta_info"]["total_retractions"] for _, out in results) == stats["retractions"]
+
+
+def test_each_sample_carries_its_own_sampling_seed_through_the_queue():
+    """Group.sampling_seed: one per sample, the same after a round trip through the wire
+    format (a continued request finds it again), a new one when the group restarts."""
+    group = Group.fresh("d:0:7", "What is 1 + 2?", 4, dataset="d", row=7)
+    seeds = [group.sampling_seed(s) for s in group.samples]
+    assert len(set(seeds)) == 4 and all(0 <= seed < 2**63 for seed in seeds)
+    decoded = decode_group(encode_group(group))
+    assert [decoded.sampling_seed(s) for s in decoded.samples] == seeds
+    assert SamplingSettings().params(10, seeds[0])["sampling_seed"] == seeds[0]
+    assert "sampling_seed" not in SamplingSettings().params(10)
+    group.restarts += 1
+    assert [group.sampling_seed(s) for s in group.samples] != seeds
