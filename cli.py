@@ -30,6 +30,7 @@ from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
 from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
+from engines.profiles import PROFILES
 from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
@@ -485,14 +486,21 @@ def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
 @click.option("--port", default=30000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--max-running", default=256, show_default=True, help="Requests decoding at once; more wait.")
-@click.option("--decode-rate", default=2000.0, show_default=True, help="Tokens per second per running request.")
+@click.option("--decode-rate", default=2000.0, show_default=True,
+              help="Tokens per second of one request decoding alone (1 / the step time at batch 1).")
+@click.option("--engine-profile", default="flat", show_default=True, type=click.Choice(list(PROFILES)),
+              help="How a step slows with the batch, the KV cache and prefill (engines/profiles.py); "
+                   "flat: never.")
+@click.option("--kv-tokens", default=1_000_000, show_default=True, type=click.IntRange(min=1),
+              help="KV cache capacity in tokens: beyond it requests wait and running ones are retracted.")
 @click.option("--median-tokens", default=64, show_default=True, help="Median output length.")
 @click.option("--p99-tokens", default=640, show_default=True, help="p99 output length (long tail).")
 @click.option("--skill", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="Chance an arithmetic question is answered right.")
 @click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="Fault injection: fraction of /generate answered 500/503.")
-def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_tokens, skill, error_rate) -> None:
+def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_tokens, median_tokens, p99_tokens,
+               skill, error_rate) -> None:
     """Run the SGLang-compatible simulator (no GPU needed).
 
     It answers SGLang's native HTTP API (/generate, /abort_request,
@@ -510,7 +518,7 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
 
     try:
         config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
-                           length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
+                           engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
     _check_port_free(host, port, "--port")

@@ -3,8 +3,9 @@
 pipeline, at equal engine capacity under long-tailed output lengths.
 
 Every row trains the same number of groups from the same seeded prompts on fresh
-simulators (each its own process) with the same slots, and updates the weights after
-every step through pause → update_weights_from_disk → resume:
+simulators (each its own process) with the same slots, timed by an engine profile
+(engines/profiles.py: a step slows as the batch and its cache grow), and updates the
+weights after every step through pause → update_weights_from_disk → resume:
 
   sync               B groups per step, wait for all, train, update (in memory)
   in-memory async    one process: a fixed pool of slots, an asyncio.Queue of results,
@@ -13,16 +14,24 @@ every step through pause → update_weights_from_disk → resume:
                      process, the trainer taking exact batches with Consumer and
                      updating through Controller; η = 0, 1, 2, 4
 
-Then a sweep over the tail (p99/median = 1, 3, 10, 30 at the same mean length): sync
-against the pipeline at η = 2. The trainer step sleeps tokens ÷ trainer tokens/s
-(bench/rl_loop.py). Per row: trained samples/s and tokens/s, the ratio to sync, the
-trainer's idle fraction (waiting for its batch), engine slot utilization read from
-the simulators (bench/sim_fleet.py), the staleness of trained groups, and where every
-generated token went (trained, left over at the end, wasted).
+then sweeps at η = 2 against sync: the tail (p99/median = 1, 3, 10, 30 at the same mean
+length), the engine profile (r = t(full batch) / t(1): flat, calibrated, heavy), the
+pause mode (abort, in_place) and the weight-update cost (nccl 0.05 s, disk 5 s, real
+seconds scaled like the engines). Every row runs once per seed (at least 5 by default)
+and reports the median and range; the rows of one seed see the same prompts, and the
+sync and in-memory rows the same per-sample lengths (the simulator draws a response
+from the sample's seed, Group.sampling_seed; the pipeline's worker does not send it yet,
+so its lengths are other draws from the same distribution).
 
-    python bench/async_vs_sync.py             # about 7 minutes on 2 quiet cores
-    python bench/async_vs_sync.py --quick     # under 2 minutes: 2 steps per row, η = 2 only
-    python bench/async_vs_sync.py --json      # one JSON object on stdout
+The headline is trained tokens per second (samples/s beside it: asynchrony trains
+shorter samples). Staleness of trained groups on two clocks: the version its oldest
+request ended under (the one the bound is enforced on) and its last. Utilization:
+generated and trained tokens ÷ the engine-bound limit (every slot decoding at a full
+batch); the gap between the two is waste (aborted and not continued, restarted as
+stale, left over at the end).
+
+    python bench/async_vs_sync.py --quick --json    # a few minutes: η = 2, 2 seeds, no sweeps
+    python bench/async_vs_sync.py                   # everything, 5 seeds (long: see docs/performance.md)
 """
 from __future__ import annotations
 
@@ -34,11 +43,12 @@ import logging
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,9 +56,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.in_memory import InMemoryRollout  # noqa: E402
-from bench.rl_loop import (PAUSE_MODES, Row, Settings, Tokens, TrainedBatch, group_tokens,  # noqa: E402
-                           make_groups, make_row, run_trainer)
+from bench.rl_loop import (PAUSE_MODES, WEIGHT_UPDATES, Row, Settings, Tokens, TrainedBatch,  # noqa: E402
+                           group_tokens, make_groups, make_row, run_trainer)
 from bench.sim_fleet import SimFleet  # noqa: E402
+from engines.profiles import PROFILES  # noqa: E402
 from pipeline.ops.audit import audit  # noqa: E402
 from pipeline.codec import decode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
@@ -63,7 +74,10 @@ from local.processes import start_worker_process, stop_processes  # noqa: E402
 NAMESPACE = "asyncbench"
 BATCH_TIMEOUT_S = 120.0
 ETA_KEY = 2  # the η the JSON's headline figures are about
-TARGETS = {"speedup_eta2": 2.5, "vs_inmemory_eta2": 0.95, "utilization_eta2": 0.9}
+TARGETS = {"speedup_tokens_eta2": 2.5, "vs_inmemory_eta2": 0.95, "trained_utilization_eta2": 0.8}
+#: Per-row figures summarized over seeds (median and range).
+FIGURES = ("trained_tokens_per_s", "samples_per_s", "tokens_x_sync", "samples_x_sync", "trained_utilization",
+           "generated_utilization", "trainer_idle", "slot_utilization", "engines_paused", "restarted")
 log = logging.getLogger("bench.async_vs_sync")
 
 
@@ -95,8 +109,7 @@ class PipelineRollout:
         # (delivered groups count against the staleness budget either way).
         await asyncio.to_thread(self.consumer.commit, batch)
         self.trained += sum(group_tokens(g) for g in batch.groups)
-        lags = [lag for lag, count in batch.metrics.staleness.items() for _ in range(count)]
-        return TrainedBatch(batch.groups, lags, batch.metrics.restarted)
+        return TrainedBatch(batch.groups, batch.metrics.restarted)
 
     async def weight_update(self, version: int) -> None:
         await self.controller.update_weights_from_disk(f"/checkpoints/step-{version}", version,
@@ -156,53 +169,114 @@ def run_row(name: str, system: str, eta: int, settings: Settings, workdir: Path)
     started = time.monotonic()
     with SimFleet(settings.sim_config(), settings.engines) as fleet:
         row = asyncio.run(_run(name, system, eta, settings, fleet, workdir))
-    log.info("%s (p99/median %.0f): %.1f samples/s, utilization %.2f, %.0fs", name, settings.tail_ratio,
-             row.samples_per_s, row.utilization, time.monotonic() - started)
+    log.info("%s seed %d (%s, p99/median %.0f, %s, %s): %.0f trained tok/s, %.1f samples/s, %.0fs", name,
+             settings.seed, settings.engine_profile, settings.tail_ratio, settings.pause_mode,
+             settings.weight_update, row.trained_tokens_per_s, row.samples_per_s, time.monotonic() - started)
     return row
 
 
-def run_all(settings: Settings, etas: list[int], tails: list[float]) -> dict:
+@dataclass(frozen=True)
+class Arm:
+    """A row of the tables: one system at one setting, run once per seed."""
+
+    name: str
+    system: str
+    eta: int
+    settings: Settings  # its seed is replaced by each run's
+    sweep: str  # main, tail, profile, pause, update
+
+
+def baseline_key(settings: Settings) -> Settings:
+    """The sync row a row is compared with: same settings (sync has nothing in flight
+    at an update, so its pause mode does not matter)."""
+    return replace(settings, seed=0, pause_mode=Settings.pause_mode)
+
+
+def build_arms(base: Settings, etas: list[int], tails: list[float], profiles: list[str], pauses: list[str],
+               updates: list[str]) -> list[Arm]:
+    arms = [Arm("sync", "sync", 0, base, "main"), Arm(f"in-memory async η={ETA_KEY}", "in-memory", ETA_KEY, base, "main")]
+    arms += [Arm(f"pipeline η={eta}", "pipeline", eta, base, "main") for eta in etas]
+    variants = ([("tail", base.with_tail(t)) for t in tails if not math.isclose(t, base.tail_ratio)]
+                + [("profile", replace(base, engine_profile=p)) for p in profiles]
+                + [("pause", replace(base, pause_mode=m)) for m in pauses]
+                + [("update", replace(base, weight_update=u)) for u in updates])
+
+    def identity(arm: Arm) -> tuple:
+        return arm.system, arm.eta, baseline_key(arm.settings) if arm.system == "sync" else arm.settings
+
+    seen = {identity(a) for a in arms}
+    for sweep, settings in variants:
+        for arm in (Arm("sync", "sync", 0, settings, sweep),
+                    Arm(f"pipeline η={ETA_KEY}", "pipeline", ETA_KEY, settings, sweep)):
+            if identity(arm) not in seen:
+                seen.add(identity(arm))
+                arms.append(arm)
+    return arms
+
+
+def _figure(row: Row, name: str, sync: Row) -> float:
+    if name == "tokens_x_sync":
+        return row.trained_tokens_per_s / sync.trained_tokens_per_s
+    if name == "samples_x_sync":
+        return row.samples_per_s / sync.samples_per_s
+    return float(getattr(row, name))
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 4), "range": [round(min(values), 4), round(max(values), 4)]}
+
+
+def run_all(base: Settings, seeds: list[int], arms: list[Arm]) -> dict:
     started = time.monotonic()
+    runs: dict[tuple[int, int], Row] = {}  # (arm index, seed) -> row
     with tempfile.TemporaryDirectory(prefix="asyncbench-") as tmp:
         workdirs = (Path(tmp) / f"row{i}" for i in itertools.count())
-
-        def row(name: str, system: str, eta: int, s: Settings) -> Row:
-            workdir = next(workdirs)
-            workdir.mkdir()
-            return run_row(name, system, eta, s, workdir)
-
-        rows: list[Row] = []
-        sync = row("sync", "sync", 0, settings)
-        rows.append(sync)
-        rows.append(row(f"in-memory async η={ETA_KEY}", "in-memory", ETA_KEY, settings))
-        for eta in etas:
-            rows.append(row(f"pipeline η={eta}", "pipeline", eta, settings))
-        for r in rows:
-            r.ratio_to_sync = r.samples_per_s / sync.samples_per_s
-        for ratio in tails:
-            if math.isclose(ratio, settings.tail_ratio):
-                continue
-            tail = settings.with_tail(ratio)
-            tail_sync = row("sync", "sync", 0, tail)
-            tail_pipe = row(f"pipeline η={ETA_KEY}", "pipeline", ETA_KEY, tail)
-            tail_sync.ratio_to_sync = 1.0
-            tail_pipe.ratio_to_sync = tail_pipe.samples_per_s / tail_sync.samples_per_s
-            rows += [tail_sync, tail_pipe]
-    pipe = next(r for r in rows if r.system == "pipeline" and r.eta == ETA_KEY
-                and math.isclose(r.tail_ratio, round(settings.tail_ratio, 3)))
-    memory = next(r for r in rows if r.system == "in-memory")
+        for seed in seeds:  # seed-major: a machine that gets busier hits every row alike
+            for i, arm in enumerate(arms):
+                workdir = next(workdirs)
+                workdir.mkdir()
+                runs[i, seed] = run_row(arm.name, arm.system, arm.eta, replace(arm.settings, seed=seed), workdir)
+    sync_of = {baseline_key(a.settings): i for i, a in enumerate(arms) if a.system == "sync"}
+    rows = []
+    for i, arm in enumerate(arms):
+        baseline = sync_of[baseline_key(arm.settings)]
+        per_seed = []
+        for seed in seeds:
+            row, sync = runs[i, seed], runs[baseline, seed]
+            per_seed.append({**_row_dict(row), **{f: round(_figure(row, f, sync), 4) for f in FIGURES}})
+        s = arm.settings
+        rows.append({
+            "name": arm.name, "system": arm.system, "eta": arm.eta, "sweep": arm.sweep,
+            "engine_profile": s.engine_profile, "slowdown": round(s.slowdown, 3), "tail_ratio": round(s.tail_ratio, 3),
+            "pause_mode": s.pause_mode, "weight_update": s.weight_update,
+            **{f: _summary([p[f] for p in per_seed]) for f in FIGURES},
+            "per_seed": per_seed,
+        })
+    main = {r["system"] + str(r["eta"]): r for r in rows if r["sweep"] == "main"}
+    pipe, memory = main[f"pipeline{ETA_KEY}"], main[f"in-memory{ETA_KEY}"]
+    vs_memory = [p["trained_tokens_per_s"] / m["trained_tokens_per_s"]
+                 for p, m in zip(pipe["per_seed"], memory["per_seed"])]
+    headline = {
+        "speedup_tokens_eta2": pipe["tokens_x_sync"],
+        "speedup_samples_eta2": pipe["samples_x_sync"],
+        "vs_inmemory_eta2": _summary(vs_memory),
+        "trained_utilization_eta2": pipe["trained_utilization"],
+    }
     return {
-        "speedup_eta2": round(pipe.ratio_to_sync, 3),
-        "vs_inmemory_eta2": round(pipe.samples_per_s / memory.samples_per_s, 3),
-        "utilization_eta2": round(pipe.utilization, 3),
-        "rows": [_row_dict(r) for r in rows],
+        **{key: value["median"] for key, value in headline.items()},
+        "ranges": {key: value["range"] for key, value in headline.items()},
+        "seeds": seeds,
+        "profile": base.engine_profile,
+        "rows": rows,
         "settings": {
-            **asdict(settings),
-            "capacity_slots": settings.capacity,
-            "mean_tokens": round(settings.mean_tokens, 1),
-            "trainer_tokens_per_s": settings.trainer_tokens_per_s,
-            "etas": etas,
-            "tail_ratios": tails,
+            **asdict(base),
+            "capacity_slots": base.capacity,
+            "mean_tokens": round(base.mean_tokens, 1),
+            "slowdown": round(base.slowdown, 3),
+            "engine_limit_tokens_per_s": round(base.engine_limit_tokens_per_s, 1),
+            "trainer_tokens_per_s": round(base.trainer_tokens_per_s, 1),
+            "weight_update_s": round(base.weight_update_s, 4),
+            "time_scale": round(base.time_scale, 3),
             "targets": TARGETS,
             "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
                        f"Python {platform.python_version()}",
@@ -214,77 +288,118 @@ def run_all(settings: Settings, etas: list[int], tails: list[float]) -> dict:
 
 def _row_dict(r: Row) -> dict:
     d = asdict(r)
-    for key in ("samples_per_s", "tokens_per_s", "trainer_idle", "update_fraction", "utilization", "free_slots",
-                "engines_paused", "engine_queue", "window_s", "mean_wait_s", "mean_train_s", "mean_update_s",
-                "ratio_to_sync"):
-        if d[key] is not None:
-            d[key] = round(d[key], 4)
+    for key, value in d.items():
+        if isinstance(value, float):
+            d[key] = round(value, 4)
     return d
+
+
+def _cell(summary: dict, fmt: str) -> str:
+    lo, hi = summary["range"]
+    return f"{summary['median']:{fmt}} ({lo:{fmt}}–{hi:{fmt}})"
+
+
+def _staleness(row: dict, clock: str) -> str:
+    total: dict[str, int] = {}
+    for p in row["per_seed"]:
+        for lag, count in p[f"staleness_{clock}"].items():
+            total[str(lag)] = total.get(str(lag), 0) + count
+    return ", ".join(f"{k}: {v}" for k, v in sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
 def print_table(result: dict) -> None:
     s = result["settings"]
-    print(f"engines {s['engines']} x {s['slots_per_engine']} slots at {s['decode_tokens_per_s']:g} tok/s per "
-          f"request; output median {s['median_tokens']:g}, p99 {s['p99_tokens']:g} (mean {s['mean_tokens']:g}), "
-          f"max {s['max_new_tokens']}; B = {s['batch_groups']} groups x {s['n_samples']}; trainer "
-          f"{s['trainer_tokens_per_s']:g} tok/s; {s['steps']} steps measured after {s['warmup_steps']}; "
-          f"pause mode {s['pause_mode']}, weight load {s['weight_update_s']:g}s; {s['machine']}")
-    print()
-    print("| row | p99/median | samples/s | tokens/s | x sync | trainer idle | engine utilization (slots free, time paused) "
-          "| staleness (lag: groups) | restarted | tokens wasted |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"engines {s['engines']} x {s['slots_per_engine']} slots, profile {s['engine_profile']} (r = "
+          f"{s['slowdown']:g} at a full batch), {s['decode_tokens_per_s']:g} tok/s for one request alone "
+          f"(x{s['time_scale']:g} real time); output median {s['median_tokens']:g}, p99 {s['p99_tokens']:g} "
+          f"(mean {s['mean_tokens']:g}), max {s['max_new_tokens']}; B = {s['batch_groups']} groups x "
+          f"{s['n_samples']}; trainer {s['trainer_tokens_per_s']:g} tok/s; {s['steps']} steps measured after "
+          f"{s['warmup_steps']}; pause {s['pause_mode']}, weight update {s['weight_update']} "
+          f"({s['weight_update_s']:g}s); seeds {result['seeds']}; {s['machine']}")
+    print("\nMedian (range) over seeds.\n")
+    print("| row | sweep | profile (r) | p99/median | pause | update | trained tok/s | x sync (tokens) "
+          "| samples/s | x sync (samples) | trained ÷ limit | generated ÷ limit | trainer idle "
+          "| staleness, oldest (lag: groups) | staleness, completion | restarted |")
+    print("|---" * 16 + "|")
     for r in result["rows"]:
-        stale = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
-        wasted = r["tokens"]["wasted"]
-        share = wasted / r["tokens"]["generated"] if r["tokens"]["generated"] else 0.0
-        print(f"| {r['name']} | {r['tail_ratio']:g} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} "
-              f"| {r['ratio_to_sync']:.2f} | {r['trainer_idle']:.0%} | {r['utilization']:.0%} (free "
-              f"{r['free_slots']:.0%}, paused {r['engines_paused']:.0%}) | {stale} "
-              f"| {r['restarted']} | {wasted} ({share:.1%}) |")
+        print(f"| {r['name']} | {r['sweep']} | {r['engine_profile']} ({r['slowdown']:g}) | {r['tail_ratio']:g} "
+              f"| {r['pause_mode']} | {r['weight_update']} | {_cell(r['trained_tokens_per_s'], '.0f')} "
+              f"| {_cell(r['tokens_x_sync'], '.2f')} | {_cell(r['samples_per_s'], '.1f')} "
+              f"| {_cell(r['samples_x_sync'], '.2f')} | {_cell(r['trained_utilization'], '.2f')} "
+              f"| {_cell(r['generated_utilization'], '.2f')} | {_cell(r['trainer_idle'], '.0%')} "
+              f"| {_staleness(r, 'oldest')} | {_staleness(r, 'completion')} | {_cell(r['restarted'], '.0f')} |")
     print()
     for key, target in TARGETS.items():
-        print(f"{key} = {result[key]} (target >= {target})")
+        lo, hi = result["ranges"][key]
+        print(f"{key} = {result[key]} (range {lo}–{hi}; target >= {target})")
     for r in result["rows"]:
-        if r["audit"]:
-            print(f"audit {r['name']} p99/median {r['tail_ratio']:g}: {r['audit']}")
+        for p in r["per_seed"]:
+            if p["audit"]:
+                print(f"audit {r['name']} ({r['sweep']}) seed {p['seed']}: {p['audit']}")
+
+
+def _names(text: str, known, what: str, p: argparse.ArgumentParser) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        p.error(f"unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Settings]:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer steps, pipeline at η = 2 only (under 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="2 steps per row, η = 2 only, 2 seeds, no sweeps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--steps", type=int, help=f"measured steps per row (default {d.steps}, --quick 2)")
     p.add_argument("--warmup", type=int, help=f"unmeasured steps first (default {d.warmup_steps}, --quick 1)")
+    p.add_argument("--seeds", type=int, help="seeds per row (default 5, --quick 2)")
+    p.add_argument("--first-seed", type=int, default=d.seed)
     p.add_argument("--engines", type=int, default=d.engines)
     p.add_argument("--slots", type=int, default=d.slots_per_engine, help="running requests per engine")
-    p.add_argument("--decode-rate", type=float, default=d.decode_tokens_per_s, help="tokens/s per request")
+    p.add_argument("--decode-rate", type=float, default=d.decode_tokens_per_s,
+                   help="tokens/s of one request decoding alone")
+    p.add_argument("--engine-profile", choices=list(PROFILES), default=d.engine_profile)
     p.add_argument("--median", type=float, default=d.median_tokens, help="median output tokens")
     p.add_argument("--p99", type=float, help="p99 output tokens (default 10 x median)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--n-samples", type=int, default=d.n_samples)
     p.add_argument("--batch", type=int, default=d.batch_groups, help="groups per step (B)")
     p.add_argument("--trainer-speed", type=float, default=d.trainer_speed,
-                   help="trainer tokens/s as a fraction of the engines' tokens/s at full load")
-    p.add_argument("--weight-update-s", type=float, default=d.weight_update_s)
+                   help="trainer tokens/s as a multiple of the engine-bound limit")
+    p.add_argument("--weight-update", choices=list(WEIGHT_UPDATES), default=d.weight_update,
+                   help=", ".join(f"{k}: {v:g}s" for k, v in WEIGHT_UPDATES.items()) + " (real time)")
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
-    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--etas", help="pipeline staleness bounds, must include 2 (default 0,1,2,4; --quick 2)")
-    p.add_argument("--tails", default="1,3,10,30", help="p99/median ratios of the sweep (η = 2)")
+    p.add_argument("--tails", help="p99/median ratios of the tail sweep (default 1,3,10,30; --quick none)")
+    p.add_argument("--profiles", help=f"engine profiles of the r sweep (default {','.join(PROFILES)}; --quick none)")
+    p.add_argument("--pauses", help="pause modes shown (default abort,in_place; --quick none)")
+    p.add_argument("--updates", help=f"weight-update presets shown (default {','.join(WEIGHT_UPDATES)}; "
+                                     "--quick none)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+
+    def listed(value: str | None, full: str) -> str:
+        return value if value is not None else ("" if args.quick else full)
+
     args.etas = sorted({int(x) for x in (args.etas or ("2" if args.quick else "0,1,2,4")).split(",")})
-    args.tails = [float(x) for x in args.tails.split(",")]
+    args.tails = [float(x) for x in listed(args.tails, "1,3,10,30").split(",") if x]
+    args.profiles = _names(listed(args.profiles, ",".join(PROFILES)), PROFILES, "profile", p)
+    args.pauses = _names(listed(args.pauses, "abort,in_place"), PAUSE_MODES, "pause mode", p)
+    args.updates = _names(listed(args.updates, ",".join(WEIGHT_UPDATES)), WEIGHT_UPDATES, "weight update", p)
     if ETA_KEY not in args.etas:
         p.error(f"--etas must include {ETA_KEY}")
+    seeds = args.seeds or (2 if args.quick else 5)
+    args.seed_list = list(range(args.first_seed, args.first_seed + seeds))
     steps = args.steps or (2 if args.quick else d.steps)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else d.warmup_steps)
     try:
         settings = Settings(engines=args.engines, slots_per_engine=args.slots, decode_tokens_per_s=args.decode_rate,
-                            median_tokens=args.median, p99_tokens=args.p99 or 10 * args.median,
-                            max_new_tokens=args.max_new_tokens, n_samples=args.n_samples, batch_groups=args.batch,
-                            steps=steps, warmup_steps=warmup, trainer_speed=args.trainer_speed,
-                            weight_update_s=args.weight_update_s, pause_mode=args.pause_mode, seed=args.seed)
+                            engine_profile=args.engine_profile, median_tokens=args.median,
+                            p99_tokens=args.p99 or 10 * args.median, max_new_tokens=args.max_new_tokens,
+                            n_samples=args.n_samples, batch_groups=args.batch, steps=steps, warmup_steps=warmup,
+                            trainer_speed=args.trainer_speed, weight_update=args.weight_update,
+                            pause_mode=args.pause_mode, seed=args.first_seed)
     except ValueError as exc:
         p.error(str(exc))
     return args, settings
@@ -294,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     args, settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_all(settings, args.etas, args.tails)
+    arms = build_arms(settings, args.etas, args.tails, args.profiles, args.pauses, args.updates)
+    result = run_all(settings, args.seed_list, arms)
     if args.json:
         print(json.dumps(result))
     else:

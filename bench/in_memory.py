@@ -122,7 +122,8 @@ class InMemoryRollout:
         if not sample.tokens:
             sample.tokens = list(group.prompt_ids)
         remaining = self.sampling.max_new_tokens - sample.response_length
-        result = await self.engines.generate(sample.tokens, self.sampling.params(remaining))
+        result = await self.engines.generate(sample.tokens,
+                                             self.sampling.params(remaining, group.sampling_seed(sample)))
         new = len(result.output_ids)
         self.generated += new
         sample.tokens += result.output_ids
@@ -136,7 +137,7 @@ class InMemoryRollout:
     # -- the trainer's side ----------------------------------------------------------------
 
     async def next_batch(self, n: int) -> TrainedBatch:
-        groups, staleness, restarted = [], [], 0
+        groups, restarted = [], 0
         while len(groups) < n:
             if self.error is not None:
                 raise RuntimeError(f"in-memory rollout failed: {self.error!r}") from self.error
@@ -155,13 +156,12 @@ class InMemoryRollout:
                 self._wake.set()
                 continue
             groups.append(group)
-            staleness.append(lag)
         for group in groups:
             del self.live[group.group_id]
             self.trained += group_tokens(group)
         self.committed += n
         self._wake.set()
-        return TrainedBatch(groups, staleness, restarted)
+        return TrainedBatch(groups, restarted)
 
     async def weight_update(self, version: int) -> None:
         self.paused = True

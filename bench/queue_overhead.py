@@ -118,7 +118,8 @@ class Content:
     text_zlib_bytes_per_token: float
 
 
-def make_content(seed: int = 0) -> Content:
+def make_content(seed: int = 0, response_tokens: int = RESPONSE_TOKENS) -> Content:
+    """Prompt and a pool of generated samples of `response_tokens` tokens each."""
     rng = random.Random(seed)
     words, weights = _vocabulary(rng)
 
@@ -129,14 +130,14 @@ def make_content(seed: int = 0) -> Content:
     prompt = "Solve the problem and put the final answer in \\boxed{}. " + text(PROMPT_TOKENS - 14)
     pool = [
         Generated(
-            ids=[rng.randrange(VOCAB_SIZE) for _ in range(RESPONSE_TOKENS)],
-            log_probs=[-rng.expovariate(3.0) for _ in range(RESPONSE_TOKENS)],
-            text=text(RESPONSE_TOKENS),
+            ids=[rng.randrange(VOCAB_SIZE) for _ in range(response_tokens)],
+            log_probs=[-rng.expovariate(3.0) for _ in range(response_tokens)],
+            text=text(response_tokens),
         )
         for _ in range(POOL)
     ]
-    chars = sum(len(g.text) for g in pool) / (POOL * RESPONSE_TOKENS)
-    zbytes = sum(len(zlib.compress(g.text.encode(), 1)) for g in pool) / (POOL * RESPONSE_TOKENS)
+    chars = sum(len(g.text) for g in pool) / (POOL * response_tokens)
+    zbytes = sum(len(zlib.compress(g.text.encode(), 1)) for g in pool) / (POOL * response_tokens)
     return Content(prompt, [rng.randrange(VOCAB_SIZE) for _ in range(PROMPT_TOKENS)], pool, chars, zbytes)
 
 

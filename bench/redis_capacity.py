@@ -16,21 +16,27 @@ tokens against one redis-server, through the project's API:
 
 The server's own CPU time (INFO cpu, main thread) and INFO commandstats over a
 measured window, divided by the groups committed in it, give the server's cost per
-group and per generated token; one Redis core then sustains 1e6 / µs-per-group groups/s
-(the server runs commands on one thread). That, with an assumed output rate per
-engine, gives engines per Redis core. Unpaced phases add workers until throughput
+group and per generated token. With `appendfsync always` the main thread also waits
+in fdatasync before it answers, time that is not CPU: a sampler reads the thread's
+state in /proc every millisecond and counts the samples in disk sleep (D). One Redis
+core then sustains 1e6 / (CPU µs + fsync-blocked µs per group) groups/s (the server
+runs commands on one thread). That, with the output rate of one engine taken from the
+calibrated engine profile (engines/profiles.py: 256 requests decoding, the cache
+holding their prompts and half their outputs), gives engines per Redis core, at
+samples of 256, 1,024 and 2,048 tokens. Unpaced phases add workers until throughput
 stops growing (or every core is busy); then paced phases at 50% and 90% of the highest
 throughput measured give publish → delivery latency. Everything runs for AOF
 `appendfsync always` (the default; the top-level figures) and `everysec`.
 
-    python bench/redis_capacity.py            # ~3 minutes
-    python bench/redis_capacity.py --quick    # under a minute
+    python bench/redis_capacity.py            # ~5 minutes
+    python bench/redis_capacity.py --quick    # about two minutes
     python bench/redis_capacity.py --json     # one JSON object on stdout
 """
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import logging
 import os
 import statistics
@@ -46,7 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.queue_overhead import N_SAMPLES, RESPONSE_TOKENS, fill, make_content  # noqa: E402
+from bench.queue_overhead import N_SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, fill, make_content  # noqa: E402
+from engines.profiles import CALIBRATED, CALIBRATED_T1_S, engine_profile  # noqa: E402
 from pipeline.codec import encode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
@@ -56,13 +63,10 @@ from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import Group  # noqa: E402
 
 NAMESPACE = "capacity"
-TOKENS_PER_GROUP = N_SAMPLES * RESPONSE_TOKENS
-# Output tokens/s of one engine. Llama-3.1-8B in BF16 on SGLang 0.5.6 generates 3,161
-# tokens/s on one A100-40GB (AccelMark, github.com/FreedomIntelligence/AccelMark/issues/39);
-# an H100 has about twice the memory bandwidth that decoding is bound by, so 5,000 for
-# an H100 serving a 7B model is a middle estimate. --engine-tokens-per-s changes it.
-ENGINE_TOKENS_PER_S = 5000.0
-TARGET_ENGINES_PER_CORE = 1000
+SAMPLE_TOKENS = (256, 1024, 2048)  # generated tokens per sample, one capacity figure each
+ENGINE_BATCH = 256  # requests one RL rollout engine decodes at once
+TARGET_ENGINES_PER_CORE = 1000  # at 1,024-token samples, with appendfsync always
+FSYNC_SAMPLE_S = 0.001
 GID_WIDTH = 12  # group ids are "c" + 12 digits, so a payload's id can be stamped in place
 TEMPLATE_GID = "c" + "x" * GID_WIDTH
 FEED_CHUNK = 64
@@ -75,6 +79,46 @@ def gid(row: int) -> str:
 
 def stop_key(namespace: str) -> str:
     return f"{{{namespace}}}:bench:stop"
+
+
+def engine_tokens_per_s(sample_tokens: int) -> float:
+    """Output tokens/s of one engine under the calibrated profile: ENGINE_BATCH requests
+    decoding, the cache holding their prompts and, on average, half their outputs."""
+    kv = ENGINE_BATCH * (PROMPT_TOKENS + sample_tokens / 2)
+    return ENGINE_BATCH / (CALIBRATED_T1_S * engine_profile(CALIBRATED).step_factor(ENGINE_BATCH, round(kv)))
+
+
+class DiskWaitSampler:
+    """Fraction of the time a thread spends in disk sleep (state D in /proc), sampled:
+    for redis-server's main thread under appendfsync always, time blocked in fdatasync."""
+
+    def __init__(self, pid: int):
+        self.path = f"/proc/{pid}/task/{pid}/stat"
+        self.samples = self.blocked = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fsync-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(FSYNC_SAMPLE_S):
+            try:
+                with open(self.path, "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return
+            self.samples += 1
+            self.blocked += state == b"D"
+
+    def __enter__(self) -> DiskWaitSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def fraction(self) -> float:
+        return self.blocked / self.samples if self.samples else 0.0
 
 
 # -- the client processes --------------------------------------------------------------------
@@ -156,7 +200,7 @@ ROLES = {"feeder": feeder, "worker": worker, "trainer": trainer, "observer": obs
 
 def run_child(args: argparse.Namespace) -> None:
     queue = Queue(connect(args.redis_url), args.namespace)
-    content = make_content(0) if args.role in ("feeder", "worker") else None
+    content = make_content(0, args.sample_tokens) if args.role in ("feeder", "worker") else None
     result = ROLES[args.role](args, queue, content)
     Path(args.out).write_text(json.dumps(result))
 
@@ -189,7 +233,8 @@ class Phase:
     rate: float | None  # groups/s offered in total (None: unpaced)
     groups_per_s: float
     server_cpu: float  # fraction of one core the server's main thread used
-    server_us_per_group: float
+    server_us_per_group: float  # main-thread CPU
+    fsync_blocked_us_per_group: float  # main thread in disk sleep (fdatasync)
     commands_us_per_group: dict[str, float]
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: publish -> readable
 
@@ -203,7 +248,7 @@ class Settings:
     batch: int = 32  # B
     fsync: tuple[Fsync, ...] = (Fsync.ALWAYS, Fsync.EVERYSEC)  # the first gives the top-level figures
     loads: tuple[float, ...] = (0.5, 0.9)
-    engine_tokens_per_s: float = ENGINE_TOKENS_PER_S
+    sample_tokens: tuple[int, ...] = SAMPLE_TOKENS  # the by-fsync phases use the last
 
 
 class Bench:
@@ -211,7 +256,7 @@ class Bench:
         self.settings = settings
         self.workdir = workdir
 
-    def phase(self, server: RedisServer, workers: int, rate: float | None) -> Phase:
+    def phase(self, server: RedisServer, workers: int, rate: float | None, sample_tokens: int) -> Phase:
         s = self.settings
         queue = Queue(connect(server.url), NAMESPACE)
         queue.redis.flushall()
@@ -225,7 +270,8 @@ class Bench:
             out = self.workdir / f"{role}-{index}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--redis-url", server.url,
                    "--namespace", NAMESPACE, "--out", str(out), "--index", str(index), "--claim", str(s.claim),
-                   "--batch", str(s.batch), "--rate", str(rate / workers if rate else 0)]
+                   "--batch", str(s.batch), "--rate", str(rate / workers if rate else 0),
+                   "--sample-tokens", str(sample_tokens)]
             procs.append((role, out, subprocess.Popen(cmd, cwd=REPO)))
         try:
             deadline = time.monotonic() + 60
@@ -234,9 +280,13 @@ class Bench:
                     raise RuntimeError("the clients committed nothing within 60 s (or one exited)")
                 time.sleep(0.05)
             time.sleep(s.warmup_s)
-            before = ServerSnapshot.take(queue)
-            time.sleep(s.window_s)
-            after = ServerSnapshot.take(queue)
+            with DiskWaitSampler(server.process.pid) as disk:
+                before = ServerSnapshot.take(queue)
+                time.sleep(s.window_s)
+                after = ServerSnapshot.take(queue)
+                while after.committed - before.committed < s.batch and time.monotonic() < deadline + 60:
+                    time.sleep(0.1)  # a short window at a low rate: wait for a whole batch
+                    after = ServerSnapshot.take(queue)
         finally:
             queue.redis.set(stop_key(NAMESPACE), 1)
             for _, _, p in procs:
@@ -260,57 +310,86 @@ class Bench:
         phase = Phase(workers=workers, rate=rate, groups_per_s=groups / wall,
                       server_cpu=(after.cpu_s - before.cpu_s) / wall,
                       server_us_per_group=1e6 * (after.cpu_s - before.cpu_s) / groups,
+                      fsync_blocked_us_per_group=1e6 * disk.fraction * wall / groups,
                       commands_us_per_group=dict(sorted(per_group.items(), key=lambda kv: -kv[1])))
         if rate:
             phase.latency_ms = _latency(results, before.at, after.at)
-        log.info("%s workers, rate %s: %.0f groups/s, server %.0f%% of a core, %.0f us/group %s", workers,
-                 f"{rate:.0f}" if rate else "unpaced", phase.groups_per_s, 100 * phase.server_cpu,
-                 phase.server_us_per_group, phase.latency_ms)
+        log.info("%d-token samples, %s workers, rate %s: %.0f groups/s, server %.0f%% of a core, %.0f us/group "
+                 "+ %.0f us in fsync %s", sample_tokens, workers, f"{rate:.0f}" if rate else "unpaced",
+                 phase.groups_per_s, 100 * phase.server_cpu, phase.server_us_per_group,
+                 phase.fsync_blocked_us_per_group, phase.latency_ms)
         return phase
 
-    def fsync_mode(self, fsync: Fsync) -> dict:
-        s = self.settings
-        server = RedisServer(self.workdir / f"redis-{fsync.value}", port=free_port(), fsync=fsync)
-        server.start()
-        try:
-            unpaced: list[Phase] = []
-            workers = 1
-            while workers <= s.max_workers:
-                unpaced.append(self.phase(server, workers, None))
-                if len(unpaced) > 1 and unpaced[-1].groups_per_s < 1.05 * unpaced[-2].groups_per_s:
-                    break  # more clients no longer help: the server, or this machine, is saturated
-                workers *= 2
-            best = max(unpaced, key=lambda p: p.groups_per_s)
-            paced = [self.phase(server, best.workers, load * best.groups_per_s) for load in s.loads]
-        finally:
-            server.stop()
-        # Cost per group from the phase that pushed the server hardest.
-        us = best.server_us_per_group
+    def ramp(self, server: RedisServer, sample_tokens: int) -> Phase:
+        """Unpaced phases with more and more workers until throughput stops growing;
+        the phase that pushed the server hardest."""
+        unpaced: list[Phase] = []
+        workers = 1
+        while workers <= self.settings.max_workers:
+            unpaced.append(self.phase(server, workers, None, sample_tokens))
+            if len(unpaced) > 1 and unpaced[-1].groups_per_s < 1.05 * unpaced[-2].groups_per_s:
+                break  # more clients no longer help: the server, or this machine, is saturated
+            workers *= 2
+        return max(unpaced, key=lambda p: p.groups_per_s)
+
+    def capacity(self, best: Phase, sample_tokens: int) -> dict:
+        us = best.server_us_per_group + best.fsync_blocked_us_per_group
         per_core = 1e6 / us
+        rate = engine_tokens_per_s(sample_tokens)
         return {
-            "fsync": fsync.value,
-            "server_us_per_group": round(us, 1),
-            "server_us_per_token": round(us / TOKENS_PER_GROUP, 4),
+            "server_us_per_group": round(best.server_us_per_group, 1),
+            "fsync_blocked_us_per_group": round(best.fsync_blocked_us_per_group, 1),
+            "server_us_per_token": round(us / (N_SAMPLES * sample_tokens), 4),
             "groups_per_s_saturated": round(per_core),
             "groups_per_s_measured": round(best.groups_per_s, 1),
             "server_cpu_at_measured": round(best.server_cpu, 3),
-            "engines_per_core": round(per_core * TOKENS_PER_GROUP / s.engine_tokens_per_s),
-            "latency_ms": {f"{int(100 * load)}%": {**p.latency_ms, "groups_per_s": round(p.groups_per_s, 1)}
-                           for load, p in zip(s.loads, paced)},
-            "phases": [asdict(p) for p in unpaced + paced],
+            "engine_tokens_per_s": round(rate),
+            "engines_per_core": round(per_core * N_SAMPLES * sample_tokens / rate),
+            "commands_us_per_group": best.commands_us_per_group,
         }
 
+    def fsync_mode(self, fsync: Fsync) -> dict:
+        s = self.settings
+        length = s.sample_tokens[-1]
+        server = RedisServer(self.workdir / f"redis-{fsync.value}", port=free_port(), fsync=fsync)
+        server.start()
+        try:
+            best = self.ramp(server, length)
+            paced = [self.phase(server, best.workers, load * best.groups_per_s, length) for load in s.loads]
+        finally:
+            server.stop()
+        return {
+            "fsync": fsync.value,
+            "sample_tokens": length,
+            **self.capacity(best, length),
+            "latency_ms": {f"{int(100 * load)}%": {**p.latency_ms, "groups_per_s": round(p.groups_per_s, 1)}
+                           for load, p in zip(s.loads, paced)},
+            "phases": [asdict(p) for p in [best] + paced],
+        }
+
+    def by_length(self) -> dict[str, dict]:
+        """Capacity with appendfsync always at every sample length."""
+        server = RedisServer(self.workdir / "redis-lengths", port=free_port(), fsync=Fsync.ALWAYS)
+        server.start()
+        try:
+            return {str(n): self.capacity(self.ramp(server, n), n) for n in self.settings.sample_tokens}
+        finally:
+            server.stop()
+
     def run(self) -> dict:
+        lengths = self.by_length()
         modes = {fsync.value: self.fsync_mode(fsync) for fsync in self.settings.fsync}
         main = modes[self.settings.fsync[0].value]
         worst_load = f"{int(100 * max(self.settings.loads))}%"
         return {
-            "server_us_per_group": main["server_us_per_group"],
-            "groups_per_s_saturated": main["groups_per_s_saturated"],
-            "engines_per_core": main["engines_per_core"],
+            **{key: {n: c[key] for n, c in lengths.items()}
+               for key in ("server_us_per_group", "fsync_blocked_us_per_group", "engines_per_core",
+                           "groups_per_s_saturated", "groups_per_s_measured", "engine_tokens_per_s")},
             "publish_to_delivery_p99_ms": main["latency_ms"][worst_load]["p99"],
+            "by_length": lengths,
             "by_fsync": modes,
-            "settings": {**asdict(self.settings), "tokens_per_group": TOKENS_PER_GROUP,
+            "settings": {**asdict(self.settings), "prompt_tokens": PROMPT_TOKENS, "samples_per_group": N_SAMPLES,
+                         "engine_profile": CALIBRATED, "engine_batch": ENGINE_BATCH,
                          "target_engines_per_core": TARGET_ENGINES_PER_CORE,
                          "machine": f"{os.uname().machine}, {len(os.sched_getaffinity(0))} cores",
                          "command": " ".join(["python", "bench/redis_capacity.py"] + sys.argv[1:])},
@@ -330,23 +409,37 @@ def _latency(results: dict, start: float, end: float) -> dict[str, float]:
 
 def print_table(result: dict) -> None:
     s = result["settings"]
-    print(f"groups of {TOKENS_PER_GROUP} generated tokens; B = {s['batch']}; claims of {s['claim']}; "
-          f"{s['window_s']:g}s windows; engines at {s['engine_tokens_per_s']:g} output tokens/s; {s['machine']}")
+    print(f"groups of {N_SAMPLES} samples; B = {s['batch']}; claims of {s['claim']}; {s['window_s']:g}s windows; "
+          f"engine output from the {s['engine_profile']} profile at {s['engine_batch']} requests; {s['machine']}")
     print()
-    print("| AOF fsync | server µs/group | µs/token | groups/s per Redis core | measured groups/s "
-          "(server CPU) | engines per core | publish→delivery p50/p99 at 50% (groups/s) | at 90% |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("appendfsync always, by sample length:")
+    print()
+    print("| tokens per sample | server CPU µs/group | fsync-blocked µs/group | groups/s per Redis core "
+          "| measured groups/s (server CPU) | engine tokens/s | engines per core |")
+    print("|---|---|---|---|---|---|---|")
+    for n, c in result["by_length"].items():
+        print(f"| {int(n):,} | {c['server_us_per_group']:.0f} | {c['fsync_blocked_us_per_group']:.0f} "
+              f"| {c['groups_per_s_saturated']:,} | {c['groups_per_s_measured']:.0f} ({c['server_cpu_at_measured']:.0%}) "
+              f"| {c['engine_tokens_per_s']:,} | {c['engines_per_core']:,} |")
+    print()
+    print("by AOF fsync mode, at the longest samples:")
+    print()
+    print("| AOF fsync | server µs/group | fsync-blocked µs/group | groups/s per Redis core | engines per core "
+          "| publish→delivery p50/p99 at 50% (groups/s) | at 90% |")
+    print("|---|---|---|---|---|---|---|")
     for m in result["by_fsync"].values():
         lat = m["latency_ms"]
-        print(f"| {m['fsync']} | {m['server_us_per_group']:.0f} | {m['server_us_per_token']:.4f} "
-              f"| {m['groups_per_s_saturated']:,} | {m['groups_per_s_measured']:.0f} "
-              f"({m['server_cpu_at_measured']:.0%}) | {m['engines_per_core']:,} "
+        print(f"| {m['fsync']} | {m['server_us_per_group']:.0f} | {m['fsync_blocked_us_per_group']:.0f} "
+              f"| {m['groups_per_s_saturated']:,} | {m['engines_per_core']:,} "
               + "".join(f"| {lat[k]['p50']:.1f} / {lat[k]['p99']:.1f} ms ({lat[k]['groups_per_s']:.0f}) "
                         for k in ("50%", "90%")) + "|")
     print()
-    top = result["by_fsync"][next(iter(result["by_fsync"]))]["phases"][0]["commands_us_per_group"]
-    print("server µs per group by command (first phase): " + ", ".join(f"{k} {v}" for k, v in list(top.items())[:8]))
-    print(f"engines_per_core = {result['engines_per_core']:,} (target >= {TARGET_ENGINES_PER_CORE:,})")
+    for n, c in result["by_length"].items():
+        top = list(c["commands_us_per_group"].items())[:6]
+        print(f"server µs per group by command at {n} tokens: " + ", ".join(f"{k} {v}" for k, v in top))
+    key = "1024" if "1024" in result["engines_per_core"] else next(iter(result["engines_per_core"]))
+    print(f"engines_per_core at {key}-token samples = {result['engines_per_core'][key]:,} "
+          f"(target >= {TARGET_ENGINES_PER_CORE:,})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -357,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, help=f"measured seconds per phase (default {d.window_s:g}, --quick 3)")
     p.add_argument("--max-workers", type=int, help=f"most worker processes (default {d.max_workers}, --quick 2)")
     p.add_argument("--batch", type=int, default=d.batch, help="groups per trainer batch")
-    p.add_argument("--engine-tokens-per-s", type=float, default=d.engine_tokens_per_s)
+    p.add_argument("--sample-tokens", type=int, default=RESPONSE_TOKENS, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
     # a client process
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
@@ -376,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(window_s=args.window or (3.0 if args.quick else d.window_s),
                         warmup_s=1.0 if args.quick else d.warmup_s,
                         max_workers=args.max_workers or (2 if args.quick else d.max_workers),
-                        batch=args.batch, engine_tokens_per_s=args.engine_tokens_per_s)
+                        batch=args.batch)
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
         result = Bench(settings, Path(tmp)).run()
     if args.json:

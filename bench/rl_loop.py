@@ -11,26 +11,34 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from pipeline.types import Group
+from engines.profiles import CALIBRATED, CALIBRATED_T1_S, PROFILES, engine_profile
 from engines.simulator import SimConfig
+from pipeline.types import Group, parse_version
 
 from .sim_fleet import SimFleet, Window
 
 Z99 = 2.3263478740408408  # standard normal quantile at 0.99, as the simulator uses
 PAUSE_MODES = ("in_place", "retract", "abort")
+#: What a weight update costs on real hardware, in seconds (scaled like the engines' steps):
+#: an NCCL broadcast of a 7B model from the trainer, or a reload of it from disk.
+WEIGHT_UPDATES = {"nccl": 0.05, "disk": 5.0}
+PROMPT_TOKENS = 16  # about the length of the arithmetic prompts, for the KV estimate
 
 
 @dataclass(frozen=True)
 class Settings:
     engines: int = 4
     slots_per_engine: int = 32  # the simulators' max_running_requests; clients use as many
-    decode_tokens_per_s: float = 400.0  # per running request
+    # One request decoding alone (1 / the step at batch 1); how a step slows with the
+    # batch and the cache is the profile's (engines/profiles.py). 400 tok/s runs the
+    # calibrated H100 engine CALIBRATED_T1_S · 400 ≈ 2.5 times faster than real time.
+    decode_tokens_per_s: float = 400.0
+    engine_profile: str = CALIBRATED
     median_tokens: float = 128.0
     p99_tokens: float = 1280.0  # default 10 x median
     max_new_tokens: int = 2048
@@ -43,18 +51,17 @@ class Settings:
     # utilization measures how well a design keeps the engines fed; at 1 or below the
     # trainer's speed caps it whatever the design.
     trainer_speed: float = 2.0
-    # Time the engines take to load new weights: ~2% of a step, as an NCCL broadcast of
-    # a 7B model (1-2 s) against a step of one to two minutes.
-    weight_update_s: float = 0.02
-    # in_place: requests freeze during the update and go on after it. Not abort (the
-    # project's default protocol, a --pause-mode away): the simulator draws a fresh
-    # length for a continued request, which changes the length distribution for the
-    # asynchronous rows only (at p99/median = 30 their trained samples averaged 125
-    # tokens with abort, 150 with in_place, 196 in sync).
-    pause_mode: str = "in_place"
+    weight_update: str = "nccl"  # a WEIGHT_UPDATES preset
+    # abort: the project's default protocol; requests are aborted and continued after the
+    # update (the simulator continues a seeded sample exactly where it stopped).
+    pause_mode: str = "abort"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.engine_profile not in PROFILES:
+            raise ValueError(f"engine profile must be one of {', '.join(PROFILES)}, got {self.engine_profile!r}")
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"weight update must be one of {', '.join(WEIGHT_UPDATES)}, got {self.weight_update!r}")
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
         if not 0 < self.median_tokens <= self.p99_tokens:
@@ -82,8 +89,42 @@ class Settings:
         return self.median_tokens * math.exp(sigma * sigma / 2)
 
     @property
+    def time_scale(self) -> float:
+        """Real seconds per benchmark second: the calibrated engine's t1 against ours."""
+        return CALIBRATED_T1_S * self.decode_tokens_per_s
+
+    @property
+    def weight_update_s(self) -> float:
+        return WEIGHT_UPDATES[self.weight_update] / self.time_scale
+
+    @property
+    def engine_limit_tokens_per_s(self) -> float:
+        """What the engines generate with every slot decoding (the engine-bound limit),
+        the cache holding a full batch of prompts and outputs part-way through."""
+        kv = self.slots_per_engine * (PROMPT_TOKENS + self.inflight_output_tokens)
+        step_s = engine_profile(self.engine_profile).step_factor(self.slots_per_engine, round(kv)) \
+            / self.decode_tokens_per_s
+        return self.capacity / step_s
+
+    @property
+    def slowdown(self) -> float:
+        """r: the step at a full batch against the step of one request alone."""
+        kv = self.slots_per_engine * (PROMPT_TOKENS + self.inflight_output_tokens)
+        return engine_profile(self.engine_profile).slowdown(self.slots_per_engine, round(kv))
+
+    @property
+    def inflight_output_tokens(self) -> float:
+        """Mean output so far of a request caught in flight: E[L²] / 2E[L] (long
+        requests are in flight longer), L log-normal and capped at max_new_tokens."""
+        rng = random.Random(0)
+        sigma = math.log(self.tail_ratio) / Z99
+        lengths = [min(self.max_new_tokens, rng.lognormvariate(math.log(self.median_tokens), sigma))
+                   for _ in range(20_000)]
+        return sum(x * x for x in lengths) / (2 * sum(lengths))
+
+    @property
     def trainer_tokens_per_s(self) -> float:
-        return self.trainer_speed * self.capacity * self.decode_tokens_per_s
+        return self.trainer_speed * self.engine_limit_tokens_per_s
 
     def train_s(self, tokens: int) -> float:
         """The simulated training step: time proportional to the generated tokens."""
@@ -97,8 +138,9 @@ class Settings:
 
     def sim_config(self) -> SimConfig:
         return SimConfig(seed=self.seed, max_running_requests=self.slots_per_engine,
-                         decode_tokens_per_s=self.decode_tokens_per_s, length_median=self.median_tokens,
-                         length_p99=self.p99_tokens, weight_update_s=self.weight_update_s)
+                         decode_tokens_per_s=self.decode_tokens_per_s, engine_profile=self.engine_profile,
+                         length_median=self.median_tokens, length_p99=self.p99_tokens,
+                         weight_update_s=self.weight_update_s)
 
     def groups_needed(self, eta: int) -> int:
         """Enough prompts that admission never runs dry: (η + steps + 1)·B can be admitted."""
@@ -112,7 +154,9 @@ def make_group(settings: Settings, row: int) -> Group:
     """Group `row` of the seeded arithmetic dataset (the same prompts in every row)."""
     rng = random.Random(f"{settings.seed}|{row}")
     a, b = rng.randrange(2, 1000), rng.randrange(2, 1000)
-    return Group.fresh(f"g{row}", f"What is {a} + {b}?", settings.n_samples, label=str(a + b), row=row)
+    # The dataset name carries the seed: it is part of every sample's sampling seed.
+    return Group.fresh(f"g{row}", f"What is {a} + {b}?", settings.n_samples, label=str(a + b), row=row,
+                       dataset=f"bench-seed{settings.seed}")
 
 
 def make_groups(settings: Settings, count: int) -> list[Group]:
@@ -130,8 +174,15 @@ def group_tokens(group: Group) -> int:
 @dataclass
 class TrainedBatch:
     groups: list[Group]
-    staleness: list[int]  # per group: trainer version - oldest version of its tokens
     restarted: int = 0  # groups found too stale and restarted while this batch was taken
+
+
+def version_lags(group: Group, version: int) -> tuple[int, int]:
+    """(oldest, completion): how many versions behind `version` the oldest request of
+    the group ended (with abort pauses no request spans an update, so that is the
+    version of its oldest token), and its last one."""
+    versions = [parse_version(v) or 0 for s in group.samples for v in s.weight_versions] or [version]
+    return version - min(versions), version - max(versions)
 
 
 @dataclass
@@ -156,7 +207,8 @@ class TrainerLog:
     train_s: list[float] = field(default_factory=list)
     update_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    staleness: Counter = field(default_factory=Counter)
+    staleness_oldest: Counter = field(default_factory=Counter)  # lag -> groups
+    staleness_completion: Counter = field(default_factory=Counter)
     restarted: int = 0
     trained_tokens: int = 0  # every step, warm-up included
     window_s: float = 0.0
@@ -186,7 +238,10 @@ async def run_trainer(settings: Settings, source: BatchSource, fleet: SimFleet) 
             log.train_s.append(t2 - t1)
             log.update_s.append(t3 - t2)
             log.tokens.append(tokens)
-            log.staleness.update(batch.staleness)
+            for group in batch.groups:
+                oldest, completion = version_lags(group, step)
+                log.staleness_oldest[oldest] += 1
+                log.staleness_completion[completion] += 1
             log.restarted += batch.restarted
     log.window_s = time.monotonic() - start
     log.window = fleet.stop_window()
@@ -198,48 +253,59 @@ async def run_trainer(settings: Settings, source: BatchSource, fleet: SimFleet) 
 
 @dataclass
 class Row:
+    """One system at one setting, one seed."""
+
     name: str
     system: str  # sync, in-memory, pipeline
     eta: int | None
+    seed: int
+    engine_profile: str
+    slowdown: float  # r of the profile at this batch (engines/profiles.py)
     tail_ratio: float
+    pause_mode: str
+    weight_update: str
+    trained_tokens_per_s: float  # the headline
     samples_per_s: float
-    tokens_per_s: float
+    generated_tokens_per_s: float
+    engine_limit_tokens_per_s: float  # every slot decoding at a full batch
+    trained_utilization: float  # trained tokens ÷ the engine-bound limit
+    generated_utilization: float  # generated tokens ÷ the engine-bound limit
     trainer_idle: float  # fraction of the window the trainer waited for its batch
     update_fraction: float  # fraction of the window spent in weight updates
-    utilization: float  # engine slots decoding, time-averaged, ÷ capacity
-    free_slots: float  # engine slots holding no request, time-averaged, ÷ capacity
+    slot_utilization: float  # engine slots decoding, time-averaged, ÷ capacity
     engines_paused: float  # fraction of the window the engines were paused
-    engine_queue: float  # requests waiting inside the engines, time-averaged
-    staleness: dict[int, int]  # version lag of trained groups -> count
+    staleness_oldest: dict[int, int]  # version lag of the oldest request of each trained group -> groups
+    staleness_completion: dict[int, int]  # version lag of the last request -> groups
     restarted: int  # groups restarted as too stale during the measured steps
-    tokens: Tokens
+    tokens: Tokens  # over the whole run, warm-up included
     window_s: float
-    mean_wait_s: float
-    mean_train_s: float
-    mean_update_s: float
-    ratio_to_sync: float | None = None
     audit: str | None = None  # pipeline rows: the conservation audit at the end
 
 
 def make_row(name: str, system: str, eta: int | None, settings: Settings, log: TrainerLog, tokens: Tokens,
              audit: str | None = None) -> Row:
     window = log.window_s
+    limit = settings.engine_limit_tokens_per_s
+    generated = log.window.generated_tokens / window
+    trained = sum(log.tokens) / window
     return Row(
-        name=name, system=system, eta=eta, tail_ratio=round(settings.tail_ratio, 3),
+        name=name, system=system, eta=eta, seed=settings.seed, engine_profile=settings.engine_profile,
+        slowdown=round(settings.slowdown, 3), tail_ratio=round(settings.tail_ratio, 3),
+        pause_mode=settings.pause_mode, weight_update=settings.weight_update,
+        trained_tokens_per_s=trained,
         samples_per_s=settings.steps * settings.batch_groups * settings.n_samples / window,
-        tokens_per_s=sum(log.tokens) / window,
+        generated_tokens_per_s=generated,
+        engine_limit_tokens_per_s=limit,
+        trained_utilization=trained / limit,
+        generated_utilization=generated / limit,
         trainer_idle=sum(log.wait_s) / window,
         update_fraction=sum(log.update_s) / window,
-        utilization=log.window.utilization,
-        free_slots=log.window.free_slots,
+        slot_utilization=log.window.utilization,
         engines_paused=log.window.paused,
-        engine_queue=log.window.waiting,
-        staleness=dict(sorted(log.staleness.items())),
+        staleness_oldest=dict(sorted(log.staleness_oldest.items())),
+        staleness_completion=dict(sorted(log.staleness_completion.items())),
         restarted=log.restarted,
         tokens=tokens,
         window_s=window,
-        mean_wait_s=statistics.fmean(log.wait_s),
-        mean_train_s=statistics.fmean(log.train_s),
-        mean_update_s=statistics.fmean(log.update_s),
         audit=audit,
     )

@@ -4,11 +4,10 @@ Each simulator (`engines.simulator.start_simulator`) gets its own process, as re
 would, so their HTTP work does not share a GIL with the code being measured.
 
 Utilization is read from the simulators themselves: a sampler thread polls every
-engine's `GET /sim/stats` and integrates the number of requests *decoding*
-(`load.gen_throughput` ÷ the per-request decode rate: requests running past their
-prefill, not frozen by an in_place pause) over time; divided by the slots, that is the
-fraction of engine capacity producing tokens. (A cumulative "running request-seconds"
-counter in /sim/stats would make this exact instead of sampled.)
+engine's `GET /sim/stats` and integrates the number of requests *decoding* (running
+past their prefill, not frozen by an in_place pause) over time; divided by the slots,
+that is the fraction of engine slots producing tokens. The tokens the engines decoded
+in the window come from their cumulative `decode_tokens` counters, read at both ends.
 """
 from __future__ import annotations
 
@@ -57,6 +56,7 @@ class Window:
     # elsewhere, a cost of how requests are spread over the engines.
     waiting: float
     polls: int  # per engine
+    generated_tokens: int  # decoded by all engines in the window
 
 
 class SimFleet:
@@ -93,12 +93,14 @@ class SimFleet:
     def start_window(self) -> None:
         self._stop.clear()
         self._readings = [[] for _ in self.urls]
+        self._tokens_at_start = self._decoded_tokens()
         self._window_start = time.monotonic()
         self._sampler = threading.Thread(target=self._sample, name="sim-utilization", daemon=True)
         self._sampler.start()
 
     def stop_window(self) -> Window:
         end = time.monotonic()
+        generated = self._decoded_tokens() - self._tokens_at_start
         self._stop.set()
         self._sampler.join()
         start, slots, n = self._window_start, self.slots, len(self.urls)
@@ -110,18 +112,20 @@ class SimFleet:
         return Window(utilization=sum(per_engine) / n, per_engine=per_engine,
                       free_slots=sum(average(lambda r: slots - r.running)) / (slots * n),
                       paused=sum(average(lambda r: r.paused)) / n, waiting=sum(average(lambda r: r.waiting)),
-                      polls=min(len(r) for r in self._readings))
+                      polls=min(len(r) for r in self._readings), generated_tokens=generated)
+
+    def _decoded_tokens(self) -> int:
+        return sum(_get_json(url, "/sim/stats")["stats"].get("decode_tokens", 0) for url in self.urls)
 
     def _sample(self) -> None:
         conns = [http.client.HTTPConnection(urlsplit(u).hostname, urlsplit(u).port, timeout=5) for u in self.urls]
-        rate = self.config.decode_tokens_per_s
         try:
             while not self._stop.is_set():
                 for conn, readings in zip(conns, self._readings):
                     conn.request("GET", "/sim/stats")
                     stats = json.loads(conn.getresponse().read())
                     load = stats["load"]
-                    readings.append(Reading(at=time.monotonic(), decoding=round(load["gen_throughput"] / rate),
+                    readings.append(Reading(at=time.monotonic(), decoding=stats["decoding"],
                                             running=load["num_running_reqs"], waiting=load["num_waiting_reqs"],
                                             paused=stats["paused"]))
                 self._stop.wait(SAMPLE_PERIOD_S)

@@ -70,7 +70,7 @@ class EngineSettings:
     served_model_name: str | None = None  # defaults to model_path
     weight_version: str = "default"
     context_length: int = 32768
-    max_total_num_tokens: int = 1_000_000  # KV capacity reported by /v1/loads
+    max_total_num_tokens: int = 1_000_000  # KV capacity in tokens (/v1/loads; the simulator enforces it)
     max_running_requests: int = 256
     startup_s: float = 0.0  # /health answers 503 this long after start
 
@@ -157,6 +157,10 @@ class Engine:
 
     def _evict(self, req: EngineRequest) -> None:
         """Drop `req`'s cache: it ended or was retracted."""
+
+    def _can_admit(self, req: EngineRequest) -> bool:
+        """Whether the waiting `req` fits now (the KV cache); it waits at the head otherwise."""
+        return True
 
     def output(self, req: EngineRequest) -> Output:
         """What `req` has produced so far (everything, once it ended)."""
@@ -264,7 +268,8 @@ class Engine:
         return reqs
 
     def _admit(self) -> None:
-        while not self.paused and self.waiting and len(self.running) < self.config.max_running_requests:
+        while (not self.paused and self.waiting and len(self.running) < self.config.max_running_requests
+               and self._can_admit(self.waiting[0])):
             self._run(self.waiting.popleft(), prefill=True)
 
     def _run(self, req: EngineRequest, prefill: bool) -> None:
@@ -278,6 +283,17 @@ class Engine:
         self._evict(req)
         self._complete(req, Outcome.FINISHED, finish)
         self._admit()
+
+    def _retract(self, req: EngineRequest) -> None:
+        """Send a running request back to the head of the queue; its KV is recomputed
+        when it runs again (SGLang's retraction, on a full cache or a retract pause)."""
+        self._stop(req)
+        self._evict(req)
+        req.state = State.WAITING
+        req.retractions += 1
+        self.stats["retractions"] += 1
+        self.running.pop(req.rid, None)
+        self.waiting.appendleft(req)
 
     def _complete(self, req: EngineRequest, outcome: Outcome, finish: dict | None) -> None:
         req.state = State.DONE
@@ -333,15 +349,8 @@ class Engine:
             for req in list(self.requests.values()):
                 self._abort(req)
         elif mode == "retract":
-            # Running requests go back to the head of the queue; their KV is recomputed later.
-            retracted = list(self.running.values())
-            for req in retracted:
-                self._stop(req)
-                self._evict(req)
-                req.state = State.WAITING
-                req.retractions += 1
-            self.running.clear()
-            self.waiting.extendleft(reversed(retracted))
+            for req in reversed(list(self.running.values())):  # reversed: they keep their order
+                self._retract(req)
         else:  # in_place: requests keep their slot and KV, and continue on resume
             for req in self.running.values():
                 if req.state == State.RUNNING:

@@ -10,10 +10,18 @@ probability `SimConfig.skill`, so a response cut by ``max_new_tokens`` loses its
 answer. Everything is seeded: the same seed and request give the same output (see
 `Engine.sample_key` for what "same" means).
 
-Timing: at most `max_running_requests` decode at once, the rest wait FIFO. A
-running request pays `prefill_s`, then produces `decode_tokens_per_s` tokens per
-second. No task runs per request: each has one timer for its completion time, and
-partial progress (for aborts, pauses, streaming) is computed from elapsed time.
+Timing (engines/profiles.py): at most `max_running_requests` run at once, the rest
+wait FIFO, and a request that does not fit the KV cache (`max_total_num_tokens`) waits
+too. The engine runs steps back to back; each decodes one token for every running
+request and prefills a chunk of new prompts, and takes t1·(1 + c·b + d·KV + p·prefill)
+with t1 = 1/`decode_tokens_per_s` and the coefficients of `engine_profile` (`flat`:
+c = d = 0 and a fixed `prefill_s` per request). When the cache fills, running
+requests are retracted as SGLang retracts them (counted in `total_retractions`). No
+task runs per request: one timer per engine, and the step clock is read lazily.
+
+Lengths: with a `sampling_seed` the whole response (length, text, log-probs) follows
+from that seed on every engine, and a request continued after an abort (prompt +
+partial output) produces the rest of it. Without one, see `Engine.sample_key`.
 
 Simulator-only endpoints (not SGLang's): ``GET|POST /sim/faults`` reads or sets the
 fault-injection knobs (`FAULT_FIELDS`), ``POST /sim/restart`` drops every
@@ -25,12 +33,13 @@ stream starts.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import random
 import re
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,7 @@ from .server import (EngineServer, ServerHandle, drop, error, error_response, js
                             start_in_thread)
 from .server import serve as serve_engine
 from .generate_request import GenSpec, SchemaError
+from .profiles import PROFILES, engine_profile
 from workers.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +76,14 @@ _FILLER_WORDS = (
     "it", "follows", "which", "is", "consistent", "with", "what", "expect", "now",
 )
 _CACHE_ENTRIES = 100_000  # bound on the simulated prefix cache
+# SGLang admits a request when its prompt plus this share of max_new_tokens fits the
+# free cache (its new_token_ratio, which it lowers from 0.7 towards 0.14 while nothing
+# is retracted; a fixed middle value here).
+_NEW_TOKEN_RATIO = 0.3
+# After a retraction the cache must hold this many more decode steps of the batch
+# (SGLang's retract_decode_steps).
+_RETRACT_DECODE_STEPS = 20
+_WAKE_MAX_S = 0.05  # the step clock is read at least this often while busy (retraction, streaming)
 # Token log-probs are drawn by indexing random bytes into this table: 256 quantiles of
 # -|N(0, 0.8)|, rounded (short floats encode to JSON faster). One randbytes() call per
 # request instead of one gauss() per token.
@@ -81,9 +99,12 @@ class SimConfig(EngineSettings):
     """Everything the simulator does is set here; all randomness derives from `seed`."""
 
     model_path: str = "sim/byte-lm"
-    # Scheduling and timing.
-    decode_tokens_per_s: float = 2000.0  # per running request
-    prefill_s: float = 0.005
+    # Scheduling and timing (engines/profiles.py). One request decoding alone makes
+    # decode_tokens_per_s tokens per second; the profile says how a step slows down with
+    # the batch, the KV cache and prefill chunks.
+    engine_profile: str = "flat"
+    decode_tokens_per_s: float = 2000.0
+    prefill_s: float = 0.005  # the flat profile's fixed prefill per request
     stream_interval_s: float = 0.02  # how often a stream emits a chunk while progressing
     weight_update_s: float = 0.0  # time an update_weights_* call takes
     # What it generates.
@@ -107,6 +128,8 @@ class SimConfig(EngineSettings):
             raise ValueError("max_running_requests must be at least 1")
         if self.decode_tokens_per_s <= 0:
             raise ValueError("decode_tokens_per_s must be positive")
+        if self.engine_profile not in PROFILES:
+            raise ValueError(f"engine_profile must be one of {', '.join(PROFILES)}, got {self.engine_profile!r}")
         if not 0 < self.length_median <= self.length_p99:
             raise ValueError("need 0 < length_median <= length_p99")
         if self.context_length < 2:
@@ -182,27 +205,59 @@ class Plan:
     finish: dict  # finish_reason once all `tokens` are out
 
 
-def plan_generation(spec: GenSpec, rng: random.Random, tokenizer: ByteTokenizer, config: SimConfig,
-                    skill: float) -> Plan:
-    """Deterministic given `rng`: draw the natural response, then apply SGLang's
-    stopping rules (length first, then EOS / stop token ids, then stop strings)."""
-    prompt_text = tokenizer.decode(spec.input_ids)
-    total = max(draw_output_length(rng, config.length_median, config.length_p99), spec.min_new_tokens + 1)
-    answer = _answer_line(prompt_text, rng, skill)
+def _response(key: str, prompt_text: str, tokenizer: ByteTokenizer, config: SimConfig, skill: float,
+              min_new_tokens: int) -> bytes:
+    """The natural response of sample `key` to this prompt (EOS not included). Its length
+    and text depend on `key` alone, its answer line also on the prompt."""
+    total = max(draw_output_length(random.Random(f"{key}|length"), config.length_median, config.length_p99),
+                min_new_tokens + 1)
+    answer = _answer_line(prompt_text, random.Random(f"{key}|answer"), skill)
+    filler = _filler(random.Random(f"{key}|text"), total - 1)
     if answer is None:
-        body = _filler(rng, total - 1)
-    else:
-        room = total - 1 - len(answer)
-        body = (_filler(rng, room - 1) + "\n" if room > 0 else "") + answer
+        return filler.encode("utf-8")
+    room = total - 1 - len(answer)
+    return ((filler[:room - 1] + "\n" if room > 0 else "") + answer).encode("utf-8")
+
+
+def split_continuation(key: str, input_ids: list[int], tokenizer: ByteTokenizer, config: SimConfig,
+                       skill: float, min_new_tokens: int) -> int:
+    """How many of `input_ids` are sample `key`'s own response already (a request
+    continued after an abort sends prompt + partial output): the longest tail of the
+    input that starts that sample's response to the rest. 0 for a fresh request (a
+    prompt that happens to end with the first bytes of its own response reads as one)."""
+    data = bytes(t if 0 <= t < 256 else 0 for t in input_ids)  # special tokens never start a response
+    filler_only = _response(key, "", tokenizer, config, skill, min_new_tokens)  # shares the response's start
+    if not filler_only:
+        return 0
+    pos = data.find(filler_only[:1], max(1, len(data) - len(filler_only) - 64))
+    while pos != -1:
+        head = data[pos:pos + 8]
+        if filler_only.startswith(head) or len(head) < 8:
+            body = _response(key, tokenizer.decode(input_ids[:pos]), tokenizer, config, skill, min_new_tokens)
+            if body.startswith(data[pos:]):
+                return len(data) - pos
+        pos = data.find(filler_only[:1], pos + 1)
+    return 0
+
+
+def plan_generation(spec: GenSpec, key: str, tokenizer: ByteTokenizer, config: SimConfig, skill: float,
+                    produced: int = 0) -> Plan:
+    """Deterministic given `key`: the natural response, then SGLang's stopping rules
+    (length first, then EOS / stop token ids, then stop strings). `produced`: how many
+    tokens at the end of the input are this sample's earlier output; the plan is then
+    the rest of the response the uninterrupted request would have given."""
+    prompt_ids = spec.input_ids[:len(spec.input_ids) - produced]
+    body = _response(key, tokenizer.decode(prompt_ids), tokenizer, config, skill, spec.min_new_tokens)
     eos = tokenizer.eos_token_id
     if spec.ignore_eos:
         # The model keeps talking past where it would have stopped.
-        extra = spec.max_new_tokens - len(body)
-        data = (body + (" " + _filler(rng, extra - 1) if extra > 0 else "")).encode("utf-8")
+        extra = produced + spec.max_new_tokens - len(body)
+        data = body + ((" " + _filler(random.Random(f"{key}|more"), extra - 1)).encode("utf-8") if extra > 0 else b"")
         tokens = list(data)
     else:
-        data = body.encode("utf-8")
+        data = body
         tokens = list(data) + [eos]
+    data, tokens = data[produced:], tokens[produced:]
 
     # The earliest token that stops generation. SGLang checks, after each token: the
     # length limit, then stop token ids (EOS included, unless ignore_eos), then stop
@@ -226,9 +281,8 @@ def plan_generation(spec: GenSpec, rng: random.Random, tokenizer: ByteTokenizer,
     else:
         count, finish = min(limit, len(tokens)), {"type": "length", "length": limit}
     tokens = tokens[:count]
-    logprobs = [_LOGPROB_TABLE[b] for b in rng.randbytes(len(tokens))]
-    return Plan(tokens=tokens, logprobs=logprobs, finish=finish)
-
+    logprobs = [_LOGPROB_TABLE[b] for b in random.Random(f"{key}|logprobs").randbytes(produced + len(tokens))]
+    return Plan(tokens=tokens, logprobs=logprobs[produced:], finish=finish)
 
 
 # --------------------------------------------------------------------------------------
@@ -237,35 +291,57 @@ def plan_generation(spec: GenSpec, rng: random.Random, tokenizer: ByteTokenizer,
 
 
 class SimRequest(EngineRequest):
-    """A request whose whole output is planned up front and released by the clock."""
+    """A request whose whole output is planned up front and released step by step."""
 
-    __slots__ = ("plan", "done_tokens", "run_start", "rate", "timer")
+    __slots__ = ("plan", "done_tokens", "start_step", "segment", "ready_at", "prefill_left", "kv_tokens",
+                 "kv_waited")
 
     def __init__(self, spec: GenSpec, created: float, future: asyncio.Future, seed_material: str,
-                 cached_tokens: int, plan: Plan, rate: float) -> None:
+                 cached_tokens: int, plan: Plan) -> None:
         super().__init__(spec, created, future, seed_material, cached_tokens)
         self.plan = plan
-        self.done_tokens = 0  # tokens produced before the current run segment
-        self.run_start = 0.0  # loop time at which the current segment starts decoding
-        self.rate = rate
-        self.timer: asyncio.TimerHandle | None = None
-
-    def progress(self, now: float) -> int:
-        """Tokens produced so far."""
-        if self.state != State.RUNNING or now <= self.run_start:
-            return self.done_tokens
-        return min(len(self.plan.tokens), self.done_tokens + int((now - self.run_start) * self.rate))
+        self.done_tokens = 0  # tokens produced before the current decoding segment
+        self.start_step = 0  # the engine step at which the current segment began decoding
+        self.segment = 0  # numbers decoding segments, so a stale finish entry is ignored
+        self.ready_at = 0.0  # flat profile: loop time its fixed prefill ends
+        self.prefill_left = 0  # chunked profiles: prompt tokens still to prefill
+        self.kv_tokens = 0  # KV cache held, not counting the current segment's tokens
+        self.kv_waited = False  # counted once in stats["kv_waits"]
 
 
 class SimEngine(Engine):
-    """Scheduling from engine_core; tokens from a plan, released at a fixed rate."""
+    """Scheduling from engines/core.py; tokens from a plan, released one per engine step.
+
+    The engine runs steps back to back while it has work. Each step decodes one token
+    for every request in `_decoding` and prefills up to a chunk of the requests in
+    `_prefilling`; its length comes from the profile (engines/profiles.py). Steps are
+    counted lazily: `_advance(now)` completes every step that ended by `now` (pure
+    bookkeeping, safe from any hook), and one timer wakes `_on_timer` to end requests
+    and retract when the cache is full, the only changes to the core's state.
+    """
 
     config: SimConfig
 
     def __init__(self, config: SimConfig, tokenizer: ByteTokenizer) -> None:
         super().__init__(config, tokenizer)
+        self.profile = engine_profile(config.engine_profile)
         self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()
         self._fault_rng = random.Random(f"{config.seed}|faults")
+        self._step = 0  # steps completed
+        self._step_end: float | None = None  # end of the step in progress; None: idle or stalled
+        self._step_prefill: list[tuple[SimRequest, int]] = []  # prefill chunk of the step in progress
+        self._step_decoders = 0  # requests decoding in the step in progress
+        self._decoding: dict[str, SimRequest] = {}
+        self._start_sum = 0  # sum of start_step over _decoding, so the cache's size is O(1)
+        self._joining: list[SimRequest] = []  # join the decode batch at the next step
+        self._prefilling: deque[SimRequest] = deque()
+        self._finishes: list[tuple[int, int, int, SimRequest]] = []  # heap: (finish step, tiebreak, segment, req)
+        self._serial = 0
+        self._ended: list[SimRequest] = []  # produced everything; ended by the next _on_timer
+        self._kv_held = 0
+        self._stalled = False  # the next step does not fit the cache: _on_timer retracts
+        self._timer: asyncio.Handle | None = None
+        self._soon = False  # _timer is a call_soon
 
     def skill(self) -> float:
         version = self.weight_version
@@ -299,6 +375,139 @@ class SimEngine(Engine):
     def error_status(self) -> int:
         return self._fault_rng.choice(self.config.error_statuses)
 
+    # -- the step clock ----------------------------------------------------------------
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens in the KV cache: held by every running or frozen request."""
+        return self._kv_held + len(self._decoding) * self._step - self._start_sum
+
+    def step_s(self, decoders: int | None = None, prefill_tokens: int = 0) -> float:
+        """Length of a step with this many requests decoding (default: as now)."""
+        decoders = len(self._decoding) if decoders is None else decoders
+        return self.profile.step_factor(decoders, self.kv_tokens, prefill_tokens) / self.config.decode_tokens_per_s
+
+    def _segment_progress(self, req: SimRequest) -> int:
+        return self._step - req.start_step if req.rid in self._decoding else 0
+
+    def _advance(self, now: float) -> None:
+        """Complete every step that ended by `now` and start the next ones."""
+        while self._step_end is not None and self._step_end <= now:
+            end = self._step_end
+            self._complete_step()
+            self._begin_step(end)
+        if self._ended or self._stalled:
+            self._wake_soon()
+
+    def _complete_step(self) -> None:
+        self._step += 1
+        self.stats["decode_tokens"] += self._step_decoders
+        for req, tokens in self._step_prefill:
+            if req.prefill_left == 0 and req in self._prefilling:
+                self._prefilling.remove(req)
+                self._joining.append(req)
+        self._step_prefill = []
+        while self._finishes and self._finishes[0][0] <= self._step:
+            _, _, segment, req = heapq.heappop(self._finishes)
+            if req.segment == segment and req.rid in self._decoding:
+                self._end_segment(req)
+                self._ended.append(req)
+
+    def _begin_step(self, at: float) -> None:
+        """Start a step at `at` if there is work; stall instead if it does not fit the cache."""
+        joined = [r for r in self._joining if r.ready_at <= at]
+        if joined:
+            self._joining = [r for r in self._joining if r.ready_at > at]
+            for req in joined:
+                req.segment += 1
+                req.start_step = self._step
+                self._decoding[req.rid] = req
+                self._start_sum += self._step
+                heapq.heappush(self._finishes, (self._step + len(req.plan.tokens) - req.done_tokens, self._serial,
+                                                req.segment, req))
+                self._serial += 1
+        chunk, budget = [], self.profile.chunked_prefill_size
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(req.prefill_left, budget)
+            req.prefill_left -= take
+            budget -= take
+            chunk.append((req, take))
+        decoders = len(self._decoding)
+        if not decoders and not chunk:
+            self._step_end, self._step_decoders = None, 0
+            return
+        if self.kv_tokens + decoders > self.config.max_total_num_tokens and decoders > 1:
+            for req, take in chunk:  # undone: the step does not run
+                req.prefill_left += take
+            self._step_end, self._stalled, self._step_decoders = None, True, 0
+            return
+        self._step_prefill, self._step_decoders = chunk, decoders
+        self._step_end = at + self.step_s(decoders, sum(take for _, take in chunk))
+
+    def _end_segment(self, req: SimRequest) -> None:
+        """`req` stops decoding: its tokens so far become its own."""
+        progress = self._step - req.start_step
+        req.done_tokens += progress
+        req.kv_tokens += progress
+        self._kv_held += progress
+        self._start_sum -= req.start_step
+        del self._decoding[req.rid]
+
+    def _kick(self, now: float) -> None:
+        """Start stepping if idle, and set the timer for the next thing to end."""
+        if self._step_end is None and not self._stalled:
+            self._begin_step(now)
+        self._schedule(now)
+
+    def _wake_soon(self) -> None:
+        if not self._soon:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._soon = self._loop().call_soon(self._on_timer), True
+
+    def _schedule(self, now: float) -> None:
+        if self._ended or self._stalled:
+            self._wake_soon()
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._soon = None, False
+        wake = None
+        if self._step_end is not None:
+            wake = now + _WAKE_MAX_S
+            if self._finishes:
+                steps_left = max(0, self._finishes[0][0] - self._step - 1)
+                wake = min(wake, self._step_end + steps_left * self.step_s(self._step_decoders))
+        if self._joining:  # flat prefill ending while nothing decodes
+            wake = min(wake if wake is not None else math.inf, min(r.ready_at for r in self._joining))
+        if wake is not None:
+            self._timer = self._loop().call_at(max(wake, now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer, self._soon = None, False
+        now = self.now()
+        self._advance(now)
+        ended, self._ended = self._ended, []
+        for req in ended:
+            if req.outcome is None and req.state == State.RUNNING:
+                self._finish(req, req.plan.finish)
+        if self._stalled:
+            self._retract_to_fit()
+        self._admit()
+        self._kick(now)
+
+    def _retract_to_fit(self) -> None:
+        """The cache cannot take the next step: retract as SGLang does (fewest tokens out
+        first, then longest prompt) until it can take several more."""
+        self._stalled = False
+        need = lambda: self.kv_tokens + len(self._decoding) * _RETRACT_DECODE_STEPS  # noqa: E731
+        while len(self._decoding) > 1 and need() > self.config.max_total_num_tokens:
+            victim = min(self._decoding.values(),
+                         key=lambda r: (r.done_tokens + self._segment_progress(r), -len(r.spec.input_ids)))
+            self._retract(victim)
+
     # -- hooks -------------------------------------------------------------------------
 
     def _create(self, spec: GenSpec, created: float, digest: bytes, seed_material: str,
@@ -306,32 +515,74 @@ class SimEngine(Engine):
         if parallel and digest not in self._prefix_cache:
             # SGLang prefills an n > 1 prompt once before its samples: they all hit the cache.
             self._prefix_cache[digest] = None
-        plan = plan_generation(spec, random.Random(seed_material), self.tokenizer, self.config, self.skill())
+        skill = self.skill()
+        produced = 0
+        if spec.sampling_seed is not None:
+            # A per-sample seed decides the whole response on every engine, so a request
+            # continued after an abort ends where the uninterrupted one would have.
+            key = f"sample:{spec.sampling_seed}"
+            produced = split_continuation(key, spec.input_ids, self.tokenizer, self.config, skill,
+                                          spec.min_new_tokens)
+        else:
+            key = seed_material
+        plan = plan_generation(spec, key, self.tokenizer, self.config, skill, produced)
         return SimRequest(spec, created, self._loop().create_future(), seed_material,
-                          self._cached_tokens(digest, len(spec.input_ids)), plan, self.config.decode_tokens_per_s)
+                          self._cached_tokens(digest, len(spec.input_ids)), plan)
+
+    def _can_admit(self, req: SimRequest) -> bool:
+        """SGLang admits a request when its prompt and a share of its output budget fit."""
+        if not self.running:
+            return True
+        self._advance(self.now())
+        need = len(req.spec.input_ids) + req.done_tokens + _NEW_TOKEN_RATIO * req.spec.max_new_tokens
+        if self.kv_tokens + need <= self.config.max_total_num_tokens:
+            return True
+        if not req.kv_waited:
+            req.kv_waited = True
+            self.stats["kv_waits"] += 1
+        return False
 
     def _start(self, req: SimRequest, prefill: bool) -> None:
-        req.run_start = self.now() + (self.config.prefill_s if prefill else 0.0)
-        finish_at = req.run_start + (len(req.plan.tokens) - req.done_tokens) / req.rate
-        req.timer = self._loop().call_at(finish_at, self._on_timer, req)
-
-    def _on_timer(self, req: SimRequest) -> None:
-        req.timer = None
-        req.done_tokens = len(req.plan.tokens)
-        self._finish(req, req.plan.finish)
+        now = self.now()
+        self._advance(now)
+        if prefill:  # new, or retracted: the whole context goes (back) into the cache
+            context = len(req.spec.input_ids) + req.done_tokens
+            req.kv_tokens = context
+            self._kv_held += context
+            if self.profile.chunked:
+                req.prefill_left = max(1, context - req.cached_tokens)
+                self._prefilling.append(req)
+            else:
+                req.ready_at = now + self.config.prefill_s
+                self._joining.append(req)
+        else:  # continued after an in_place pause: its cache is still there
+            req.ready_at = now
+            self._joining.append(req)
+        self._kick(now)
 
     def _stop(self, req: SimRequest) -> None:
-        """Stop the clock of a running request, keeping what it produced so far."""
-        req.done_tokens = req.progress(self.now())
-        if req.timer is not None:
-            req.timer.cancel()
-            req.timer = None
+        """Stop producing for `req`, keeping what it produced so far."""
+        now = self.now()
+        self._advance(now)
+        if req.rid in self._decoding:
+            self._end_segment(req)
+        elif req in self._joining:
+            self._joining.remove(req)
+        elif req in self._prefilling:
+            self._prefilling.remove(req)
+        req.prefill_left = 0
+        self._schedule(now)
+
+    def _evict(self, req: SimRequest) -> None:
+        self._kv_held -= req.kv_tokens
+        req.kv_tokens = 0
 
     def produced(self, req: SimRequest) -> int:
         if req.outcome is not None:
             return req.done_tokens
+        self._advance(self.now())
         # While running, the last token arrives together with the finish reason.
-        return min(req.progress(self.now()), len(req.plan.tokens) - 1)
+        return min(req.done_tokens + self._segment_progress(req), len(req.plan.tokens) - 1)
 
     def output(self, req: SimRequest) -> Output:
         count, spec = self.produced(req), req.spec
@@ -365,10 +616,14 @@ class SimEngine(Engine):
     def _flush(self) -> None:
         self._prefix_cache.clear()
 
+    def decoding(self) -> int:
+        """Requests producing tokens now (running past their prefill, not frozen)."""
+        self._advance(self.now())
+        return len(self._decoding)
+
     def throughput(self) -> float:
-        now = self.now()
-        decoding = sum(1 for r in self.running.values() if r.state == State.RUNNING and now >= r.run_start)
-        return decoding * self.config.decode_tokens_per_s
+        decoders = self.decoding()
+        return decoders / self.step_s() if decoders else 0.0
 
     def describe(self) -> dict[str, Any]:
         return {"model_type": "sim-byte-lm", "architectures": ["SimulatedByteLM"], "simulator": True}
@@ -378,6 +633,8 @@ class SimEngine(Engine):
     def restart(self, downtime: float) -> int:
         """Lose everything in flight; unavailable for `downtime` seconds."""
         dropped = self.drop_all()
+        self._ended.clear()
+        self._step_end, self._stalled = None, False
         self.weight_version = self.config.weight_version  # a restart reloads the startup weights
         self.model_path = self.config.model_path
         self._prefix_cache.clear()
@@ -445,8 +702,11 @@ class SimServer(EngineServer):
         return json_reply({"status": "restarting", "restart_s": downtime, "dropped_requests": dropped})
 
     async def sim_stats(self, request: web.Request) -> web.Response:
-        return json_reply({"stats": dict(self.engine.stats), "load": self.engine.load(),
-                                  "paused": self.engine.paused, "weight_version": self.engine.weight_version})
+        engine = self.engine
+        return json_reply({"stats": dict(engine.stats), "load": engine.load(), "decoding": engine.decoding(),
+                           "kv_tokens": engine.kv_tokens, "step_s": engine.step_s(),
+                           "engine_profile": engine.profile.name, "paused": engine.paused,
+                           "weight_version": engine.weight_version})
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_route("GET", "/sim/faults", self.sim_faults)

@@ -5,6 +5,7 @@ Sample can be built from ours without loss.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
@@ -65,6 +66,7 @@ def member(enum: type[Enum], value: object, what: str) -> Enum:
 # sample.metadata key: tokens produced by each engine call, in order (one entry per
 # weight_versions entry), for masking off-policy prefixes.
 SEGMENTS_KEY = "rollout_segments"
+_SEED_MASK = 2**63 - 1  #: sampling seeds are non-negative int64, as torch generators take
 
 
 @dataclass(eq=False)
@@ -205,6 +207,14 @@ class Group:
         self.prompt_ids = []
         self.sampling = None
         return self
+
+    def sampling_seed(self, sample: Sample) -> int:
+        """The seed `sample` is generated with (SGLang's sampling_seed): fixed by the
+        dataset, epoch, sample index and restarts, so a request continued after an abort
+        draws from the same stream, and two systems given the same data draw the same
+        responses from the simulator (whose whole response follows from the seed)."""
+        key = f"{self.dataset}|{self.epoch}|{sample.index}|{self.restarts}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & _SEED_MASK
 
     def oldest_version(self, clock: VersionClock = VersionClock.ENGINE) -> int | None:
         """The oldest weight version that produced any token of this group, on `clock`."""

@@ -16,37 +16,56 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_bench(script: str, *args: str) -> dict:
+def run_bench(script: str, *args: str, timeout: float = 120) -> dict:
     proc = subprocess.run([sys.executable, f"bench/{script}", "--json", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
 def test_async_vs_sync_smallest_run_reports_consistent_rows():
-    steps, batch, n = 2, 4, 2
+    steps, batch, n, seeds = 2, 4, 2, 2
     out = run_bench("async_vs_sync.py", "--engines", "2", "--slots", "8", "--n-samples", str(n), "--batch",
                     str(batch), "--median", "32", "--steps", str(steps), "--warmup", "1", "--etas", "2",
-                    "--tails", "10")
-    assert set(out) == {"speedup_eta2", "vs_inmemory_eta2", "utilization_eta2", "rows", "settings"}
+                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "")
+    headline = {"speedup_tokens_eta2", "speedup_samples_eta2", "vs_inmemory_eta2", "trained_utilization_eta2"}
+    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings"}
+    assert out["seeds"] == [0, 1] and out["profile"] == "h100-llama8b" and set(out["ranges"]) == headline
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
-    assert out["speedup_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["utilization_eta2"] <= 1
+    assert out["speedup_tokens_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["trained_utilization_eta2"] <= 1
+    for key in headline:
+        lo, hi = out["ranges"][key]
+        assert lo <= out[key] <= hi
     for row in out["rows"]:
-        assert row["samples_per_s"] > 0 and row["ratio_to_sync"] > 0
-        assert 0 <= row["trainer_idle"] < 1 and 0 < row["utilization"] <= 1
-        assert sum(row["staleness"].values()) == steps * batch  # every trained group, once
-        tokens = row["tokens"]
-        assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
-        assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
-    assert out["rows"][0]["staleness"] == {"0": steps * batch}  # sync trains on fresh groups only
-    assert out["rows"][2]["audit"].endswith(": OK")
+        assert [p["seed"] for p in row["per_seed"]] == out["seeds"]  # every row has its per-seed values
+        assert row["trained_tokens_per_s"]["median"] > 0 and row["tokens_x_sync"]["median"] > 0
+        for p in row["per_seed"]:
+            assert p["samples_per_s"] > 0 and 0 <= p["trainer_idle"] < 1
+            # (trained may exceed generated in the window: groups generated before it are trained in it)
+            assert 0 < p["trained_utilization"] <= 1.05 and 0 < p["generated_utilization"] <= 1.05
+            for clock in ("oldest", "completion"):
+                assert sum(p[f"staleness_{clock}"].values()) == steps * batch  # every trained group, once
+            tokens = p["tokens"]
+            assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
+            assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
+    sync = out["rows"][0]
+    assert all(p["staleness_oldest"] == {"0": steps * batch} for p in sync["per_seed"])  # fresh groups only
+    assert sync["tokens_x_sync"] == {"median": 1.0, "range": [1.0, 1.0]}
+    assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
 
-def test_redis_capacity_smallest_run_reports_every_fsync_mode():
-    out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1")
-    for key in ("server_us_per_group", "groups_per_s_saturated", "engines_per_core", "publish_to_delivery_p99_ms"):
-        assert out[key] > 0, key
+def test_redis_capacity_smallest_run_reports_every_sample_length_and_fsync_mode():
+    out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1", timeout=300)
+    lengths = {"256", "1024", "2048"}
+    for key in ("server_us_per_group", "engines_per_core", "fsync_blocked_us_per_group", "engine_tokens_per_s"):
+        assert set(out[key]) == lengths, key
+        assert all(out[key][n] >= 0 for n in lengths), key
+    assert all(out["server_us_per_group"][n] > 0 and out["engines_per_core"][n] > 0 for n in lengths)
+    # a longer sample costs an engine longer steps (a bigger cache): fewer tokens/s
+    assert out["engine_tokens_per_s"]["256"] > out["engine_tokens_per_s"]["1024"] > out["engine_tokens_per_s"]["2048"]
+    assert out["publish_to_delivery_p99_ms"] > 0
     assert set(out["by_fsync"]) == {"everysec", "always"}
+    assert out["by_fsync"]["everysec"]["fsync_blocked_us_per_group"] <= out["by_fsync"]["always"]["server_us_per_group"]
     for mode in out["by_fsync"].values():
         assert mode["groups_per_s_measured"] > 0 and 0 < mode["server_cpu_at_measured"] <= 1.5
         for load in ("50%", "90%"):

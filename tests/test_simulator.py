@@ -19,6 +19,9 @@ import pytest
 
 from tests.helpers import http_call as call
 from engines.simulator import SimConfig, draw_output_length, start_simulator
+from pipeline.codec import decode_group, encode_group
+from pipeline.types import Group
+from workers.sampling import SamplingSettings
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -653,3 +656,97 @@ def test_a_thousand_concurrent_requests():
         peak, results = asyncio.run(run())
     assert peak >= 0.9 * n
     assert all(status == 200 and len(out["output_ids"]) == 300 for status, out in results)
+
+
+# --- the engine model (engines/profiles.py) -------------------------------------------
+
+
+def sim_stats(url: str) -> dict:
+    return call(url, "/sim/stats")[1]
+
+
+@pytest.mark.parametrize("profile", ["flat", "h100-llama8b"])
+def test_decode_step_slows_as_the_batch_grows_under_the_calibrated_profile_only(profile):
+    """Per-request decode speed is 1 / step: constant with the batch in the flat model,
+    falling as the batch and its cache grow in the calibrated one."""
+    cfg = SimConfig(seed=3, engine_profile=profile, decode_tokens_per_s=50.0, prefill_s=0.0)
+    with start_simulator(cfg) as sim:
+        body = {"input_ids": [5] * 200, "sampling_params": LONG}
+        first = [in_background(sim.url, body)]
+        wait_until(lambda: sim_stats(sim.url)["decoding"] == 1)
+        alone = sim_stats(sim.url)
+        rest = [in_background(sim.url, body) for _ in range(31)]
+        wait_until(lambda: sim_stats(sim.url)["decoding"] == 32)
+        batched = sim_stats(sim.url)
+        per_request = [s["load"]["gen_throughput"] / s["decoding"] for s in (alone, batched)]
+        call(sim.url, "/abort_request", {"abort_all": True})
+        assert all(f.result()[0] == 200 for f in first + rest)
+    assert batched["kv_tokens"] >= 32 * 200
+    if profile == "flat":
+        assert batched["step_s"] == alone["step_s"] == 1 / 50.0
+        assert per_request[1] == pytest.approx(per_request[0], rel=1e-3)
+    else:
+        # 1 + 0.0056·32 + 8.2e-6·(32·200 + tokens decoded) against 1 + 0.0056 + 8.2e-6·200
+        assert batched["step_s"] > 1.2 * alone["step_s"]
+        assert per_request[1] < per_request[0] / 1.2
+
+
+def test_a_continued_request_ends_where_the_uninterrupted_one_would():
+    """The length and text come from the sample's seed, on every engine: a request
+    continued after an abort (prompt + partial output, a smaller max_new_tokens) on
+    another engine produces exactly the rest of the uninterrupted response."""
+    prompt = TOK.encode("Question: What is 17 + 25?\n")
+    cfg = dict(decode_tokens_per_s=1e6, prefill_s=0.0, length_median=300, length_p99=3000)
+    with start_simulator(SimConfig(seed=1, **cfg)) as a, start_simulator(SimConfig(seed=2, **cfg)) as b:
+        def run(url, ids, budget, seed=7):
+            out = generate(url, {"input_ids": ids, "return_logprob": True,
+                                 "sampling_params": {"max_new_tokens": budget, "sampling_seed": seed}})
+            return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], \
+                out["meta_info"]["finish_reason"]
+
+        whole, logprobs, finish = run(a.url, prompt, 4000)
+        assert finish["type"] == "stop" and len(whole) > 20
+        assert run(b.url, prompt, 4000) == (whole, logprobs, finish)  # the same sample on another engine
+        assert run(b.url, prompt, 4000, seed=8)[0] != whole
+        for k in (1, 9, len(whole) // 2, len(whole) - 1):
+            rest, rest_logprobs, rest_finish = run(b.url, prompt + whole[:k], 4000 - k)
+            assert whole[:k] + rest == whole and logprobs[:k] + rest_logprobs == logprobs
+            assert rest_finish == finish
+        # cut by its budget, it ends where the uninterrupted request with that budget ends
+        cut, _, cut_finish = run(a.url, prompt, 15)
+        rest, _, rest_finish = run(b.url, prompt + cut[:6], 15 - 6)
+        assert cut[:6] + rest == cut
+        assert cut_finish == {"type": "length", "length": 15} and rest_finish == {"type": "length", "length": 9}
+
+
+def test_a_full_kv_cache_makes_requests_wait_and_retracts_running_ones():
+    """KV capacity is enforced: a request that does not fit waits, running requests are
+    retracted when their growth fills the cache (counted in meta_info and /sim/stats),
+    and a retracted request still produces its whole response."""
+    cfg = SimConfig(seed=4, engine_profile="h100-llama8b", decode_tokens_per_s=2000.0,
+                    max_running_requests=8, max_total_num_tokens=900)
+    params = {"max_new_tokens": 300, "ignore_eos": True}
+    with start_simulator(cfg) as sim, start_simulator(SimConfig(seed=4, decode_tokens_per_s=1e6)) as roomy:
+        bodies = [{"input_ids": [i + 1] * 100, "sampling_params": {**params, "sampling_seed": i}} for i in range(6)]
+        futures = [in_background(sim.url, body) for body in bodies]
+        results = [f.result() for f in futures]
+        stats = sim_stats(sim.url)["stats"]
+        expected = [generate(roomy.url, body)["output_ids"] for body in bodies]
+    assert all(status == 200 for status, _ in results)
+    assert [out["output_ids"] for _, out in results] == expected
+    assert stats["kv_waits"] >= 1 and stats["retractions"] >= 1
+    assert sum(out["meta_info"]["total_retractions"] for _, out in results) == stats["retractions"]
+
+
+def test_each_sample_carries_its_own_sampling_seed_through_the_queue():
+    """Group.sampling_seed: one per sample, the same after a round trip through the wire
+    format (a continued request finds it again), a new one when the group restarts."""
+    group = Group.fresh("d:0:7", "What is 1 + 2?", 4, dataset="d", row=7)
+    seeds = [group.sampling_seed(s) for s in group.samples]
+    assert len(set(seeds)) == 4 and all(0 <= seed < 2**63 for seed in seeds)
+    decoded = decode_group(encode_group(group))
+    assert [decoded.sampling_seed(s) for s in decoded.samples] == seeds
+    assert SamplingSettings().params(10, seeds[0])["sampling_seed"] == seeds[0]
+    assert "sampling_seed" not in SamplingSettings().params(10)
+    group.restarts += 1
+    assert [group.sampling_seed(s) for s in group.samples] != seeds

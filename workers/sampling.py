@@ -66,7 +66,9 @@ class SamplingSettings:
         """What a group stores of these settings (a trainer checks them against its own)."""
         return SamplingRecord(float(self.temperature), float(self.top_p), self.top_k, self.max_new_tokens)
 
-    def params(self, max_new_tokens: int) -> dict[str, Any]:
+    def params(self, max_new_tokens: int, sampling_seed: int | None = None) -> dict[str, Any]:
+        """The sampling_params of one request; `sampling_seed`: the sample's
+        (Group.sampling_seed), so a continued request draws from the same stream."""
         p: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
@@ -80,4 +82,6 @@ class SamplingSettings:
             p["stop"] = self.stop
         if self.stop_token_ids:
             p["stop_token_ids"] = self.stop_token_ids
+        if sampling_seed is not None:
+            p["sampling_seed"] = sampling_seed
         return p
