@@ -127,6 +127,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.weight_version = config.weight_version
         self.model_path = config.model_path
+        # SGLang's tokenizer_path: what the server was started with, unchanged by weight updates.
+        self.tokenizer_path = config.model_path
+        self.vocab_size: int = tokenizer.vocab_size  # ids /generate accepts; a backend may serve more
         self.paused = False
         self.requests: dict[str, EngineRequest] = {}  # every live request, by rid
         self.running: dict[str, EngineRequest] = {}  # running or frozen (in_place pause)

@@ -106,7 +106,7 @@ class EngineServer:
         created = engine.now()
         try:
             body = await read_body(request)
-            parsed = parse_generate(body, self.tokenizer, self.config.context_length)
+            parsed = parse_generate(body, self.tokenizer, self.config.context_length, engine.vocab_size)
             engine.check(parsed.specs)
         except SchemaError as exc:
             return error_response(str(exc), 400)
@@ -351,7 +351,7 @@ class EngineServer:
         facts = self.engine.describe()
         return json_reply({
             "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
+            "tokenizer_path": self.engine.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
@@ -367,7 +367,7 @@ class EngineServer:
         facts = self.engine.describe()
         return json_reply({
             "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
+            "tokenizer_path": self.engine.tokenizer_path,
             "served_model_name": self.served_model_name,
             "context_length": cfg.context_length,
             "max_running_requests": cfg.max_running_requests,
