@@ -138,7 +138,7 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
         trainer = Trainer(opts.trainer)
         checkpoints = workdir / "checkpoints"
         checkpoints.mkdir()
-        initial = trainer.save(checkpoints / "step-0.pt")
+        initial = path = trainer.save(checkpoints)
         urls = []
         for i in range(opts.engines):
             port = free_port()
@@ -170,7 +170,7 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
             batch = consumer.next_batch(opts.batch_size, timeout=opts.step_timeout_s)
             result: StepReport = trainer.step(batch)
             consumer.commit(batch)
-            path = trainer.save(checkpoints / f"step-{trainer.version}.pt")
+            previous, path = path, trainer.save(checkpoints)
             update_started = time.monotonic()
             pause, _ = loop.run_until_complete(
                 controller.update_weights_from_disk(str(path), trainer.version, mode="abort"))
@@ -184,7 +184,7 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
                          "update_s": round(update_s, 3), "requeued": pause.requeued})
             say(curve_line(rows[-1]))
             # Old checkpoints are not read again: the engines hold the new weights.
-            (checkpoints / f"step-{trainer.version - 1}.pt").unlink(missing_ok=True)
+            trainer.discard(previous)
     except (AgreementError, EngineVersionError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         say(f"FAILED: {error}")
