@@ -225,9 +225,10 @@ class EngineServer:
             return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
         meta = {"id": spec.rid, "finish_reason": finish, "prompt_tokens": len(spec.input_ids),
-                "weight_version": version, "total_retractions": req.retractions}
+                "weight_version": version, "num_retractions": req.retractions}
         if spec.return_logprob:
             self._add_logprobs(meta, req, out)
+        meta["reasoning_tokens"] = 0  # no reasoning parser: SGLang counts none
         meta["completion_tokens"] = count
         meta["cached_tokens"] = req.cached_tokens
         if final:
@@ -252,6 +253,7 @@ class EngineServer:
                                              for lp, t in zip(out.logprobs, out.tokens)]
         else:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.tokens)]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if spec.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None if e[0] is None else [[e[0], e[1], e[2]]] for e in input_lp]
             meta["output_top_logprobs"] = [[[lp, t, self._token_text(t, with_text)] for lp, t in entries]

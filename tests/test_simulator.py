@@ -24,7 +24,7 @@ from workers.tokenizer import ByteTokenizer
 TOK = ByteTokenizer()
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-             "weight_version", "e2e_latency", "total_retractions"}
+             "weight_version", "e2e_latency", "num_retractions", "reasoning_tokens"}
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 LONG = {"max_new_tokens": 5000, "ignore_eos": True}  # keeps a slow simulator busy
 
@@ -94,7 +94,7 @@ def test_single_response_fields(fast):
     assert meta["weight_version"] == "default"
     assert meta["prompt_tokens"] == len(TOK.encode("Hello there"))
     assert meta["completion_tokens"] == len(out["output_ids"])
-    assert meta["cached_tokens"] == 0 and meta["total_retractions"] == 0
+    assert meta["cached_tokens"] == 0 and meta["num_retractions"] == 0
     assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] >= 0
     # natural end: EOS is the last output id, matched, and not in the text
     assert meta["finish_reason"] == {"type": "stop", "matched": TOK.eos_token_id}
@@ -334,7 +334,7 @@ def test_abort_in_waiting_queue():
         assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         # built by SGLang's abort path: no prompt_tokens / cached_tokens
         assert set(meta) == {"id", "finish_reason", "weight_version", "e2e_latency", "completion_tokens",
-                             "input_token_logprobs", "output_token_logprobs"}
+                             "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
         assert meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
         call(sim.url, "/abort_request", {"abort_all": True})
         assert first.result(timeout=5)[1]["meta_info"]["finish_reason"] == ABORTED
@@ -397,7 +397,7 @@ def test_pause_keeps_requests_and_continues(slow, mode):
     assert status == 200
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
     assert len(out["output_ids"]) == 40
-    assert out["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
+    assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert elapsed >= 0.4 + 0.6  # 40 tokens at 100/s, plus the pause
 
 

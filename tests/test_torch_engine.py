@@ -239,7 +239,7 @@ def test_paused_requests_continue_the_same_sample(slow, mode):
     assert not future.done()
     http_call(slow.url, "/continue_generation", {})
     status, out = future.result(timeout=30)
-    assert status == 200 and out["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
+    assert status == 200 and out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert out["output_ids"] == uninterrupted["output_ids"]
     assert logprobs_of(out) == pytest.approx(logprobs_of(uninterrupted), abs=LP_TOLERANCE)
 
