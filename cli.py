@@ -617,11 +617,15 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
 
 
 @main.command()
-@click.option("--engine", type=click.Choice(["sim", "torch"]), default="sim", show_default=True,
-              help="sim: the SGLang simulator and a stand-in trainer; torch: real models and GRPO that learns.")
-@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch).")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8.")
-@click.option("--n-samples", type=click.IntRange(min=1), help="Samples per group. Default: 4 (sim), 8 (torch).")
+@click.option("--engine", type=click.Choice(["sim", "torch", "llm"]), default="sim", show_default=True,
+              help="sim: the SGLang simulator and a stand-in trainer; torch: a tiny byte-level model and GRPO "
+                   "that learns; llm: GRPO on the real model in --model.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="llm: the HF folder to serve and train (rollout prepare-model smollm2 --out DIR).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch), 4 (llm).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8 (sim, torch), 2 (llm).")
+@click.option("--n-samples", type=click.IntRange(min=1),
+              help="Samples per group. Default: 4 (sim, llm), 8 (torch).")
 @click.option("--workers", "n_workers", type=click.IntRange(min=1),
               help="Generation worker processes. Default: 2 (sim), 1 (torch).")
 @click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
@@ -629,7 +633,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="torch: save the reward curve here (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the audit) instead.")
-def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
+def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
     """Run the whole pipeline locally and train on it for a few steps.
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
@@ -646,18 +650,38 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
-    audit, seconds, curve.
+    audit, seconds, curve. --engine llm: those of torch plus model and tokenizer
+    (what the engine reports in /get_model_info).
+
+    With `--engine llm --model DIR` the engines serve a real Llama-family model
+    (`rollout torch-engine --model`), the workers use its own tokenizer and chat
+    template, and the trainer is transformers' LlamaForCausalLM, so the log-prob
+    check compares two independent implementations. Task: name a country's capital
+    briefly (local/capital_task.py).
 
     \b
     Example:
       rollout demo --steps 10 --batch-size 16 --n-samples 8 --workers 4
       rollout demo --engine torch --json
+      rollout prepare-model smollm2 --out models/smollm2
+      rollout demo --engine llm --model models/smollm2 --json
     """
     given = {name: value for name, value in (("steps", steps), ("batch_size", batch_size),
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
-        if engine == "torch":
+        if engine == "llm":
+            if model_dir is None:
+                raise click.UsageError("--engine llm needs --model DIR (rollout prepare-model smollm2 --out DIR)")
+            try:
+                import transformers  # noqa: F401  (the trainer's model)
+                from local.grpo_run import llm_options, run_grpo
+            except ImportError as exc:
+                from local.models import LLM_INSTALL_HINT
+
+                raise click.ClickException(f"--engine llm needs the llm extra ({exc}): {LLM_INSTALL_HINT}") from None
+            summary = run_grpo(llm_options(model_dir, engines=n_engines, curve_png=png, **given), echo=echo)
+        elif engine == "torch":
             try:
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
