@@ -109,6 +109,8 @@ def _engine_args(opts: GRPOOptions, checkpoint: Path, seed: int) -> list[str]:
 def _worker_args(opts: GRPOOptions) -> list[str]:
     args = ["--max-new-tokens", str(opts.max_new_tokens), "--temperature", str(opts.trainer.temperature),
             "--reward", _task(opts).REWARD_PATH]
+    if opts.trainer.model_dir is not None:
+        args.append("--apply-chat-template")  # an instruct model: string prompts would get the template too
     return args + (["--mask-offpolicy-prefix"] if opts.mask_offpolicy_prefix else [])
 
 
@@ -287,7 +289,9 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
     if audit_report is not None:
         say(f"audit: {audit_report.summary()}")
     if opts.curve_png is not None and rows:
-        if save_curve_png(rows, opts.curve_png):
+        title = (f"GRPO on the capital task ({opts.trainer.model_dir.name}, CPU)" if opts.trainer.model_dir is not None
+                 else "GRPO on the case task (byte-level LM, CPU)")
+        if save_curve_png(rows, opts.curve_png, title):
             say(f"curve saved to {opts.curve_png}")
         else:
             say("matplotlib is not installed: no PNG (the table above is the curve)")
