@@ -112,6 +112,18 @@ def test_model_info_names_the_folder_its_tokenizer_and_architecture(engine, mode
     assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_a_worker_takes_the_served_models_tokenizer_and_chat_template_without_a_flag(engine, model_dir, prompt):
+    import asyncio
+
+    from workers.tokenizer import encode_prompt, load_tokenizer, worker_tokenizer
+
+    name = asyncio.run(worker_tokenizer([engine.url], requested=None, allow_byte=False, apply_chat_template=True))
+    assert name == str(model_dir)
+    tokenizer = load_tokenizer(name)
+    assert tokenizer.eos_token_id == EOS
+    assert encode_prompt(tokenizer, QUESTION, apply_chat_template=False) == prompt  # chat messages: always templated
+
+
 def test_the_chat_template_answer_ends_with_the_models_eos_and_matches_transformers(engine, prompt, tokenizer,
                                                                                      reference):
     out = generate(engine.url, greedy(prompt, 24))
