@@ -75,3 +75,31 @@ def test_a_folder_without_weights_or_config_says_which_file_is_missing(tmp_path)
         llama.read_folder(tmp_path)
     with pytest.raises(llama.ModelFolderError, match="has no model.safetensors"):
         llama.load_state(llama.read_folder(_folder(tmp_path)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_llama_forward_matches_transformers_on_a_small_random_checkpoint(tmp_path, tied):
+    """Every layer against transformers' LlamaForCausalLM, on a checkpoint made here (GQA
+    4/2 heads, rotary, SwiGLU, a tied or separate head): the full forward, a prefill into
+    cache slots and the decode steps after it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    settings = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"}
+    config = transformers.LlamaConfig(**{**settings, "tie_word_embeddings": tied})
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "tiny")
+    folder = llama.read_folder(tmp_path / "tiny")
+    model = llama.LlamaLM(folder.config)
+    llama.load_weights(model, llama.load_state(folder), "tiny")
+    model.eval()
+    tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        assert (model(tokens) - expected).abs().max() <= 1e-5
+        cache = llama.LlamaKVCache(folder.config, slots=4, context_length=32)
+        slots = torch.tensor([3, 0, 2])
+        assert (model.prefill(tokens[:, :7], cache, slots) - expected[:, :7]).abs().max() <= 1e-5
+        for pos in range(7, 12):
+            step = model.decode(tokens[:, pos], torch.full((3,), pos), cache, slots)
+            assert (step - expected[:, pos]).abs().max() <= 1e-5
