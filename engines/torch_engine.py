@@ -1,7 +1,11 @@
 """A real PyTorch engine behind the SGLang-compatible server: `rollout torch-engine`.
 
 The model is `engines.byte_lm.ByteLM` (random and seeded, or loaded from a
-checkpoint), on CUDA when present, else CPU. The scheduling (waiting queue,
+checkpoint) with the byte tokenizer, or, with `model_dir`, a Llama-family model from a
+Hugging Face folder (`engines.llama.LlamaLM`) with the folder's own tokenizer: then the
+vocabulary is the embedding's, the EOS ids come from generation_config.json (one id or
+a list), the pad id from there or the tokenizer, and weight updates take another HF
+folder of the same architecture. On CUDA when present, else CPU. The scheduling (waiting queue,
 `max_running_requests`, pause modes, abort, the admission gate, weight versions) is
 engines/core.py's; this module produces the tokens.
 
@@ -82,7 +86,7 @@ class TorchEngineConfig(EngineSettings):
 
 
 class TorchRequest(EngineRequest):
-    __slots__ = ("tokens", "logprobs", "top_logprobs", "input_logprobs", "slot", "cached", "rng")
+    __slots__ = ("tokens", "logprobs", "top_logprobs", "input_logprobs", "slot", "cached", "rng", "stop_window")
 
     def __init__(self, spec: GenSpec, created: float, future: asyncio.Future, seed_material: str) -> None:
         super().__init__(spec, created, future, seed_material)
@@ -93,6 +97,7 @@ class TorchRequest(EngineRequest):
         self.slot: int | None = None  # KV cache slot while it holds one
         self.cached = 0  # positions of its sequence held in the slot (0: prefill next)
         self.rng = random.Random(seed_material)
+        self.stop_window = 0  # output tokens decoded to look for stop strings (SGLang's stop_str_max_len + 1)
 
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.tokens
@@ -206,7 +211,10 @@ class TorchEngine(Engine):
 
     def _create(self, spec: GenSpec, created: float, digest: bytes, seed_material: str,
                 parallel: bool) -> TorchRequest:
-        return TorchRequest(spec, created, self._loop().create_future(), seed_material)
+        req = TorchRequest(spec, created, self._loop().create_future(), seed_material)
+        if spec.stop_strs:
+            req.stop_window = max(len(self.tokenizer.encode(s)) for s in spec.stop_strs) + 1
+        return req
 
     def _start(self, req: TorchRequest, prefill: bool) -> None:
         self._work.set()
@@ -406,8 +414,7 @@ class TorchEngine(Engine):
         decoded tail of the output: as many tokens as the longest stop string has, plus one."""
         spec, token = req.spec, req.tokens[-1]
         if spec.stop_strs:
-            longest = max(len(self.tokenizer.encode(s)) for s in spec.stop_strs)
-            tail = self.tokenizer.decode(req.tokens[-(longest + 1):], skip_special_tokens=False)
+            tail = self.tokenizer.decode(req.tokens[-req.stop_window:], skip_special_tokens=False)
             for stop in spec.stop_strs:
                 if stop and stop in tail:
                     return {"type": "stop", "matched": stop}
