@@ -103,3 +103,12 @@ def test_the_llama_forward_matches_transformers_on_a_small_random_checkpoint(tmp
         for pos in range(7, 12):
             step = model.decode(tokens[:, pos], torch.full((3,), pos), cache, slots)
             assert (step - expected[:, pos]).abs().max() <= 1e-5
+
+
+def test_torch_engine_refuses_a_folder_it_cannot_serve_before_listening(tmp_path):
+    folder = _folder(tmp_path, architectures=["MistralForCausalLM"])
+    result = CliRunner().invoke(cli.main, ["torch-engine", "--port", "0", "--model", str(folder)])
+    assert result.exit_code == 1 and "MistralForCausalLM" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli.main, ["torch-engine", "--model", str(folder),
+                                           "--model-path", str(folder / "config.json")])
+    assert result.exit_code == 2 and "exclude each other" in result.output
