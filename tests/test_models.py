@@ -112,3 +112,8 @@ def test_torch_engine_refuses_a_folder_it_cannot_serve_before_listening(tmp_path
     result = CliRunner().invoke(cli.main, ["torch-engine", "--model", str(folder),
                                            "--model-path", str(folder / "config.json")])
     assert result.exit_code == 2 and "exclude each other" in result.output
+
+
+def test_the_llm_demo_needs_a_model_folder():
+    result = CliRunner().invoke(cli.main, ["demo", "--engine", "llm"])
+    assert result.exit_code == 2 and "--engine llm needs --model DIR" in result.output
