@@ -110,7 +110,6 @@ class GenerationFacts:
 
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    bos_token_id: int | None
 
     @classmethod
     def read(cls, folder: Path, config: dict) -> GenerationFacts:
@@ -124,8 +123,8 @@ class GenerationFacts:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_ids):
             raise ModelFolderError(f"{path}: eos_token_id must be an int or a list of ints, got {eos!r}")
-        pad, bos = pick("pad_token_id"), pick("bos_token_id")
-        return cls(eos_ids, pad if isinstance(pad, int) else None, bos if isinstance(bos, int) else None)
+        pad = pick("pad_token_id")
+        return cls(eos_ids, pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
 
 class LlamaKVCache:
