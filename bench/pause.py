@@ -279,8 +279,10 @@ class TimedEngines:
     async def continue_generation(self):
         return await self.engines.continue_generation()
 
-    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
-        return await self.engines.update_weights_from_disk(model_path, weight_version, abort_all_requests)
+    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False,
+                                       flush_cache=True):
+        return await self.engines.update_weights_from_disk(model_path, weight_version, abort_all_requests,
+                                                           flush_cache)
 
 
 def first_claim(queue: Queue, claims_before: int, since: float, timeout_s: float = 5.0) -> float | None:
@@ -327,8 +329,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     watcher = InfoWatcher(stack.redis.url, queue, workers, window=args.heartbeat * 3 + 1)
                     called = time.time()
                     pause = loop.run_until_complete(controller.pause(mode, timeout_s=args.pause_timeout))
-                    loop.run_until_complete(engines.update_weights_from_disk(f"/ckpt/step{version}",
-                                                                             weight_version=str(version)))
+                    loop.run_until_complete(engines.update_weights_from_disk(
+                        f"/ckpt/step{version}", weight_version=str(version), flush_cache=mode == "abort"))
                     time.sleep(args.hold_s)  # as if the weight sync took this long
                     claims_before = queue.stats().get("claims", 0)
                     resumed_at = time.monotonic()

@@ -119,6 +119,19 @@ class WeightLoadError(Exception):
     """Loading weights failed; the message says why (the HTTP answer is success=false)."""
 
 
+#: SGLang 0.5.23's answer when the weights loaded but the cache could not be flushed
+#: (scheduler_components/weight_updater.py, flush_cache_after_weight_update). 0.5.15
+#: asserted instead, which killed its scheduler.
+CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                     "queued. Retract or finish them, then call /flush_cache.")
+
+
+class CacheNotFlushed(WeightLoadError):
+    """The new weights are loaded, but a flush was asked for while requests are live (a
+    pause in retract or in_place mode): SGLang fails the call and, since it failed,
+    records neither the new model path nor the new version."""
+
+
 class Engine:
     """The scheduler state machine; subclasses implement the hooks below."""
 
@@ -127,6 +140,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.weight_version = config.weight_version
         self.model_path = config.model_path
+        # SGLang's tokenizer_path: what the server was started with, unchanged by weight updates.
+        self.tokenizer_path = config.model_path
+        self.vocab_size: int = tokenizer.vocab_size  # ids /generate accepts; a backend may serve more
         self.paused = False
         self.requests: dict[str, EngineRequest] = {}  # every live request, by rid
         self.running: dict[str, EngineRequest] = {}  # running or frozen (in_place pause)
@@ -377,15 +393,13 @@ class Engine:
         return True
 
     async def update_weights(self, source: WeightSource, model_path: str | None, version: str | None,
-                             abort_all: bool = False, flush: bool = True) -> int:
+                             abort_all: bool = False, flush: bool = True) -> None:
         """Take SGLang's model_update_lock as writer: unless paused, wait for every live
-        request to finish while new ones are held back; then load. Returns the number
-        of requests that sat paused during the update. Raises WeightLoadError (nothing
-        changed) or Restarted."""
+        request to finish while new ones are held back; then load. Raises
+        WeightLoadError (nothing changed), CacheNotFlushed (loaded, not recorded) or Restarted."""
         epoch = self.epoch()
         if abort_all:
             self.abort_request(abort_all=True)
-        paused_requests = len(self.requests) if self.paused else 0
         if self.paused:
             await self._checked_load(source, model_path, epoch)
         else:
@@ -399,15 +413,18 @@ class Engine:
             finally:
                 self._writers -= 1
                 self._open_gate()
+        self.stats["weight_updates"] += 1
+        if flush and self.requests and source == WeightSource.DISK:
+            logger.error("weights loaded from %s, but the cache was not flushed: %d requests live",
+                         model_path, len(self.requests))
+            raise CacheNotFlushed(CACHE_NOT_FLUSHED)
+        if flush and not self.requests:
+            self._flush()
         if source == WeightSource.DISK:
             self.model_path = model_path
         if version is not None:
             self.weight_version = version
-        self.stats["weight_updates"] += 1
-        if flush and not self.requests:
-            self._flush()
         logger.info("weights updated (%s), version=%s", source.value, self.weight_version)
-        return paused_requests
 
     async def _checked_load(self, source: WeightSource, model_path: str | None, epoch: asyncio.Future) -> None:
         if source == WeightSource.DISK and not model_path:

@@ -196,7 +196,8 @@ def _per_item(value: Any, name: str, batch: int, kind: type | tuple[type, ...], 
     return [value] * batch
 
 
-def parse_generate(body: Any, tokenizer: ByteTokenizer, context_length: int) -> ParsedGenerate:
+def parse_generate(body: Any, tokenizer: ByteTokenizer, context_length: int,
+                   vocab_size: int | None = None) -> ParsedGenerate:
     """Normalize a /generate body like SGLang's GenerateReqInput + TokenizerManager.
 
     Raises SchemaError for a body of the wrong shape and ValueError for a request
@@ -286,7 +287,7 @@ def parse_generate(body: Any, tokenizer: ByteTokenizer, context_length: int) -> 
     specs = []
     for i in range(batch):  # prompt-major: all samples of prompt i, then prompt i + 1
         ids, params = prompts[i], checked[i]
-        _check_prompt(ids, params["max_new_tokens"], tokenizer, context_length)
+        _check_prompt(ids, params["max_new_tokens"], vocab_size or tokenizer.vocab_size, context_length)
         limit = params["max_new_tokens"]
         limit = context_length - len(ids) - 1 if limit is None else min(limit, context_length - len(ids) - 1)
         if top_logprobs_num[i] < 0:
@@ -307,14 +308,13 @@ def parse_generate(body: Any, tokenizer: ByteTokenizer, context_length: int) -> 
     return ParsedGenerate(specs=specs, single=single and n == 1, stream=stream, n=n)
 
 
-def _check_prompt(ids: list[int], max_new_tokens: int | None, tokenizer: ByteTokenizer,
-                  context_length: int) -> None:
+def _check_prompt(ids: list[int], max_new_tokens: int | None, vocab_size: int, context_length: int) -> None:
     """TokenizerManager._validate_one_request: vocabulary and context length."""
     if not ids:
         raise ValueError("input_ids cannot be empty.")
-    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"The input_ids {bad[:8]} contain values outside the vocab size ({tokenizer.vocab_size}).")
+        raise ValueError(f"The input_ids {bad[:8]} contain values outside the vocab size ({vocab_size}).")
     ctx, length = context_length, len(ids)
     if length >= ctx:
         raise ValueError(f"The input ({length} tokens) is longer than the model's context length ({ctx} tokens).")

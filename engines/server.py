@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -30,12 +31,15 @@ from aiohttp import web
 
 from pipeline.types import PauseMode, choices
 
-from .core import Engine, EngineRequest, Outcome, Output, Restarted, WeightLoadError, WeightSource
+from .core import (CacheNotFlushed, Engine, EngineRequest, Outcome, Output, Restarted, State, WeightLoadError,
+                   WeightSource)
 from .generate_request import SchemaError, parse_generate
 
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.15.post1"  # the release whose HTTP answers this imitates
+#: SGLang's HEALTH_CHECK_TIMEOUT: /health_generate answers 503 when its one token takes longer.
+HEALTH_CHECK_TIMEOUT_S = 20.0
 STREAM_INTERVAL_S = 0.02  # how often a stream emits a chunk while its request progresses
 
 
@@ -90,6 +94,7 @@ class EngineServer:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.stream_interval_s = stream_interval_s
+        self.health_check_timeout_s = HEALTH_CHECK_TIMEOUT_S
 
     @property
     def served_model_name(self) -> str:
@@ -106,7 +111,7 @@ class EngineServer:
         created = engine.now()
         try:
             body = await read_body(request)
-            parsed = parse_generate(body, self.tokenizer, self.config.context_length)
+            parsed = parse_generate(body, self.tokenizer, self.config.context_length, engine.vocab_size)
             engine.check(parsed.specs)
         except SchemaError as exc:
             return error_response(str(exc), 400)
@@ -225,9 +230,10 @@ class EngineServer:
             return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
         meta = {"id": spec.rid, "finish_reason": finish, "prompt_tokens": len(spec.input_ids),
-                "weight_version": version, "total_retractions": req.retractions}
+                "weight_version": version, "num_retractions": req.retractions}
         if spec.return_logprob:
             self._add_logprobs(meta, req, out)
+        meta["reasoning_tokens"] = 0  # no reasoning parser: SGLang counts none
         meta["completion_tokens"] = count
         meta["cached_tokens"] = req.cached_tokens
         if final:
@@ -252,6 +258,7 @@ class EngineServer:
                                              for lp, t in zip(out.logprobs, out.tokens)]
         else:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.tokens)]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if spec.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None if e[0] is None else [[e[0], e[1], e[2]]] for e in input_lp]
             meta["output_top_logprobs"] = [[[lp, t, self._token_text(t, with_text)] for lp, t in entries]
@@ -299,7 +306,7 @@ class EngineServer:
         if version is not None and not isinstance(version, str):
             return error_response("weight_version must be a string", 400)
         try:
-            paused = await self.engine.update_weights(
+            await self.engine.update_weights(
                 source, model_path if source == WeightSource.DISK else None, version,
                 abort_all=body.get("abort_all_requests", False) is True,
                 flush=body.get("flush_cache", True) is not False)
@@ -307,16 +314,18 @@ class EngineServer:
             return drop(request)
         except WeightLoadError as exc:
             logger.error("weight update (%s) from %r failed: %s", source.value, model_path, exc)
-            failed: dict[str, Any] = {"success": False, "message": f"Failed to update weights: {exc}"}
+            message = str(exc) if isinstance(exc, CacheNotFlushed) else f"Failed to update weights: {exc}"
+            failed: dict[str, Any] = {"success": False, "message": message}
             if source == WeightSource.DISK:
-                failed["num_paused_requests"] = len(self.engine.requests) if self.engine.paused else 0
+                failed["num_paused_requests"] = 0
             return json_reply(failed, 400)
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
         out: dict[str, Any] = {"success": True, "message": message}
         if source == WeightSource.DISK:
-            out["num_paused_requests"] = paused
+            # SGLang's scheduler answers 0 whatever sat paused (0.5.15.post1 and 0.5.23).
+            out["num_paused_requests"] = 0
         return json_reply(out)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -347,11 +356,37 @@ class EngineServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)  # 503 comes from the availability middleware
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's /health_generate: a greedy one-token request from input id 0; 200 as soon
+        as the engine produces anything (its own running requests count), 503 if nothing
+        within HEALTH_CHECK_TIMEOUT_S (a paused engine holds the request at its gate)."""
+        engine = self.engine
+        if any(r.state == State.RUNNING for r in engine.running.values()):
+            return web.Response(status=200)
+        body = {"input_ids": [0], "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        specs = parse_generate(body, self.tokenizer, self.config.context_length, engine.vocab_size).specs
+        reqs: list[EngineRequest] = []
+
+        async def one_token() -> None:
+            await engine.wait_admission()
+            reqs.extend(engine.submit(specs, engine.now()))
+            await asyncio.wait([r.future for r in reqs])
+
+        try:
+            await asyncio.wait_for(one_token(), self.health_check_timeout_s)
+        except (asyncio.TimeoutError, Restarted):
+            engine.cancel(reqs)
+            logger.error("health check failed: no token within %gs", self.health_check_timeout_s)
+            return web.Response(status=503)
+        ok = all(r.outcome == Outcome.FINISHED for r in reqs)
+        return web.Response(status=200 if ok else 503)
+
     async def get_model_info(self, request: web.Request) -> web.Response:
         facts = self.engine.describe()
         return json_reply({
             "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
+            "tokenizer_path": self.engine.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.engine.weight_version,
@@ -367,7 +402,7 @@ class EngineServer:
         facts = self.engine.describe()
         return json_reply({
             "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
+            "tokenizer_path": self.engine.tokenizer_path,
             "served_model_name": self.served_model_name,
             "context_length": cfg.context_length,
             "max_running_requests": cfg.max_running_requests,
@@ -458,8 +493,8 @@ class EngineServer:
             r.add_get(path, self.get_model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.get_server_info)
-        for path in ("/health", "/health_generate"):
-            r.add_get(path, self.health)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
         r.add_get("/v1/models", self.v1_models)

@@ -1,7 +1,11 @@
 """A real PyTorch engine behind the SGLang-compatible server: `rollout torch-engine`.
 
 The model is `engines.byte_lm.ByteLM` (random and seeded, or loaded from a
-checkpoint), on CUDA when present, else CPU. The scheduling (waiting queue,
+checkpoint) with the byte tokenizer, or, with `model_dir`, a Llama-family model from a
+Hugging Face folder (`engines.llama.LlamaLM`) with the folder's own tokenizer: then the
+vocabulary is the embedding's, the EOS ids come from generation_config.json (one id or
+a list), the pad id from there or the tokenizer, and weight updates take another HF
+folder of the same architecture. On CUDA when present, else CPU. The scheduling (waiting queue,
 `max_running_requests`, pause modes, abort, the admission gate, weight versions) is
 engines/core.py's; this module produces the tokens.
 
@@ -41,12 +45,13 @@ from typing import Any
 
 import torch
 
+from . import llama
 from .byte_lm import ByteLM, KVCache, ModelConfig, load_checkpoint
 from .core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
 from .server import EngineServer, ServerHandle, start_in_thread
 from .server import serve as serve_engine
 from .generate_request import GenSpec
-from workers.tokenizer import ByteTokenizer
+from workers.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,9 @@ class TorchEngineConfig(EngineSettings):
 
     model_path: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
+    # An HF folder of a Llama-family model (engines/llama.py), served instead of the byte-level
+    # model, with its own tokenizer; `context_length` then bounds its KV cache per request.
+    model_dir: str | None = None
     max_running_requests: int = 64  # KV cache slots
     device: str = "auto"  # auto: cuda when available, else cpu
     threads: int = 1  # torch CPU threads; the engine shares the machine with workers and a trainer
@@ -78,7 +86,7 @@ class TorchEngineConfig(EngineSettings):
 
 
 class TorchRequest(EngineRequest):
-    __slots__ = ("tokens", "logprobs", "top_logprobs", "input_logprobs", "slot", "cached", "rng")
+    __slots__ = ("tokens", "logprobs", "top_logprobs", "input_logprobs", "slot", "cached", "rng", "stop_window")
 
     def __init__(self, spec: GenSpec, created: float, future: asyncio.Future, seed_material: str) -> None:
         super().__init__(spec, created, future, seed_material)
@@ -89,6 +97,7 @@ class TorchRequest(EngineRequest):
         self.slot: int | None = None  # KV cache slot while it holds one
         self.cached = 0  # positions of its sequence held in the slot (0: prefill next)
         self.rng = random.Random(seed_material)
+        self.stop_window = 0  # output tokens decoded to look for stop strings (SGLang's stop_str_max_len + 1)
 
     def sequence(self) -> list[int]:
         return self.spec.input_ids + self.tokens
@@ -124,9 +133,38 @@ class TorchEngine(Engine):
     config: TorchEngineConfig
 
     def __init__(self, config: TorchEngineConfig, tokenizer: ByteTokenizer | None = None) -> None:
-        tokenizer = tokenizer or ByteTokenizer()
         torch.set_num_threads(config.threads)
         self.device = _device(config.device)
+        self.folder: llama.HFFolder | None = None
+        if config.model_dir is not None:
+            model, tokenizer = self._build_llama(config)
+        else:
+            model, tokenizer = self._build_byte_lm(config, tokenizer or ByteTokenizer())
+        config.max_total_num_tokens = config.max_running_requests * config.context_length
+        super().__init__(config, tokenizer)
+        self.model = model.to(self.device).eval()
+        if self.folder is not None:
+            self.model_path = self.tokenizer_path = str(self.folder.path)
+            self.vocab_size = self.folder.config.vocab_size  # the embedding's rows, >= the tokenizer's
+            facts = self.folder.generation
+            self.eos_token_ids = frozenset(facts.eos_token_ids or [tokenizer.eos_token_id])
+            pad = facts.pad_token_id if facts.pad_token_id is not None else tokenizer.pad_token_id
+            self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
+            self.cache = llama.LlamaKVCache(self.folder.config, config.max_running_requests, config.context_length,
+                                            self.device)
+        else:
+            self.model_path = config.model_path or f"byte-lm-random-seed{config.seed}"
+            self.tokenizer_path = self.model_path
+            self.eos_token_ids = frozenset([tokenizer.eos_token_id])
+            self.pad_token_id = tokenizer.pad_token_id
+            self.cache = KVCache(config.model, config.max_running_requests, self.device)
+        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._tokens_per_s = 0.0
+
+    @staticmethod
+    def _build_byte_lm(config: TorchEngineConfig, tokenizer: ByteTokenizer) -> tuple[ByteLM, ByteTokenizer]:
         model_config, state = config.model, None
         if config.model_path is not None:
             model_config, state = load_checkpoint(config.model_path)
@@ -135,17 +173,32 @@ class TorchEngine(Engine):
         # The checkpoint, if any, decides the architecture; the server reads these limits.
         config.model = model_config
         config.context_length = model_config.context_length
-        config.max_total_num_tokens = config.max_running_requests * model_config.context_length
-        super().__init__(config, tokenizer)
-        self.model_path = config.model_path or f"byte-lm-random-seed{config.seed}"
-        self.model = ByteLM(model_config, seed=config.seed).to(self.device).eval()
+        model = ByteLM(model_config, seed=config.seed)
         if state is not None:
-            self.model.load_state_dict(state)
-        self.cache = KVCache(model_config, config.max_running_requests, self.device)
-        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
-        self._work = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._tokens_per_s = 0.0
+            model.load_state_dict(state)
+        return model, tokenizer
+
+    def _build_llama(self, config: TorchEngineConfig) -> tuple[llama.LlamaLM, HFTokenizer]:
+        """An HF folder: the model from its config and safetensors, the tokenizer from its
+        files (the engine then speaks the model's vocabulary, not bytes)."""
+        folder = llama.read_folder(config.model_dir)
+        try:
+            tokenizer = load_tokenizer(str(folder.path))
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(tokenizer, HFTokenizer) or tokenizer.vocab_size > folder.config.vocab_size:
+            raise ValueError(f"{folder.path}: the tokenizer's {tokenizer.vocab_size} ids do not fit the embedding's "
+                             f"{folder.config.vocab_size} rows")
+        config.context_length = min(config.context_length, folder.config.max_position_embeddings)
+        with torch.device("meta"):  # no random initialisation of weights about to be replaced
+            model = llama.LlamaLM(folder.config)
+        model = model.to_empty(device="cpu")
+        model.rotary = llama.Rotary(folder.config)  # its buffer is computed, not loaded
+        if folder.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        llama.load_weights(model, llama.load_state(folder), str(folder.path))
+        self.folder = folder
+        return model, tokenizer
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -158,7 +211,10 @@ class TorchEngine(Engine):
 
     def _create(self, spec: GenSpec, created: float, digest: bytes, seed_material: str,
                 parallel: bool) -> TorchRequest:
-        return TorchRequest(spec, created, self._loop().create_future(), seed_material)
+        req = TorchRequest(spec, created, self._loop().create_future(), seed_material)
+        if spec.stop_strs:
+            req.stop_window = max(len(self.tokenizer.encode(s)) for s in spec.stop_strs) + 1
+        return req
 
     def _start(self, req: TorchRequest, prefill: bool) -> None:
         self._work.set()
@@ -178,6 +234,14 @@ class TorchEngine(Engine):
     async def _load_weights(self, source: WeightSource, model_path: str | None, epoch: asyncio.Future) -> None:
         if source != WeightSource.DISK:
             raise WeightLoadError("the torch engine loads weights from disk only (/update_weights_from_disk).")
+        if self.folder is not None:
+            await self._load_llama(model_path)
+        else:
+            await self._load_byte_lm(model_path)
+        for req in self.requests.values():
+            req.cached = 0  # its cache holds the old weights' keys and values: prefill again
+
+    async def _load_byte_lm(self, model_path: str) -> None:
         try:
             config, state = await asyncio.to_thread(load_checkpoint, model_path)
         except ValueError as exc:
@@ -190,13 +254,32 @@ class TorchEngine(Engine):
             self.model.load_state_dict(state)
         except RuntimeError as exc:
             raise WeightLoadError(f"{model_path}: {exc}") from None
-        for req in self.requests.values():
-            req.cached = 0  # its cache holds the old weights' keys and values: prefill again
+
+    async def _load_llama(self, model_path: str) -> None:
+        """An HF folder, as SGLang's /update_weights_from_disk takes: same architecture and
+        shapes as the running model (checked before anything changes), then its safetensors."""
+        def read() -> dict[str, torch.Tensor]:
+            folder = llama.read_folder(model_path)
+            if folder.config != self.folder.config:
+                running = asdict(self.folder.config)
+                diff = ", ".join(f"{k} {v} (running: {running[k]})" for k, v in asdict(folder.config).items()
+                                 if running[k] != v)
+                raise llama.ModelFolderError(f"{model_path} is a different architecture: {diff}.")
+            return llama.load_state(folder)
+
+        try:
+            state = await asyncio.to_thread(read)
+            llama.load_weights(self.model, state, model_path)
+        except llama.ModelFolderError as exc:
+            raise WeightLoadError(str(exc)) from None
 
     def throughput(self) -> float:
         return self._tokens_per_s
 
     def describe(self) -> dict[str, Any]:
+        if self.folder is not None:
+            return {"model_type": self.folder.model_type, "architectures": self.folder.architectures,
+                    "model_config": asdict(self.folder.config), "device": str(self.device)}
         return {"model_type": "byte-lm", "architectures": ["ByteLM"], "model_config": asdict(self.config.model),
                 "device": str(self.device)}
 
@@ -270,7 +353,7 @@ class TorchEngine(Engine):
                 req.slot = self._free_slots.pop()
         seqs = [r.sequence() for r in reqs]
         width = max(map(len, seqs))
-        tokens = torch.full((len(reqs), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        tokens = torch.full((len(reqs), width), self.pad_token_id, dtype=torch.long)
         for i, seq in enumerate(seqs):
             tokens[i, :len(seq)] = torch.tensor(seq)
         tokens = tokens.to(self.device)
@@ -310,7 +393,7 @@ class TorchEngine(Engine):
             logits = logits.clone()
             for i in banned:
                 spec = reqs[i].spec
-                stops = set(spec.stop_token_ids) | ({self.tokenizer.eos_token_id} if not spec.ignore_eos else set())
+                stops = set(spec.stop_token_ids) | (set(self.eos_token_ids) if not spec.ignore_eos else set())
                 logits[i, sorted(t for t in stops if 0 <= t < vocab)] = float("-inf")
         dev = self.device
 
@@ -326,19 +409,19 @@ class TorchEngine(Engine):
         return sample(logits, temperature, top_p, top_k, min_p, uniforms)
 
     def _stop_reason(self, req: TorchRequest) -> dict | None:
-        """SGLang's order: the length limit, then stop token ids (EOS unless ignore_eos),
-        then stop strings."""
+        """SGLang 0.5.23's order (Req.update_finish_state): a stop string, then a stop token
+        id (EOS unless ignore_eos), then the length limit. Stop strings are matched on the
+        decoded tail of the output: as many tokens as the longest stop string has, plus one."""
         spec, token = req.spec, req.tokens[-1]
-        if len(req.tokens) >= spec.max_new_tokens:
-            return {"type": "length", "length": spec.max_new_tokens}
-        if not spec.ignore_eos and (token == self.tokenizer.eos_token_id or token in spec.stop_token_ids):
-            return {"type": "stop", "matched": token}
         if spec.stop_strs:
-            longest = max(len(s.encode("utf-8")) for s in spec.stop_strs)
-            tail = self.tokenizer.decode(req.tokens[-(longest + 1):], skip_special_tokens=False)
+            tail = self.tokenizer.decode(req.tokens[-req.stop_window:], skip_special_tokens=False)
             for stop in spec.stop_strs:
                 if stop and stop in tail:
                     return {"type": "stop", "matched": stop}
+        if not spec.ignore_eos and (token in self.eos_token_ids or token in spec.stop_token_ids):
+            return {"type": "stop", "matched": token}
+        if len(req.tokens) >= spec.max_new_tokens:
+            return {"type": "length", "length": spec.max_new_tokens}
         return None
 
 

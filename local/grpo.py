@@ -1,4 +1,11 @@
-"""A GRPO trainer for `engines.byte_lm.ByteLM`, fed by the pipeline's exact batches.
+"""A GRPO trainer fed by the pipeline's exact batches, for two models:
+
+- `engines.byte_lm.ByteLM` (the tiny byte-level model; engine and trainer share its code);
+- a real Llama-family model from a Hugging Face folder (`TrainerSettings.model_dir`),
+  run here by transformers' `LlamaForCausalLM` while the engine runs the project's own
+  forward (engines/llama.py): two independent implementations, so the agreement check
+  below also checks the engine's layers. Its checkpoints are HF folders, what
+  `/update_weights_from_disk` takes.
 
 Each step: tensors from `pipeline.trainers.torch_adapter.batch_to_tensors`; **train-inference
 agreement**, the log-probs of every response token recomputed under the weights of the
@@ -14,7 +21,10 @@ pipeline's staleness bound, no delivered token is older.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +50,7 @@ class AgreementError(RuntimeError):
 @dataclass
 class TrainerSettings:
     model: ModelConfig = field(default_factory=ModelConfig)
+    model_dir: Path | None = None  # an HF folder: train that model (transformers) instead of a fresh ByteLM
     seed: int = 0
     lr: float = 3e-3
     clip_eps: float = 0.2  # PPO/GRPO ratio clipping
@@ -82,17 +93,50 @@ def token_versions(batch: Batch, tensors: dict[str, torch.Tensor]) -> torch.Tens
 class Trainer:
     def __init__(self, settings: TrainerSettings) -> None:
         self.settings = settings
-        self.model = ByteLM(settings.model, seed=settings.seed)
+        if settings.model_dir is not None:
+            from transformers import LlamaForCausalLM
+
+            self.model = LlamaForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+            self.model.config.use_cache = False  # a training forward keeps no KV cache
+            pad = self.model.generation_config.pad_token_id
+            self.pad_token_id = pad if isinstance(pad, int) else self.model.config.eos_token_id
+        else:
+            self.model = ByteLM(settings.model, seed=settings.seed)
+            self.pad_token_id = ByteTokenizer.pad_token_id
+        self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)
-        self.pad_token_id = ByteTokenizer.pad_token_id
         self.version = 0
         self._weights: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # Parameters only, each once: a tied head is one tensor, as functional_call wants it.
+        return {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
-    def save(self, path: Path) -> Path:
-        return save_checkpoint(self.model, path)
+    def _logits(self, tokens: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        out = self.model(tokens) if weights is None else functional_call(self.model, weights, (tokens,))
+        return out.logits if hasattr(out, "logits") else out  # transformers wraps its logits
+
+    def checkpoint_path(self, directory: Path) -> Path:
+        """Where `save` writes this version: an HF folder, or a byte_lm checkpoint file."""
+        suffix = "" if self.settings.model_dir is not None else ".pt"
+        return Path(directory) / f"step-{self.version}{suffix}"
+
+    def save(self, directory: Path) -> Path:
+        """The current weights, written atomically (never half a checkpoint under its name)."""
+        path = self.checkpoint_path(directory)
+        if self.settings.model_dir is None:
+            return save_checkpoint(self.model, path)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        self.model.save_pretrained(staging)
+        os.replace(staging, path)
+        return path
+
+    @staticmethod
+    def discard(path: Path) -> None:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
     def _logprobs_under(self, version: int, tokens: torch.Tensor) -> torch.Tensor:
         weights = self._weights.get(version)
@@ -100,7 +144,7 @@ class Trainer:
             raise AgreementError(f"no weights kept for version {version} (kept: {sorted(self._weights)}); "
                                  f"the batch is older than max_staleness={self.settings.max_staleness} allows")
         with torch.no_grad():
-            return token_logprobs(functional_call(self.model, weights, (tokens,)), tokens, self.settings.temperature)
+            return token_logprobs(self._logits(tokens, weights), tokens, self.settings.temperature)
 
     def _agreement(self, batch: Batch, t: dict[str, torch.Tensor], current: torch.Tensor,
                    versions: torch.Tensor) -> torch.Tensor:
@@ -113,9 +157,9 @@ class Trainer:
             mine = current.detach() if version == self.version else self._logprobs_under(version, t["tokens"])
             selected = versions == version
             diffs[selected] = (mine[selected] - rollout[selected]).abs()
-        worst = diffs.max()
-        if worst > self.settings.tolerance:
-            row, col = divmod(int(diffs.argmax()), diffs.shape[1])
+        worst = diffs.max()  # NaN when any difference is NaN
+        if not torch.isfinite(worst) or worst > self.settings.tolerance:
+            row, col = divmod(int(diffs.nan_to_num(float("inf")).argmax()), diffs.shape[1])
             sample = [s for g in batch.groups for s in g.samples][row]
             raise AgreementError(
                 f"train-inference mismatch {float(worst):.3g} > {self.settings.tolerance:g} at sample "
@@ -127,7 +171,7 @@ class Trainer:
         s = self.settings
         t = batch_to_tensors(batch, pad_token_id=self.pad_token_id)
         versions = token_versions(batch, t)[:, 1:]  # aligned with log-probs of positions 1..L-1
-        current = token_logprobs(self.model(t["tokens"]), t["tokens"], s.temperature)
+        current = token_logprobs(self._logits(t["tokens"]), t["tokens"], s.temperature)
         diffs = self._agreement(batch, t, current, versions)
         response = versions >= 0
         advantages = group_advantages(t["rewards"], t["group_index"])[:, None]

@@ -1,5 +1,6 @@
-"""A complete GRPO run through the real pipeline: `examples/grpo_tiny.py` and
-`rollout demo --engine torch`.
+"""A complete GRPO run through the real pipeline: `examples/grpo_tiny.py`,
+`rollout demo --engine torch` and, on a real model, `examples/grpo_smollm2.py` and
+`rollout demo --engine llm --model DIR`.
 
 Embedded Redis → the toy task's prompts (local/case_task.py) pushed as groups →
 `rollout torch-engine` processes starting from the trainer's initial checkpoint →
@@ -10,16 +11,24 @@ mode, so interrupted samples continue under the new weights as a new segment), w
 η = 1 (admission paced to (η + version + 1) · B groups, staleness checked at
 consumption). After every update each engine must report the new version. Ends with
 the conservation audit.
+
+With `model_dir` (an HF folder of a Llama-family model, `rollout prepare-model`) the
+engines serve it (`rollout torch-engine --model`), the workers take its tokenizer and
+chat template from the engines' /get_model_info, the task is local/capital_task.py
+(chat prompts, a reward on decoded text) and the trainer is transformers'
+`LlamaForCausalLM`; its checkpoints are HF folders.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,7 +45,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import parse_version
 
-from local import case_task
+from local import capital_task, case_task
 from workers.engine import EngineSet
 from .grpo import AgreementError, StepReport, Trainer, TrainerSettings
 from .processes import start_torch_engine_process, start_worker_process, stop_processes, wait_healthy
@@ -63,6 +72,19 @@ class GRPOOptions:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     step_timeout_s: float = 60.0
     curve_png: Path | None = None  # saved when matplotlib is installed
+    context_length: int = 512  # per request, with model_dir (the engines' KV cache)
+    engine_start_s: float = 60.0  # until an engine answers /health
+
+
+def llm_options(model_dir: Path, **given) -> GRPOOptions:
+    """A short GRPO on a real model that fits a few minutes on 2 CPU cores: 4 steps of
+    2 groups of 4 samples, 12 response tokens, Adam at 2e-5 (measured: docs/grpo.md)."""
+    opts = GRPOOptions(**{"steps": 4, "batch_size": 2, "n_samples": 4, "max_new_tokens": 12,
+                          "engine_max_running": 8, "engine_step_s": 0.0, "step_timeout_s": 600.0,
+                          "engine_start_s": 300.0, **given})
+    opts.trainer = TrainerSettings(model_dir=Path(model_dir), lr=2e-5, temperature=1.0,
+                                   max_staleness=opts.trainer.max_staleness)
+    return opts
 
 
 def _mean(values: list[float]) -> float | None:
@@ -74,6 +96,10 @@ class EngineVersionError(RuntimeError):
 
 
 def _engine_args(opts: GRPOOptions, checkpoint: Path, seed: int) -> list[str]:
+    if opts.trainer.model_dir is not None:
+        return ["--model", str(checkpoint), "--seed", str(seed), "--max-running", str(opts.engine_max_running),
+                "--step-time", str(opts.engine_step_s), "--threads", "1",
+                "--context-length", str(opts.context_length)]
     m = opts.trainer.model
     return ["--model-path", str(checkpoint), "--seed", str(seed), "--max-running", str(opts.engine_max_running),
             "--step-time", str(opts.engine_step_s), "--threads", "1", "--layers", str(m.n_layers),
@@ -82,8 +108,22 @@ def _engine_args(opts: GRPOOptions, checkpoint: Path, seed: int) -> list[str]:
 
 def _worker_args(opts: GRPOOptions) -> list[str]:
     args = ["--max-new-tokens", str(opts.max_new_tokens), "--temperature", str(opts.trainer.temperature),
-            "--reward", case_task.REWARD_PATH]
+            "--reward", _task(opts).REWARD_PATH]
+    if opts.trainer.model_dir is not None:
+        args.append("--apply-chat-template")  # an instruct model: string prompts would get the template too
     return args + (["--mask-offpolicy-prefix"] if opts.mask_offpolicy_prefix else [])
+
+
+def _task(opts: GRPOOptions):
+    return capital_task if opts.trainer.model_dir is not None else case_task
+
+
+def _served_model(url: str) -> dict:
+    """What the engine says it serves (the workers choose their tokenizer from the same answer)."""
+    with urllib.request.urlopen(url + "/get_model_info", timeout=10) as resp:
+        info = json.loads(resp.read())
+    return {"model": info.get("model_path"), "tokenizer": info.get("tokenizer_path"),
+            "model_type": info.get("model_type"), "architectures": info.get("architectures")}
 
 
 def curve_header() -> str:
@@ -97,7 +137,7 @@ def curve_line(r: dict) -> str:
             f"{r['update_s']:>8.3f} {r['requeued']:>8}")
 
 
-def save_curve_png(rows: list[dict], path: Path) -> bool:
+def save_curve_png(rows: list[dict], path: Path, title: str = "GRPO on the case task (byte-level LM, CPU)") -> bool:
     """The reward curve as a PNG; False when matplotlib is not installed."""
     try:
         import matplotlib
@@ -110,7 +150,7 @@ def save_curve_png(rows: list[dict], path: Path) -> bool:
     ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker=".")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
-    ax.set_title("GRPO on the case task (byte-level LM, CPU)")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -134,11 +174,14 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
     error: str | None = None
     engine_versions_ok = True
     queue = None
+    served: dict | None = None
     try:
         trainer = Trainer(opts.trainer)
         checkpoints = workdir / "checkpoints"
         checkpoints.mkdir()
-        initial = trainer.save(checkpoints / "step-0.pt")
+        # A real model's engines start from its own folder, whose tokenizer they serve from then on;
+        # the trainer's checkpoints hold only weights and config.
+        initial = path = trainer.save(checkpoints) if opts.trainer.model_dir is None else opts.trainer.model_dir
         urls = []
         for i in range(opts.engines):
             port = free_port()
@@ -152,17 +195,21 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
                   max_ready=4 * opts.batch_size, lease_s=10.0)
         # Enough prompts for every step and the surplus admission allows, never more than that per version.
         rows_needed = (opts.steps + opts.trainer.max_staleness + 2) * opts.batch_size
-        dataset = case_task.write_dataset(workdir / "cases.jsonl", rows_needed, opts.trainer.seed)
+        dataset = _task(opts).write_dataset(workdir / "prompts.jsonl", rows_needed, opts.trainer.seed)
         report = push_dataset(queue, dataset, PushOptions(n_samples_per_prompt=opts.n_samples))
         for i, (proc, engine_url) in enumerate(zip(engines_proc, urls)):
-            wait_healthy(engine_url, proc, workdir / f"engine-{i}.log")
+            wait_healthy(engine_url, proc, workdir / f"engine-{i}.log", timeout_s=opts.engine_start_s)
+        if opts.trainer.model_dir is not None:
+            served = _served_model(urls[0])
         for i in range(opts.workers):
             procs.append(start_worker_process(url, NAMESPACE, urls, workdir / f"worker-{i}.log", _worker_args(opts)))
         engine_set = EngineSet(urls)
         controller = Controller(queue, engine_set)
         consumer = Consumer(queue.redis, NAMESPACE)
         m = opts.trainer.model
-        say(f"redis {url} | {opts.engines} torch engine(s) {' '.join(urls)} | {m.n_layers} layers x {m.d_model} "
+        model = (f"{served['architectures']} from {opts.trainer.model_dir}" if served
+                 else f"{m.n_layers} layers x {m.d_model}")
+        say(f"redis {url} | {opts.engines} torch engine(s) {' '.join(urls)} | {model} "
             f"| {opts.workers} worker(s) | pushed {report.pushed} groups of {opts.n_samples} | B={opts.batch_size} "
             f"| η={opts.trainer.max_staleness}")
         say(curve_header())
@@ -170,7 +217,7 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
             batch = consumer.next_batch(opts.batch_size, timeout=opts.step_timeout_s)
             result: StepReport = trainer.step(batch)
             consumer.commit(batch)
-            path = trainer.save(checkpoints / f"step-{trainer.version}.pt")
+            previous, path = path, trainer.save(checkpoints)
             update_started = time.monotonic()
             pause, _ = loop.run_until_complete(
                 controller.update_weights_from_disk(str(path), trainer.version, mode="abort"))
@@ -184,7 +231,8 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
                          "update_s": round(update_s, 3), "requeued": pause.requeued})
             say(curve_line(rows[-1]))
             # Old checkpoints are not read again: the engines hold the new weights.
-            (checkpoints / f"step-{trainer.version - 1}.pt").unlink(missing_ok=True)
+            if previous.parent == checkpoints:
+                trainer.discard(previous)
     except (AgreementError, EngineVersionError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         say(f"FAILED: {error}")
@@ -203,7 +251,11 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
         loop.close()
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return _summary(opts, rows, error, engine_versions_ok, audit_report, time.monotonic() - started, say)
+    summary = _summary(opts, rows, error, engine_versions_ok, audit_report, time.monotonic() - started, say)
+    if opts.trainer.model_dir is not None:
+        summary["model"] = (served or {}).get("model") or str(opts.trainer.model_dir)
+        summary["tokenizer"] = (served or {}).get("tokenizer")
+    return summary
 
 
 def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_versions_ok: bool, audit_report,
@@ -237,7 +289,9 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
     if audit_report is not None:
         say(f"audit: {audit_report.summary()}")
     if opts.curve_png is not None and rows:
-        if save_curve_png(rows, opts.curve_png):
+        title = (f"GRPO on the capital task ({opts.trainer.model_dir.name}, CPU)" if opts.trainer.model_dir is not None
+                 else "GRPO on the case task (byte-level LM, CPU)")
+        if save_curve_png(rows, opts.curve_png, title):
             say(f"curve saved to {opts.curve_png}")
         else:
             say("matplotlib is not installed: no PNG (the table above is the curve)")

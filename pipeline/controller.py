@@ -32,7 +32,7 @@ class EngineControl(Protocol):
     async def continue_generation(self) -> Any: ...
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       abort_all_requests: bool = False) -> Any: ...
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Any: ...
 
 
 class WeightUpdateError(RuntimeError):
@@ -124,7 +124,10 @@ class Controller:
             raise WeightUpdateError("no engines configured for this controller")
         pause = await self.pause(mode)
         try:
-            await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version))
+            # Requests paused in retract or in_place mode are still live on the engine, and
+            # SGLang refuses to flush its cache under them (0.5.23 fails the update).
+            await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version),
+                                                        flush_cache=pause.mode == PauseMode.ABORT)
         except Exception as exc:
             raise WeightUpdateError(f"weight update to version {weight_version} from {model_path} failed; "
                                     f"the pipeline stays paused: {exc}") from exc

@@ -451,7 +451,7 @@ def test_update_weights_success_and_failure():
 
     run(go())
     assert fake.paths("/update_weights_from_disk")[0] == {
-        "model_path": "/ckpt/step5", "abort_all_requests": False, "weight_version": "5"}
+        "model_path": "/ckpt/step5", "abort_all_requests": False, "flush_cache": True, "weight_version": "5"}
     assert fake.paths("/update_weight_version") == [{"new_version": "6", "abort_all_requests": True}]
 
 

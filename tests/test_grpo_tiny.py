@@ -99,6 +99,17 @@ def test_trainer_checks_every_segment_under_its_own_version_and_fails_loudly():
     assert trainer.version == 2  # a failed check never stepped the optimizer
 
 
+def test_a_non_finite_logprob_difference_fails_the_agreement_check():
+    """NaN > tolerance is False: a NaN log-prob from the engine must not pass as agreement."""
+    trainer = Trainer(TrainerSettings(model=CONFIG, seed=3))
+    v0 = ByteLM(CONFIG, seed=3).eval()
+    batch = _batch([(list(b"abcdefgh"), [(v0, "default", 8)]), (list(b"xyzXYZ12"), [(v0, "default", 8)])])
+    batch.groups[0].samples[1].rollout_log_probs[2] = float("nan")
+    with pytest.raises(AgreementError, match=r"mismatch nan > .* at sample 1, response token 2"):
+        trainer.step(batch)
+    assert trainer.version == 0
+
+
 def _run(args: list[str], timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from tests.helpers import http_call as call
+from engines.core import CACHE_NOT_FLUSHED
 from engines.simulator import SimConfig, draw_output_length, start_simulator
 from pipeline.codec import decode_group, encode_group
 from pipeline.types import Group
@@ -27,7 +28,7 @@ from workers.tokenizer import ByteTokenizer
 TOK = ByteTokenizer()
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-             "weight_version", "e2e_latency", "total_retractions"}
+             "weight_version", "e2e_latency", "num_retractions", "reasoning_tokens"}
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 LONG = {"max_new_tokens": 5000, "ignore_eos": True}  # keeps a slow simulator busy
 
@@ -97,7 +98,7 @@ def test_single_response_fields(fast):
     assert meta["weight_version"] == "default"
     assert meta["prompt_tokens"] == len(TOK.encode("Hello there"))
     assert meta["completion_tokens"] == len(out["output_ids"])
-    assert meta["cached_tokens"] == 0 and meta["total_retractions"] == 0
+    assert meta["cached_tokens"] == 0 and meta["num_retractions"] == 0
     assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] >= 0
     # natural end: EOS is the last output id, matched, and not in the text
     assert meta["finish_reason"] == {"type": "stop", "matched": TOK.eos_token_id}
@@ -337,7 +338,7 @@ def test_abort_in_waiting_queue():
         assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         # built by SGLang's abort path: no prompt_tokens / cached_tokens
         assert set(meta) == {"id", "finish_reason", "weight_version", "e2e_latency", "completion_tokens",
-                             "input_token_logprobs", "output_token_logprobs"}
+                             "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
         assert meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
         call(sim.url, "/abort_request", {"abort_all": True})
         assert first.result(timeout=5)[1]["meta_info"]["finish_reason"] == ABORTED
@@ -400,7 +401,7 @@ def test_pause_keeps_requests_and_continues(slow, mode):
     assert status == 200
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
     assert len(out["output_ids"]) == 40
-    assert out["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
+    assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert elapsed >= 0.4 + 0.6  # 40 tokens at 100/s, plus the pause
 
 
@@ -437,13 +438,19 @@ def test_update_weights_from_disk_changes_version(fast):
     call(fast, "/update_weights_from_disk", {"model_path": "sim/byte-lm", "weight_version": "default"})
 
 
-def test_update_weights_while_paused_counts_paused_requests(slow):
+def test_update_weights_while_paused_in_place_needs_flush_cache_off_as_in_sglang(slow):
     url = slow.url
     job = in_background(url, {"text": "a", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}})
     wait_until(lambda: running(url) == 1)
     call(url, "/pause_generation", {"mode": "in_place"})
+    # SGLang 0.5.23 loads the weights, cannot flush under a live request, fails the call and
+    # records neither the path nor the version.
     status, out = call(url, "/update_weights_from_disk", {"model_path": "m2", "weight_version": "3"})
-    assert status == 200 and out["num_paused_requests"] == 1
+    assert status == 400 and out == {"success": False, "message": CACHE_NOT_FLUSHED, "num_paused_requests": 0}
+    assert call(url, "/get_model_info")[1]["weight_version"] != "3"
+    status, out = call(url, "/update_weights_from_disk", {"model_path": "m2", "weight_version": "3",
+                                                          "flush_cache": False})
+    assert status == 200 and out["num_paused_requests"] == 0  # SGLang's scheduler always answers 0
     call(url, "/continue_generation", {})
     # the version the answer reports is the server's when the output was produced
     assert job.result(timeout=5)[1]["meta_info"]["weight_version"] == "3"
@@ -487,6 +494,19 @@ def test_flush_cache_busy_and_idle(slow):
 def test_health(fast):
     for path in ("/health", "/health_generate"):
         assert call(fast, path) == (200, "")
+
+
+def test_health_generate_generates_a_token_and_fails_while_paused():
+    with start_simulator(SimConfig(seed=1, decode_tokens_per_s=1e6, prefill_s=0.0)) as sim:
+        finished = lambda: sim.call(lambda: sim.server.engine.stats["finished"])  # noqa: E731
+        before = finished()
+        assert call(sim.url, "/health_generate") == (200, "")
+        assert finished() == before + 1  # one request ran to its end
+        call(sim.url, "/pause_generation", {"mode": "abort"})
+        sim.call(setattr, sim.server, "health_check_timeout_s", 0.2)
+        assert call(sim.url, "/health_generate")[0] == 503  # held at the gate: no token, as in SGLang
+        assert sim.call(lambda: len(sim.server.engine.requests)) == 0  # and nothing left behind
+        call(sim.url, "/continue_generation", {})
 
 
 def test_startup_is_503_until_ready():

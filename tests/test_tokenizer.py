@@ -294,3 +294,42 @@ def test_a_worker_waits_for_an_engine_that_is_not_up_yet(caplog):
         assert not thread.is_alive() and result == {"tokenizer": None}
     finally:
         sim.stop()
+
+
+def _chatml_tokenizer_json(folder):
+    """A SmolLM2-shaped tokenizer.json: <|endoftext|> is id 0 (its unk), <|im_end|> ends a turn."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The capital of France is Paris."] * 10, trainer=trainer)
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_a_bare_tokenizer_json_takes_its_eos_from_the_folders_tokenizer_config(tmp_path):
+    path = _chatml_tokenizer_json(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "pad_token": "<|im_end|>"}')
+    tok = load_tokenizer(str(path))
+    assert tok.eos_token_id == tok.backend.token_to_id("<|im_end|>") == 2  # not <|endoftext|> (0)
+    assert tok.bos_token_id == 1
+    assert tok.pad_token_id == 2
+
+
+def test_a_bare_tokenizer_json_takes_its_eos_from_generation_config_when_the_tokenizer_config_says_none(tmp_path):
+    path = _chatml_tokenizer_json(tmp_path / "model")
+    (tmp_path / "model" / "generation_config.json").write_text('{"eos_token_id": [2, 0], "pad_token_id": 2}')
+    tok = load_tokenizer(str(path))
+    assert tok.eos_token_id == 2
+    assert tok.pad_token_id == 2
+
+
+def test_a_lone_tokenizer_json_still_guesses_from_the_token_strings(tmp_path):
+    path = _chatml_tokenizer_json(tmp_path / "model")
+    assert load_tokenizer(str(path)).eos_token_id == 0  # nothing says otherwise: the first candidate

@@ -484,10 +484,14 @@ class EngineClient:
         model_path: str,
         weight_version: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> dict:
+        """`flush_cache=False` when requests stay paused on the engine (retract,
+        in_place): SGLang 0.5.23 fails the call otherwise, 0.5.15 crashes its scheduler."""
         payload: dict[str, Any] = {
             "model_path": model_path,
             "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
         }
         if weight_version is not None:
             payload["weight_version"] = weight_version
@@ -764,10 +768,11 @@ class EngineSet:
         model_path: str,
         weight_version: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> dict[str, dict]:
         return await self._fanout(
             "update_weights_from_disk",
-            lambda c: c.update_weights_from_disk(model_path, weight_version, abort_all_requests),
+            lambda c: c.update_weights_from_disk(model_path, weight_version, abort_all_requests, flush_cache),
         )
 
     async def update_weight_version(

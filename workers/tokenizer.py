@@ -45,7 +45,8 @@ BYTE_MODEL_TYPES = frozenset({"sim-byte-lm", "byte-lm"})
 ENGINE_WAIT_LOG_S = 30.0
 
 # Token strings tried, in order, to find the special ids of a bare tokenizer.json
-# file (it carries no tokenizer_config.json saying which token is which).
+# file when no tokenizer_config.json or generation_config.json beside it says which
+# token is which (a guess: SmolLM2's <|endoftext|> is its unknown token, id 0).
 _EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "[CLS]")
 _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
@@ -205,6 +206,39 @@ class HFTokenizer:
         return f"HFTokenizer({self.name_or_path!r}, backend={kind})"
 
 
+def _folder_special_ids(path: str, backend: Any) -> dict[str, int]:
+    """The special ids the files beside a tokenizer.json name: tokenizer_config.json's
+    `eos_token` / `bos_token` / `pad_token` (a string or {"content": ...}), else
+    generation_config.json's `*_token_id` (the first of a list). A file that is
+    missing or unreadable says nothing."""
+    import json
+
+    folder = os.path.dirname(os.path.abspath(path))
+
+    def read(name: str) -> dict:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    found: dict[str, int] = {}
+    tokenizer_config, generation_config = read("tokenizer_config.json"), read("generation_config.json")
+    for kind in ("eos", "bos", "pad"):
+        token = tokenizer_config.get(f"{kind}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        token_id = backend.token_to_id(token) if isinstance(token, str) else None
+        if token_id is None:
+            value = generation_config.get(f"{kind}_token_id")
+            value = value[0] if isinstance(value, list) and value else value
+            token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if token_id is not None:
+            found[f"{kind}_token_id"] = token_id
+    return found
+
+
 def _load_tokenizer_json(path: str) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer as RawTokenizer
@@ -213,9 +247,10 @@ def _load_tokenizer_json(path: str) -> HFTokenizer:
             f"loading {path!r} needs the 'tokenizers' package: {HF_INSTALL_HINT}"
         ) from exc
     try:
-        return HFTokenizer(RawTokenizer.from_file(path), path)
+        backend = RawTokenizer.from_file(path)
     except Exception as exc:  # the Rust library raises its own exception type
         raise TokenizerError(f"cannot load tokenizer file {path!r}: {exc}") from exc
+    return HFTokenizer(backend, path, **_folder_special_ids(path, backend))
 
 
 def _load_transformers(name_or_path: str) -> HFTokenizer:
