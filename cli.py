@@ -385,7 +385,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
-    model's tokenizer (a real model needs `pip install 'rollout-queue[hf]'`; the
+    model's tokenizer (a real model needs `pip install -e '.[hf]'` in your clone; the
     simulator takes bytes). Then it claims prompt groups, generates every sample
     through SGLang's /generate, scores them and publishes finished groups; on
     shutdown it hands back what it holds. Run as many as you like, on any host.
@@ -542,7 +542,7 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
     A small byte-level causal LM (the workers' default tokenizer works with it), with
     continuous batching over a KV cache, return_logprob, every pause mode and
     /update_weights_from_disk for checkpoints the trainer writes. Needs torch
-    (pip install 'rollout-queue[torch]').
+    (pip install -e '.[torch]' in your clone).
 
     \b
     Example:
@@ -552,7 +552,7 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
         from engines.byte_lm import ModelConfig
         from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
-        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install -e '.[torch]' in your clone")
     try:
         config = TorchEngineConfig(seed=seed, model_path=model_path, max_running_requests=max_running, device=device,
                                    threads=threads, min_step_s=step_time,
@@ -618,7 +618,7 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
                 raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
-                                           "pip install 'rollout-queue[torch]'") from None
+                                           "pip install -e '.[torch]' in your clone") from None
             summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
         else:
             from local.demo import DemoOptions, run_demo

@@ -270,7 +270,7 @@ def _read_parquet(path: Path, opts: PushOptions) -> list[Row]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install 'rollout-queue[parquet]')") from None
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[parquet]' in your clone)") from None
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises many types for a broken file

