@@ -1501,7 +1501,8 @@ def dead_drop(obj: Context, idents, all_) -> None:
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1), help="Batches to take (K).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, one per line.")
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds to wait for each batch; on timeout the error says why none came.")
+              help="Seconds to wait for each batch (and, in an empty namespace, for the first push); "
+                   "on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
@@ -1532,17 +1533,18 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
     from pipeline.retry import RedisUnavailable
 
-    queue = obj.nonempty_queue()  # a typo must not create a namespace's keys
+    queue = obj.queue()
     if metrics_port:
         _check_port_free(metrics_host, metrics_port, "--metrics-port")
         prom.serve_metrics(metrics_port, metrics_host)
-    reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()
     done = 0
     # A batch taken but not committed when stopped is delivered again to this consumer name.
     with _stop_on_sigterm(lambda: f"stopped after {done} of {steps} batches"), \
             Progress(transient=True, console=_console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+        _wait_for_the_first_push(queue, obj.namespace, timeout_s)  # before a Consumer creates any key
+        reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
         task = progress.add_task(f"batches of {batch_size}", total=steps)
         for step in range(steps):
             try:
@@ -1565,6 +1567,23 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     if not as_json:
         console.print(f"committed {done} batches ({done * batch_size} groups) in "
                       f"{time.monotonic() - started:.2f}s", markup=False)
+
+
+def _wait_for_the_first_push(queue: Queue, namespace: str, timeout_s: float) -> None:
+    """A trainer started beside its feeder (compose starts them together) waits for the
+    first push up to its batch timeout, saying what it waits for (and the namespace it
+    may have meant); a typo'd namespace is never created."""
+    from pipeline.ops.status import empty_message, namespace_is_empty
+
+    if not namespace_is_empty(queue.redis, queue.keys):
+        return
+    click.echo(f"waiting up to {timeout_s:g}s for the first push: {empty_message(queue.redis, namespace)}", err=True)
+    deadline = time.monotonic() + timeout_s
+    while namespace_is_empty(queue.redis, queue.keys):
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"nothing pushed within --timeout {timeout_s:g}s: "
+                                       f"{empty_message(queue.redis, namespace)}")
+        time.sleep(0.2)
 
 
 def _batch_record(step: int, batch) -> dict:

@@ -43,3 +43,45 @@ def test_a_demo_beside_rollout_up_leaves_ups_redis_registered(redis_factory, tmp
     assert register_local(demo) and local_redis_url() == demo.url
     unregister_local(demo)
     assert local_redis_url() is None
+
+
+def test_consume_started_before_the_feeder_waits_for_the_first_push(redis_url, client, namespace, tmp_path):
+    """compose starts the stand-in trainer with the feeder: it waits for work up to its
+    timeout instead of exiting 1 on the still-empty namespace."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.queue import Place, Queue
+    from tests.groups import claim, publish
+    from tests.helpers import wait_for
+    from tests.test_cli import groups
+
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    log = tmp_path / "consume.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace,
+                                 "consume", "--batch-size", "2", "--timeout", "120"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "waiting up to 120s for the first push" in log.read_text(), timeout=60,
+                 what="consume says it waits for the first push")
+        assert proc.poll() is None and not client.keys(f"{namespace}*")  # waits, creates nothing
+        queue = Queue(client, namespace)
+        queue.push_groups(groups(2))
+        for c in claim(queue, "w", 2).groups:
+            for s in c.group.samples:
+                s.tokens, s.response_length, s.response, s.reward = [1, 2], 1, "ok", 1.0
+            publish(queue, "w", c.group, Place.RESULTS)
+        assert proc.wait(120) == 0, log.read_text()
+        assert "committed 1 batches (2 groups)" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_consume_on_a_namespace_never_pushed_to_fails_after_its_timeout(run):
+    result = run("consume", "--batch-size", "1", "--timeout", "0.5")
+    assert result.exit_code == 1
+    assert "nothing pushed within --timeout 0.5s" in result.output and "is empty" in result.output
