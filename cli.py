@@ -1033,6 +1033,15 @@ def _engines_for_control(queue: Queue, urls: list[str]) -> tuple[list[str], str]
     return found, "reported by the live workers"
 
 
+def _unreachable_hint(source: str) -> str:
+    """Why engines the workers reach can fail from here, and the fix."""
+    if source != "reported by the live workers":
+        return ""
+    return (" (these are the addresses the workers reach the engines at; from another host, e.g. outside "
+            "`docker compose`, pass --engine-url with the engines' published addresses, such as "
+            "http://127.0.0.1:30001)")
+
+
 def _engine_error_types():
     from workers.engine import EngineError
 
@@ -1043,6 +1052,11 @@ _ENGINE_URL_OPTION = click.option(
     "--engine-url", "engine_urls", multiple=True, envvar=ENGINE_URLS_ENV,
     help="Engine or router URL to control; repeat for several (env ROLLOUT_ENGINE_URLS). "
          "Default: the engines the live workers report in their heartbeats.")
+ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
+_ENGINE_API_KEY_OPTION = click.option(
+    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
+    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
+         "variable: a command line is visible to every local user).")
 
 
 @main.command()
@@ -1050,10 +1064,11 @@ _ENGINE_URL_OPTION = click.option(
               help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
+@_ENGINE_API_KEY_OPTION
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
 @click.pass_obj
-def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
+def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
     """Stop admission and pause the engines (before a weight update).
 
     Workers stop claiming at once. Every engine (each one behind a router) gets
@@ -1081,7 +1096,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
         return
 
     async def go():
-        engines = EngineSet(urls)
+        engines = EngineSet(urls, api_key=api_key)
         try:
             return await Controller(queue, engines).pause(mode, timeout_s=timeout_s), engines.engines
         finally:
@@ -1091,7 +1106,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
         report, reached = asyncio.run(go())
     except _engine_error_types() as exc:
         raise click.ClickException(f"admission is paused in Redis, but pausing the engines failed: "
-                                   f"{obj.scrub(str(exc))}") from None
+                                   f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
@@ -1108,8 +1123,9 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
 @click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)), default=ReleasePolicy.CONTINUE.value,
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
+@_ENGINE_API_KEY_OPTION
 @click.pass_obj
-def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
+def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -> None:
     """Record the new weight version, continue the engines, reopen admission.
 
     Aborted groups in the requeue stream go back to the head of the prompt list
@@ -1129,7 +1145,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
     urls, source = _engines_for_control(queue, given)
 
     async def go():
-        engines = EngineSet(urls) if urls else None
+        engines = EngineSet(urls, api_key=api_key) if urls else None
         try:
             report = await Controller(queue, engines, release_policy=release_policy).resume(weight_version)
             return report, (engines.engines if engines else [])
@@ -1141,7 +1157,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
         report, reached = asyncio.run(go())
     except _engine_error_types() as exc:
         raise click.ClickException(f"continuing the engines failed, admission stays paused: "
-                                   f"{obj.scrub(str(exc))}") from None
+                                   f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else

@@ -85,3 +85,75 @@ def test_consume_on_a_namespace_never_pushed_to_fails_after_its_timeout(run):
     result = run("consume", "--batch-size", "1", "--timeout", "0.5")
     assert result.exit_code == 1
     assert "nothing pushed within --timeout 0.5s" in result.output and "is empty" in result.output
+
+
+class _Engine:
+    """An engine stand-in that records the Authorization header of every request (answers
+    404 to router discovery, {} to control calls)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                code = 404 if self.path in ("/workers", "/list_workers") else 200
+                body = b"{}"
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_engines_api_key_goes_with_every_control_request(run, monkeypatch):
+    """compose's ENGINE_API_KEY starts the engines with SGLang's --api-key: `rollout pause` and
+    `resume` (and EngineSet, which the Controller uses) send it as a bearer token."""
+    engine = _Engine()
+    try:
+        monkeypatch.setenv("ROLLOUT_ENGINE_API_KEY", "s3cret-key")
+        paused = run("pause", "--engine-url", engine.url)
+        assert paused.exit_code == 0, paused.output
+        assert run("resume", "--engine-url", engine.url).exit_code == 0
+        posts = [(path, auth) for method, path, auth in engine.seen if method == "POST"]
+        assert {p for p, _ in posts} >= {"/pause_generation", "/continue_generation"}
+        assert all(auth == "Bearer s3cret-key" for _, _, auth in engine.seen), engine.seen
+        assert "s3cret-key" not in paused.output
+        # Without a key, no header.
+        engine.seen.clear()
+        monkeypatch.delenv("ROLLOUT_ENGINE_API_KEY")
+        assert run("resume", "--engine-url", engine.url).exit_code == 0
+        assert engine.seen and all(auth is None for _, _, auth in engine.seen)
+    finally:
+        engine.close()
+
+
+def test_pause_from_another_host_names_the_engine_url_to_pass(run, queue):
+    """The engines the workers report (compose-internal names) do not resolve on the host:
+    the error says to pass --engine-url with the published addresses."""
+    import json
+
+    queue.register("w-compose", json.dumps({"engines": ["http://engine-0.invalid:30000"]}))
+    result = run("pause", "--timeout", "0")
+    assert result.exit_code == 1, result.output
+    assert "engine-0.invalid" in result.output and "pass --engine-url" in result.output
+    assert "http://127.0.0.1:30001" in result.output
