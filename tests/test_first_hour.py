@@ -157,3 +157,17 @@ def test_pause_from_another_host_names_the_engine_url_to_pass(run, queue):
     assert result.exit_code == 1, result.output
     assert "engine-0.invalid" in result.output and "pass --engine-url" in result.output
     assert "http://127.0.0.1:30001" in result.output
+
+
+def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
+    """A foreign entry in the results stream is counted and named, escaped, not a traceback."""
+    import json
+
+    from pipeline.types import Group
+
+    queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
+    queue.redis.xadd(queue.keys.results, {b"gid": b"\xff\xfe", b"data": b""})
+    result = run("audit")  # the run fixture fails the test on any exception
+    assert result.exit_code == 1 and "1 more groups found than pushed" in result.output, result.output
+    report = json.loads(run("audit", "--json").output)
+    assert report["prompts"] == 2 and report["extra"] == 1 and not report["ok"]
