@@ -186,6 +186,7 @@ def _setup_logging(verbose: int) -> None:
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
               help="Pipeline namespace: all its keys share this hash tag (env ROLLOUT_NAMESPACE).")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(package_name="rollout-queue", prog_name="rollout")
 @click.pass_context
 def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int) -> None:
     """Redis-backed rollout queue for asynchronous RL: push prompts, run generation
@@ -880,20 +881,22 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     where (place, age_s, position, worker, alive, token, entry_id, session,
     current_session, deliveries, error, reason, batch), claims, max_claims,
     admitted_version, attempts, restarts, n_samples, history (at_ms, age_s,
-    event, who, detail).
+    event, who, detail). Exit code 1 for an id the namespace knows nothing of.
 
     \b
     Example:
       rollout inspect prompts.jsonl:0:17
       rollout inspect prompts.jsonl:0:17 --json | jq .history
     """
-    from pipeline.ops.inspect import locate
+    from pipeline.ops.inspect import GroupPlace, locate
 
     report = locate(obj.nonempty_queue(), group_id)
     if as_json:
         click.echo(_dump(report.to_dict()))
     else:
         click.echo("\n".join(report.lines()))
+    if report.place == GroupPlace.NOWHERE and not report.history:
+        sys.exit(1)  # an id this namespace never saw: a typo, or another namespace
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
@@ -1215,9 +1218,16 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     if as_json:
         click.echo(json.dumps(state.to_dict()))
         return
-    bound = ("none" if state.staleness_limit is None else
-             f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
-             f"admitted at version {state.weight_version}")
+    if state.max_staleness is None:
+        bound = "none"
+    elif state.staleness_limit is None:  # η without B: checked when batches are taken, admission not paced
+        bound = f"η={state.max_staleness}, checked at consumption only (no --batch-size: admission is not paced)"
+        click.echo(f"warning: --max-staleness {state.max_staleness} without a batch size only drops stale groups "
+                   f"when the trainer takes them; to pace admission add --batch-size B (the groups per step): "
+                   f"rollout configure --max-staleness {state.max_staleness} --batch-size 64", err=True)
+    else:
+        bound = (f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
+                 f"admitted at version {state.weight_version}")
     click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
                f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
                f"{'paused' if state.paused else 'admitting'}")

@@ -171,3 +171,33 @@ def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
     assert result.exit_code == 1 and "1 more groups found than pushed" in result.output, result.output
     report = json.loads(run("audit", "--json").output)
     assert report["prompts"] == 2 and report["extra"] == 1 and not report["ok"]
+
+
+def test_configure_max_staleness_without_a_batch_size_says_what_it_does(run):
+    result = run("configure", "--max-staleness", "1")
+    assert result.exit_code == 0
+    assert "staleness bound none" not in result.output  # it is set: say so
+    assert "η=1, checked at consumption only" in result.output and "add --batch-size B" in result.output
+    paced = run("configure", "--batch-size", "8")
+    assert "η=1, B=8:" in paced.output and "warning" not in paced.output
+
+
+def test_inspect_of_an_unknown_group_id_exits_1(run, queue):
+    from pipeline.types import Group
+
+    queue.push_groups([Group.fresh("g0", "q0", 1)])
+    assert run("inspect", "g0").exit_code == 0
+    unknown = run("inspect", "no-such-group")
+    assert unknown.exit_code == 1 and "nowhere" in unknown.output
+    assert run("inspect", "no-such-group", "--json").exit_code == 1
+
+
+def test_version():
+    from importlib.metadata import version
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"rollout, version {version('rollout-queue')}"
