@@ -294,6 +294,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
         except redis.RedisError as exc:
             raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
                                                  "recorded in the cursor: run the same push again to resume")) from None
+    _warn_after_pushing(data.rows, n_samples, epochs, max_queued)
     if report.without_label:
         click.echo(f"warning: {report.without_label} of {report.rows} rows have no {label_key!r} field: the default "
                    "reward math_boxed (and exact_match) needs a label and dead-letters their groups on the first "
@@ -306,6 +307,21 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                    f"({report.rows} rows x {epochs} epochs)")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
+
+
+#: A push without --max-queued writes every epoch to Redis up front: above this, say so.
+PUSH_UP_FRONT_WARN_BYTES = 64 * 2**20
+
+
+def _warn_after_pushing(rows: list, n_samples: int, epochs: int, max_queued: int | None) -> None:
+    if n_samples == 1:
+        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
+                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
+    up_front = sum(r.raw_bytes for r in rows) * epochs
+    if max_queued is None and up_front > PUSH_UP_FRONT_WARN_BYTES:
+        click.echo(f"warning: wrote {len(rows):,} rows x {epochs} epochs to Redis up front (~{up_front / 2**20:,.0f} "
+                   f"MB of prompts, held until trained); --max-queued 1024 feeds them as the workers drain the "
+                   f"list (keep that push running, e.g. in the background)", err=True)
 
 
 def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) -> dict:

@@ -201,3 +201,27 @@ def test_version():
 
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"rollout, version {version('rollout-queue')}"
+
+
+def test_a_dataset_with_prompt_and_answer_keys_is_told_the_flags_to_pass(run, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    result = run("push", str(data))
+    assert result.exit_code == 1
+    assert "missing key 'input' (have: answer, prompt): pass --input-key prompt --label-key answer" in result.output
+    pushed = run("push", str(data), "--input-key", "prompt", "--label-key", "answer")
+    assert pushed.exit_code == 0, pushed.output
+
+
+def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, tmp_path, monkeypatch):
+    import cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "What is {i} + 1?", "label": "{i + 1}"}}\n' for i in range(50)))
+    one = run("push", str(data), "--dataset-name", "one")
+    assert "--n-samples 1: groups of one sample, so every GRPO advantage" in one.output
+    assert "warning" not in run("push", str(data), "--n-samples", "4", "--dataset-name", "four").output
+    monkeypatch.setattr(cli, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
+    big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
+    assert big.exit_code == 0 and "warning: wrote 50 rows x 3 epochs to Redis up front" in big.output
+    assert "--max-queued 1024 feeds them" in big.output
