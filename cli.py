@@ -232,7 +232,9 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--tokenizer", help="Hugging Face tokenizer path: with --context-length, refuse prompts too long.")
 @click.option("--context-length", type=click.IntRange(min=1),
               help="The engine's context in tokens (SGLang's --context-length); needs --tokenizer.")
-@click.option("--apply-chat-template", is_flag=True, help="Count string prompts templated as a user message.")
+@click.option("--apply-chat-template/--no-apply-chat-template", default=None,
+              help="Count string prompts in the chat template, or as text. Default: as the worker does "
+                   "(the template when the tokenizer has one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.pass_obj
 def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples, epochs, shuffle, seed,
@@ -330,7 +332,7 @@ def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) 
     return {"namespace": obj.namespace, "file": str(file), **asdict(report), "epochs": epochs, "n_samples": n_samples}
 
 
-def _token_counter(name: str, apply_chat_template: bool):
+def _token_counter(name: str, apply_chat_template: bool | None):
     """Prompt length in tokens, for the context check at push time."""
     from workers.tokenizer import TokenizerError, encode_prompt, load_tokenizer
 
@@ -358,8 +360,10 @@ _METRICS_HOST_OPTION = click.option(
               "serve (/get_model_info); bytes for the simulator.")
 @click.option("--allow-byte-tokenizer", is_flag=True,
               help="Allow --tokenizer byte against engines that are not the simulator.")
-@click.option("--apply-chat-template", is_flag=True,
-              help="Template string prompts as a user message (instruct models).")
+@click.option("--apply-chat-template/--no-apply-chat-template", default=None,
+              help="String prompts as a user message in the model's chat template, or as plain text. "
+                   "Default: the template when the model has one (instruct models), text otherwise (base "
+                   "models); a template is never invented.")
 @click.option("--reward", default="math_boxed", show_default=True,
               help="Built-in (exact_match, math_boxed, remote_rm) or dotted path to `async def rm(args, sample)`.")
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
@@ -413,7 +417,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
 
     \b
     Example:
-      rollout worker --engine-url http://router:30000 --apply-chat-template --reward math_boxed
+      rollout worker --engine-url http://router:30000 --reward math_boxed
     """
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings

@@ -347,7 +347,9 @@ def test_workers_use_the_served_models_tokenizer_from_the_same_files(config):
     services = config["services"]
     worker = services["worker"]
     command = worker["command"]
-    assert "--apply-chat-template" in command and "--tokenizer" not in command  # default: the engine's model
+    assert "--tokenizer" not in command  # default: the engine's model
+    # Its own chat template when it has one: none is forced on (or invented for) a base model.
+    assert "--apply-chat-template" not in command
     engine, mine = volume_sources(services["engine-0"]), volume_sources(worker)
     # A model_path the engine reports (/models/...) is the same directory in the worker.
     assert engine["/models"] == mine["/models"] == ENV["MODEL_DIR"]
