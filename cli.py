@@ -920,27 +920,51 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
+    """Refresh until Ctrl-C; a Redis restart or failover is watched through (said on stderr),
+    not the end of the watch."""
     from pipeline.ops.status import snapshot
     from pipeline.ops.status_render import render
 
+    outage_started: float | None = None
+
+    def take():
+        nonlocal outage_started
+        try:
+            snap = snapshot(queue, tracker)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if outage_started is None:
+                outage_started = time.monotonic()
+                click.echo(f"Redis unreachable ({type(exc).__name__}): still watching, retrying every "
+                           f"{interval:g}s", err=True)
+            return None
+        if outage_started is not None:
+            click.echo(f"Redis is back after {time.monotonic() - outage_started:.0f}s", err=True)
+            outage_started = None
+        return snap
+
+    def every_interval():
+        while True:
+            snap = take()
+            if snap is not None:
+                yield snap
+            time.sleep(interval)
+
     try:
         if as_json:
-            while True:
-                click.echo(snapshot(queue, tracker).to_json())
-                time.sleep(interval)
+            for snap in every_interval():
+                click.echo(snap.to_json())
         console = _console()
         if console.is_terminal:
             from rich.live import Live
 
-            with Live(render(snapshot(queue, tracker)), console=console, refresh_per_second=4) as live:
-                while True:
-                    time.sleep(interval)
-                    live.update(render(snapshot(queue, tracker)))
+            snaps = every_interval()
+            with Live(render(next(snaps)), console=console, refresh_per_second=4) as live:
+                for snap in snaps:
+                    live.update(render(snap))
         else:
-            while True:
-                console.print(render(snapshot(queue, tracker)))
+            for snap in every_interval():
+                console.print(render(snap))
                 console.rule()
-                time.sleep(interval)
     except KeyboardInterrupt:
         pass
 

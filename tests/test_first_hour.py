@@ -226,3 +226,38 @@ def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, t
     big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
     assert big.exit_code == 0 and "warning: wrote 50 rows x 3 epochs to Redis up front" in big.output
     assert "--max-queued 1024 feeds them" in big.output
+
+
+def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import redis as redis_py
+
+    from pipeline.queue import Queue
+    from pipeline.types import Group
+    from tests.helpers import wait_for
+
+    server = redis_factory("watched", aof=True)
+    Queue(redis_py.Redis.from_url(server.url), "w").push_groups([Group.fresh("g0", "q0", 1)])
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", server.url, "--namespace", "w",
+                                 "status", "--watch", "--json", "--interval", "0.2"],
+                                cwd=REPO, env=env, stdout=o, stderr=e)
+    try:
+        wait_for(lambda: out.read_text().count("\n") >= 1, timeout=60, what="a first status line")
+        server.kill()
+        wait_for(lambda: "Redis unreachable" in err.read_text(), timeout=60, what="the outage is said")
+        assert proc.poll() is None, err.read_text()  # still watching
+        before = out.read_text().count("\n")
+        redis_factory("watched", data_dir=server.data_dir, port=server.port, aof=True)
+        wait_for(lambda: "Redis is back" in err.read_text() and out.read_text().count("\n") > before,
+                 timeout=60, what="status lines again after the restart")
+        assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+    finally:
+        proc.terminate()
+        proc.wait(30)
