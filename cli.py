@@ -284,13 +284,19 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                     click.echo(_dump(_push_record(obj, file, PushReport(dataset_name or file.name, 0), epochs,
                                                   n_samples)))
                 return
-            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress, \
+                    _FeederProgress(queue, opts.dataset_name or file.name, len(data.rows) * epochs, max_queued) \
+                    as feeder:
                 task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
                 # A feeder runs for the whole training run: it waits out a Redis restart like
                 # the workers and the trainer do. A one-shot push stops and says how to resume.
                 reconnect = Reconnect(f"feeder {opts.dataset_name or file.name}") if max_queued else None
-                report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n),
-                                      reconnect=reconnect)
+
+                def advance(n: int) -> None:
+                    progress.advance(task, n)
+                    feeder.pushed += n
+
+                report = push_dataset(queue, data, opts, progress=advance, reconnect=reconnect)
         except DatasetError as exc:
             raise click.ClickException(str(exc)) from None
         except redis.RedisError as exc:
@@ -309,6 +315,47 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                    f"({report.rows} rows x {epochs} epochs)")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
+
+
+#: Seconds between a feeder's progress lines (`push --max-queued` runs for hours, often in a container).
+FEEDER_PROGRESS_S = 30.0
+
+
+class _FeederProgress:
+    """In feeder mode (--max-queued), a line on stderr every FEEDER_PROGRESS_S: groups pushed
+    of the total and what the prompt list holds, so a feeder waiting for the workers says so."""
+
+    def __init__(self, queue: Queue, dataset: str, total: int, max_queued: int | None):
+        import threading
+
+        self.queue, self.dataset, self.total, self.max_queued = queue, dataset, total, max_queued
+        self.pushed = 0  # groups, advanced by the push
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="feeder-progress", daemon=True)
+
+    def __enter__(self) -> "_FeederProgress":
+        if self.max_queued is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(FEEDER_PROGRESS_S):
+            try:
+                queued = self.queue.redis.llen(self.queue.keys.prompts)
+                listed = f"{queued:,} of {self.max_queued:,}"
+                full = queued >= self.max_queued and self.pushed < self.total
+                waiting = "; waiting for the workers to take prompts" if full else ""
+            except redis.RedisError:
+                listed, waiting = "unknown", "; Redis unreachable, retrying"
+            rate = self.pushed / max(time.monotonic() - started, 1e-9)
+            click.echo(f"feeder {self.dataset}: pushed {self.pushed:,} of {self.total:,} groups ({rate:.1f}/s); "
+                       f"prompt list {listed}{waiting}", err=True)
 
 
 #: A push without --max-queued writes every epoch to Redis up front: above this, say so.

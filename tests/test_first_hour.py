@@ -261,3 +261,33 @@ def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_feeder_says_what_it_does_while_it_runs(run, queue, tmp_path, monkeypatch):
+    """`push --max-queued` runs for hours: it prints a progress line periodically, saying when it
+    waits for the workers."""
+    import threading
+
+    import cli
+    from tests.helpers import wait_for
+
+    monkeypatch.setattr(cli, "FEEDER_PROGRESS_S", 0.1)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "q{i}", "label": "{i}"}}\n' for i in range(6)))
+    done = threading.Event()
+
+    def worker_taking_prompts():  # the prompt list drains only after the feeder said it waits
+        wait_for(lambda: queue.redis.llen(queue.keys.prompts) >= 2, timeout=60, what="a full prompt list")
+        while not done.wait(0.5):
+            queue.redis.lpop(queue.keys.prompts)
+
+    taker = threading.Thread(target=worker_taking_prompts, daemon=True)
+    taker.start()
+    try:
+        result = run("push", str(data), "--n-samples", "2", "--max-queued", "2")
+    finally:
+        done.set()
+        taker.join(10)
+    assert result.exit_code == 0, result.output
+    assert "pushed 6 groups" in result.output
+    assert "of 6 groups" in result.output and "prompt list 2 of 2; waiting for the workers" in result.output
