@@ -23,7 +23,7 @@ import redis
 
 from pipeline.ops.acl import Role
 from pipeline.connection import ConnectionFailed, connect, scrub
-from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
+from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
@@ -78,6 +78,11 @@ class Context:
             raise click.ClickException(empty_message(queue.redis, self.namespace))
         return queue
 
+
+#: One default for each worker knob, whether the worker runs alone, under `up` or in
+#: docker-compose.yml (tests/test_first_hour.py checks the compose file says the same).
+DEFAULT_CONCURRENCY = 256  # samples in flight per engine, per worker
+DEFAULT_MAX_NEW_TOKENS = 1024
 
 #: The options of `rollout` itself (they go before the command), and whether each takes a value.
 GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
@@ -401,7 +406,7 @@ _METRICS_HOST_OPTION = click.option(
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
-@click.option("--concurrency", default=512, show_default=True, type=click.IntRange(min=1),
+@click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
 @click.option("--tokenizer", help="Hugging Face tokenizer name or path, or `byte`. Default: the model the engines "
               "serve (/get_model_info); bytes for the simulator.")
@@ -420,7 +425,7 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--no-eval", "serve_eval", flag_value=False, default=True,
               help="Do not serve eval passes (<namespace>.eval); by default they come before training.")
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
-@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
 @click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
@@ -710,13 +715,13 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
               help="Simulators to start (ignored with --engine-url).")
 @click.option("--engine-url", "engine_urls", multiple=True,
               help="Use these SGLang engines or router instead of simulators; repeat for several.")
-@click.option("--concurrency", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine, per worker.")
-@click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
-@click.option("--lease", "lease_s", default=10.0, show_default=True,
-              type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
-              help="The namespace's worker lease in seconds (see `rollout configure`).")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help=f"The namespace's worker lease in seconds (see `rollout configure`). Default: as "
+                   f"configured, else {DEFAULT_LEASE_S:g}.")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),

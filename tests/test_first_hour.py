@@ -291,3 +291,23 @@ def test_a_feeder_says_what_it_does_while_it_runs(run, queue, tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert "pushed 6 groups" in result.output
     assert "of 6 groups" in result.output and "prompt list 2 of 2; waiting for the workers" in result.output
+
+
+def test_a_worker_knob_has_one_default_in_worker_up_and_compose():
+    import yaml
+
+    import cli
+    from pipeline.control import DEFAULT_LEASE_S
+
+    def default(command: str, option: str):
+        [param] = [p for p in cli.main.commands[command].params if option in p.opts]
+        return param.default
+
+    for option, value in (("--concurrency", cli.DEFAULT_CONCURRENCY), ("--max-new-tokens", cli.DEFAULT_MAX_NEW_TOKENS)):
+        assert default("worker", option) == default("up", option) == value, option
+    assert not isinstance(default("up", "--lease"), (int, float))  # the namespace's lease, DEFAULT_LEASE_S unless configured
+    assert DEFAULT_LEASE_S == 30.0
+    command = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["worker"]["command"]
+    given = dict(zip(command[2::2], command[3::2]))
+    assert given["--concurrency"] == f"${{CONCURRENCY:-{cli.DEFAULT_CONCURRENCY}}}"
+    assert given["--max-new-tokens"] == f"${{MAX_NEW_TOKENS:-{cli.DEFAULT_MAX_NEW_TOKENS}}}"
