@@ -1589,6 +1589,8 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
         raise click.ClickException(str(exc)) from None
     for letter, why in result.skipped:
         click.echo(f"skipped {letter.describe()}: {why}", err=True)
+    for letter, why in result.doomed:
+        click.echo(f"warning: retried {letter.describe()}, but {why}", err=True)
     click.echo(f"retried {result.settled} dead letters: back at the head of the prompt list"
                + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
 

@@ -311,3 +311,20 @@ def test_a_worker_knob_has_one_default_in_worker_up_and_compose():
     given = dict(zip(command[2::2], command[3::2]))
     assert given["--concurrency"] == f"${{CONCURRENCY:-{cli.DEFAULT_CONCURRENCY}}}"
     assert given["--max-new-tokens"] == f"${{MAX_NEW_TOKENS:-{cli.DEFAULT_MAX_NEW_TOKENS}}}"
+
+
+def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
+    from pipeline.queue import Place
+    from pipeline.types import Group
+    from tests.groups import claim
+
+    queue.push_groups([Group.fresh("nolabel", "q", 1), Group.fresh("engine", "q", 1, label="1")])
+    claimed = {c.group.group_id: c for c in claim(queue, "w", 2).groups}
+    queue.publish_group("w", claimed["nolabel"].group, claimed["nolabel"].token, Place.DEAD,
+                        "math_boxed needs a label, but sample.label is None", reason="missing_label")
+    queue.publish_group("w", claimed["engine"].group, claimed["engine"].token, Place.DEAD, "engine down",
+                        reason="engine")
+    result = run("dead", "retry", "--all")
+    assert result.exit_code == 0 and "retried 2 dead letters" in result.output
+    warnings = [l for l in result.output.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and "nolabel" in warnings[0] and "still have no label" in warnings[0], result.output
