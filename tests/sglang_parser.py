@@ -7,9 +7,10 @@ starts with `DIR`. `install` (run by scripts/test) puts there the sglang wheel
 WITHOUT its dependencies (they include CUDA builds of torch: gigabytes) and the small
 packages the parser's modules import; torch and numpy come from the test extra. It
 is kept out of the test environment because sglang pins its own transformers,
-tokenizers and huggingface-hub. One stand-in: an empty `triton` module, which
+tokenizers and huggingface-hub. Two stand-ins: an empty `triton` module, which
 `sglang.srt.utils.common` imports at the top and uses only inside kernel helpers
-(the real one is a 1 GB wheel).
+(the real one is a 1 GB wheel), and `torchvision.io`, whose `decode_jpeg` it imports at the top
+and calls only on images.
 
     python -m tests.sglang_parser install
     python -m tests.sglang_parser parse --model-path Qwen/Qwen2.5-0.5B-Instruct --port 30000
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 #: The SGLang release of the engine image that docker-compose.yml pins (SGLANG_IMAGE).
-VERSION = "0.5.23"
+VERSION = "0.5.20"
 #: Where `install` puts it: outside the repository, so it survives fresh clones on one machine.
 DIR = Path(os.environ.get("ROLLOUT_SGLANG_PARSER_DIR",
                           Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -32,13 +33,16 @@ DIR = Path(os.environ.get("ROLLOUT_SGLANG_PARSER_DIR",
 #: What the modules behind `prepare_server_args` import, besides torch and numpy.
 PARSER_IMPORTS = ["msgspec", "pybase64", "pillow", "pyzmq", "orjson", "psutil", "requests", "starlette",
                   "pydantic", "tqdm", "packaging", "typing_extensions", "anyio", "ipython"]
+#: Imported at the top of those modules by 0.5.20 but only used when serving: installed without
+#: their dependencies (xgrammar's include torch builds).
+PARSER_IMPORTS_NO_DEPS = ["openai", "partial_json_parser", "xgrammar", "apache-tvm-ffi"]
 _REPO = Path(__file__).resolve().parent.parent
 _MARKER = "installed"
 
 
 def _stamp() -> str:
     """What an installation holds: another list of imports means another installation."""
-    return " ".join([VERSION, *PARSER_IMPORTS]) + "\n"
+    return " ".join([VERSION, *PARSER_IMPORTS, *PARSER_IMPORTS_NO_DEPS]) + "\n"
 
 
 def installed() -> bool:
@@ -51,7 +55,7 @@ def install() -> None:
     shutil.rmtree(DIR, ignore_errors=True)  # pip --target does not replace what is there
     pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(DIR)]
     subprocess.run(pip + PARSER_IMPORTS, check=True)
-    subprocess.run(pip + ["--no-deps", f"sglang=={VERSION}"], check=True)
+    subprocess.run(pip + ["--no-deps", f"sglang=={VERSION}", *PARSER_IMPORTS_NO_DEPS], check=True)
     (DIR / _MARKER).write_text(_stamp())
 
 
@@ -77,6 +81,14 @@ def _parse_here(argv: list[str]) -> None:
     # through torch._dynamo it would take the triton stand-in for the real package: the
     # parser runs as where transformers is absent, which it tolerates.
     sys.modules["transformers"] = None
+    # 0.5.20's sglang.srt.utils.common imports torchvision.io.decode_jpeg at the top and calls
+    # it only to decode images; torchvision is a CUDA-matched wheel of its own.
+    from importlib.machinery import ModuleSpec
+
+    vision, vision_io = types.ModuleType("torchvision"), types.ModuleType("torchvision.io")
+    vision.__spec__, vision_io.__spec__ = ModuleSpec("torchvision", None), ModuleSpec("torchvision.io", None)
+    vision.io, vision_io.decode_jpeg = vision_io, None
+    sys.modules.update({"torchvision": vision, "torchvision.io": vision_io})
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(argv)  # a msgspec Struct: its fields are the settings

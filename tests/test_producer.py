@@ -291,7 +291,7 @@ def test_skip_bad_dead_letters_bad_rows(queue, tmp_path):
     by_epoch = [(e.group_id, e.error) for e in dead if e.group_id.startswith("sb.jsonl:0:")]
     assert [gid for gid, _ in by_epoch] == ["sb.jsonl:0:1", "sb.jsonl:0:4", "sb.jsonl:0:6"]
     assert by_epoch[0][1].startswith(f"{path}:2: invalid JSON")
-    assert by_epoch[1][1] == f"{path}:5: missing key 'input' (have: question)"
+    assert by_epoch[1][1] == f"{path}:5: missing key 'input' (have: question): pass --input-key question"
     assert by_epoch[2][1].startswith(f"{path}:7: 'input' must be a non-empty string")
     # The dead letter carries the raw line for whoever fixes it.
     g = dead[0].decode()

@@ -18,6 +18,7 @@ from tests.helpers import FakeModelEngine, wait_for
 from engines.simulator import SimConfig, start_simulator
 from workers.tokenizer import (
     ByteTokenizer,
+    ChatTemplateMissing,
     EngineModel,
     HFTokenizer,
     TokenizerChoiceError,
@@ -120,7 +121,7 @@ def test_load_byte(name):
 
 def test_missing_transformers_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
-    with pytest.raises(RuntimeError, match=r"pip install 'rollout-queue\[hf\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[hf\]' in your clone"):
         load_tokenizer("Qwen/Qwen2.5-0.5B-Instruct")
 
 
@@ -128,7 +129,7 @@ def test_missing_tokenizers_gives_install_hint(monkeypatch, tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)
-    with pytest.raises(RuntimeError, match=r"pip install 'rollout-queue\[hf\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[hf\]' in your clone"):
         load_tokenizer(str(path))
 
 
@@ -147,12 +148,18 @@ def test_tokenizers_file_round_trip(tokenizer_json):
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=False).endswith("<|endoftext|>")
 
 
-def test_tokenizers_file_uses_simple_template(tokenizer_json):
+def test_a_tokenizer_without_a_template_never_gets_an_invented_one(tokenizer_json):
+    """A bare tokenizer.json (like a base model) has no chat template: chat messages are
+    refused (the worker dead-letters the group with this message), string prompts go as text."""
     tok = load_tokenizer(tokenizer_json)
+    assert not tok.has_chat_template
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    assert tok.apply_chat_template(messages) == simple_chat_template(messages)
-    ids = encode_prompt(tok, messages, apply_chat_template=False)
-    assert tok.decode(ids) == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n"
+    with pytest.raises(ChatTemplateMissing, match="has no chat template"):
+        tok.apply_chat_template(messages)
+    with pytest.raises(ValueError, match="has no chat template"):
+        encode_prompt(tok, messages, apply_chat_template=None)
+    for choice in (None, False):  # by default, a model without a template gets its prompts as text
+        assert tok.decode(encode_prompt(tok, "What is 2 + 3?", apply_chat_template=choice)) == "What is 2 + 3?"
 
 
 class _FakeHFTokenizer:
@@ -207,11 +214,19 @@ def test_transformers_adapter(monkeypatch):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x[assistant]"
 
 
-def test_transformers_adapter_without_template_falls_back(monkeypatch):
+def test_transformers_adapter_without_template_refuses_chat_messages(monkeypatch):
     _install_fake_transformers(monkeypatch, chat_template=None)
     tok = load_tokenizer("org/model")
-    messages = [{"role": "user", "content": "x"}]
-    assert tok.apply_chat_template(messages) == simple_chat_template(messages)
+    with pytest.raises(ChatTemplateMissing, match="'org/model' has no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_models_own_template_is_applied_by_default(monkeypatch):
+    _install_fake_transformers(monkeypatch, chat_template="{{ jinja }}")
+    tok = load_tokenizer("org/model")
+    assert tok.has_chat_template
+    assert encode_prompt(tok, "x", apply_chat_template=None) == tok.encode("[user]x[assistant]")
+    assert encode_prompt(tok, "x", apply_chat_template=False) == tok.encode("x")  # --no-apply-chat-template
 
 
 # --- the tokenizer a worker's engines need -------------------------------------------
@@ -259,9 +274,12 @@ def test_the_simulator_is_recognised_by_its_model_info():
 def test_a_worker_takes_the_served_models_tokenizer_and_refuses_bytes(tokenizer_json):
     engine = FakeModelEngine(tokenizer_json)
     try:
-        run = lambda requested: asyncio.run(asyncio.wait_for(
-            worker_tokenizer([engine.url], requested, allow_byte=False, apply_chat_template=True), 30))
+        run = lambda requested, template=None: asyncio.run(asyncio.wait_for(
+            worker_tokenizer([engine.url], requested, allow_byte=False, apply_chat_template=template), 30))
         assert run(None) == tokenizer_json
+        # This model has no chat template: asking for one is refused at start, not invented.
+        with pytest.raises(TokenizerChoiceError, match="--apply-chat-template, but tokenizer .* has no chat template"):
+            run(None, True)
         with pytest.raises(TokenizerChoiceError, match="--allow-byte-tokenizer"):
             run("byte")
         # A tokenizer named explicitly does not depend on what the engines serve.

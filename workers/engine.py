@@ -319,15 +319,17 @@ def _error_message(body: Any) -> str:
     return str(body)[:500]
 
 
-def make_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
-    """One session for thousands of concurrent requests.
+def make_session(timeout_s: float = 600.0, api_key: str | None = None) -> aiohttp.ClientSession:
+    """One session for thousands of concurrent requests; with `api_key`, every request
+    carries it as SGLang's `--api-key` expects (`Authorization: Bearer KEY`).
 
     limit=0 removes aiohttp's default cap of 100 connections, which would
     otherwise silently queue the worker's >= 4,096 in-flight generations.
     """
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     return aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers
     )
 
 
@@ -344,10 +346,12 @@ class EngineClient:
         session: aiohttp.ClientSession | None = None,
         timeout_s: float = 600.0,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.vocab_size = vocab_size
+        self.api_key = api_key  # for a session of its own; a given session carries its headers
         self._session = session
         self._owns_session = session is None
         # None = unknown; False = engine predates 0.5.6 and takes no pause body.
@@ -356,7 +360,7 @@ class EngineClient:
     def _get_session(self) -> aiohttp.ClientSession:
         # Created lazily so the client can be built outside a running loop.
         if self._session is None or self._session.closed:
-            self._session = make_session(self.timeout_s)
+            self._session = make_session(self.timeout_s, self.api_key)
             self._owns_session = True
         return self._session
 
@@ -628,13 +632,17 @@ class EngineSet:
         timeout_s: float = 600.0,
         refresh_before_control: bool = True,
         vocab_size: int | None = None,
+        api_key: str | None = None,
     ):
+        """`api_key`: the engines' and routers' SGLang `--api-key`, sent with every request
+        (through the session this set makes; a given `session` carries its own headers)."""
         if isinstance(urls, str):
             urls = [urls]
         self.urls = _dedupe([u.rstrip("/") for u in urls])
         if not self.urls:
             raise ValueError("EngineSet needs at least one engine or router URL")
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.vocab_size = vocab_size  # bounds token ids in /generate answers; None: unknown
         # Re-discover before each control call so an engine that joined the router
         # since the last call is not left out of a pause or weight update.
@@ -649,7 +657,7 @@ class EngineSet:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = make_session(self.timeout_s)
+            self._session = make_session(self.timeout_s, self.api_key)
             self._owns_session = True
         return self._session
 

@@ -15,9 +15,11 @@ before a worker starts, which tokenizer its engines need: the byte tokenizer onl
 for the simulator, else the served model's own (byte ids sent to a real model are
 well-formed garbage it happily answers).
 
-The simple chat template shared by `ByteTokenizer` and tokenizers that have no
-template of their own renders each message as ``<|role|>\\ncontent\\n`` and, with
-``add_generation_prompt``, ends with ``<|assistant|>\\n``::
+Chat templates: a tokenizer's own, never an invented one. `ByteTokenizer`'s own (the
+simulator's convention) renders each message as ``<|role|>\\ncontent\\n`` and, with
+``add_generation_prompt``, ends with ``<|assistant|>\\n``; a Hugging Face tokenizer
+without a template (a base model) refuses chat messages (`ChatTemplateMissing`) rather
+than wrap them in a format the model never saw::
 
     <|system|>
     You are terse.
@@ -36,7 +38,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
-HF_INSTALL_HINT = "pip install 'rollout-queue[hf]'"
+HF_INSTALL_HINT = "pip install -e '.[hf]' in your clone"
 #: `model_type`s in /get_model_info of the project's own engines, whose models read
 #: UTF-8 bytes as token ids: the simulator (engines/simulator.py) and the tiny PyTorch
 #: model (engines/torch_engine.py).
@@ -61,6 +63,7 @@ class Tokenizer(Protocol):
     """What the workers and the simulator need from a tokenizer."""
 
     eos_token_id: int | None
+    has_chat_template: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -96,6 +99,7 @@ class ByteTokenizer:
     """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, then BOS, EOS and PAD."""
 
     name_or_path = "byte"
+    has_chat_template = True  # the simple template is this tokenizer's own convention
     bos_token_id = 256
     eos_token_id = 257
     pad_token_id = 258
@@ -162,7 +166,10 @@ class HFTokenizer:
             self.eos_token_id = eos_token_id if eos_token_id is not None else self._find_token(_EOS_CANDIDATES)
             self.bos_token_id = bos_token_id if bos_token_id is not None else self._find_token(_BOS_CANDIDATES)
             self.pad_token_id = pad_token_id if pad_token_id is not None else self._find_token(_PAD_CANDIDATES)
-        self._warned_template = False
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._is_transformers and bool(getattr(self.backend, "chat_template", None))
 
     def _find_token(self, candidates: Sequence[str]) -> int | None:
         for token in candidates:
@@ -191,15 +198,11 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)
-        if self._is_transformers and getattr(self.backend, "chat_template", None):
-            return self.backend.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        if not self._warned_template:
-            logger.warning("tokenizer %r has no chat template; using the simple <|role|> template",
-                           self.name_or_path)
-            self._warned_template = True
-        return simple_chat_template(messages, add_generation_prompt)
+        if not self.has_chat_template:
+            raise ChatTemplateMissing(f"tokenizer {self.name_or_path!r} has no chat template (a base model): chat "
+                                      "messages cannot be rendered the way the model was trained; give it "
+                                      "string prompts, sent as text")
+        return self.backend.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         kind = "transformers" if self._is_transformers else "tokenizers"
@@ -279,14 +282,18 @@ def load_tokenizer(name_or_path: str | None) -> ByteTokenizer | HFTokenizer:
     return _load_transformers(name_or_path)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_template: bool | None) -> list[int]:
     """Prompt token ids for one dataset prompt.
 
     A list prompt (chat messages) is always rendered with the chat template; a
-    string is wrapped as a single user message only when `apply_chat_template`.
+    string is wrapped as a single user message when `apply_chat_template`, or, when
+    it is None, when the tokenizer has a template of its own (an instruct model).
     Raises ValueError for any prompt it cannot encode (wrong type, malformed
-    messages), so callers can treat that as poison input.
+    messages, chat messages for a tokenizer without a template), so callers can
+    treat that as poison input.
     """
+    if apply_chat_template is None:
+        apply_chat_template = tokenizer.has_chat_template
     if isinstance(prompt, list):
         text = tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True)
     elif isinstance(prompt, str):
@@ -304,6 +311,10 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_tem
 
 class TokenizerChoiceError(ValueError):
     """The worker's tokenizer does not fit its engines; the message says what to pass."""
+
+
+class ChatTemplateMissing(ValueError):
+    """Chat messages for a tokenizer without a chat template of its own."""
 
 
 @dataclass(frozen=True)
@@ -379,7 +390,7 @@ async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
 
 
 async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_byte: bool,
-                           apply_chat_template: bool, wait_log_s: float = ENGINE_WAIT_LOG_S) -> str | None:
+                           apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S) -> str | None:
     """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
     loaded once here so a missing library or model fails now, in one line.
 
@@ -394,9 +405,11 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
     except Exception as exc:  # transformers raises OSError, ValueError, ... for a missing model
         raise TokenizerChoiceError(f"cannot load tokenizer {name!r} (the one the engines serve unless --tokenizer "
                                    f"is given): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if isinstance(tokenizer, HFTokenizer) and getattr(tokenizer.backend, "chat_template", None) \
-            and not apply_chat_template:
-        logger.warning("tokenizer %s has a chat template, but string prompts are sent without it: pass "
-                       "--apply-chat-template for an instruct model", name)
-    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(engine_urls))
+    if apply_chat_template and not tokenizer.has_chat_template:
+        raise TokenizerChoiceError(f"--apply-chat-template, but tokenizer {name!r} has no chat template (a base "
+                                   "model): prompts would be wrapped in one it never saw; leave the option out "
+                                   "(string prompts go as text)")
+    templated = tokenizer.has_chat_template and apply_chat_template is not False
+    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte", ", ".join(engine_urls),
+                "in the model's chat template" if templated else "as text")
     return name

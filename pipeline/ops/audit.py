@@ -106,7 +106,21 @@ def _snapshot(queue: Queue) -> dict:
                              *(k.inflight(w) for w in ordered)],
                        args=[CONSUMER_GROUP, *ordered])
         if text(reply) != "retry":
-            return json.loads(reply)
+            # cjson copies ids byte for byte: a foreign id that is not UTF-8 must not break the
+            # audit, it is counted and shown escaped (b"\xff" as "\\xff"), as everywhere else.
+            raw = reply.decode("utf-8", "surrogateescape") if isinstance(reply, bytes) else reply
+            return _escaped(json.loads(raw))
+
+
+def _escaped(value):
+    """`value` (parsed JSON) with every string that held non-UTF-8 bytes escaped."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    return value
 
 
 def _check_result_payloads(queue: Queue, rows: list) -> tuple[int, int]:

@@ -189,6 +189,8 @@ def find(queue: Queue, ids: list[str]) -> tuple[list[DeadLetter], list[str]]:
 class RetryResult:
     done: list[DeadLetter] = field(default_factory=list)
     skipped: list[tuple[DeadLetter, str]] = field(default_factory=list)  # (letter, why not)
+    # Retried, but nothing changed what failed them: (letter, why it may fail the same way).
+    doomed: list[tuple[DeadLetter, str]] = field(default_factory=list)
     settled: int = 0  # entries actually moved (others were settled by someone else meanwhile)
 
 
@@ -238,6 +240,10 @@ def retry(queue: Queue, ids: list[str] | None = None, all_: bool = False, restar
         if group is None:
             continue
         result.done.append(letter)
+        if letter.reason == "missing_label" and all(s.label is None for s in group.samples):
+            result.doomed.append((letter, "its samples still have no label: unless the workers now run a reward "
+                                          "that needs none, it is dead-lettered again at once (give the row a label "
+                                          "in the file and push it again)"))
         if restart:
             group.reset()
         group.attempts = 0

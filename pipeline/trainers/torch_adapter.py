@@ -33,7 +33,7 @@ def _torch():
         import torch
     except ImportError:
         raise ImportError("pipeline.trainers.torch_adapter needs PyTorch: pip install torch "
-                          "(or pip install 'rollout-queue[torch]')") from None
+                          "(or pip install -e '.[torch]' in your clone)") from None
     return torch
 
 

