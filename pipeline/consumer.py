@@ -1,10 +1,11 @@
 """The trainer's side: exact-size batches from the results stream.
 
-A trainer session has a generation. Starting one (the first `next_batch`) fences every
-earlier session, here or in another process: their reads and commits are refused
-from then on, and the new session takes over, oldest first, every entry they had
-been delivered and not committed. Reads and commits check the generation inside
-their scripts, and a commit settles only entries delivered to this session, so two
+A trainer session has a random id that is never reissued (a generation counter is not
+enough: a failover that loses the last writes hands the same number out twice).
+Starting one (the first `next_batch`) fences every earlier session, here or in another
+process: their reads and commits are refused from then on, and the new session takes
+over, oldest first, every entry they had been delivered and not committed. Reads and
+commits check the id inside their scripts, and a commit settles only entries delivered to this session, so two
 trainers on one namespace never train the same group twice: the older one gets
 `SessionFenced` naming the newer one.
 
@@ -133,10 +134,11 @@ class Consumer:
 
     def _start_session(self, deadline: float | None) -> None:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
+        session_id = TrainerSession.new_id()
         generation, consumer, taken = self._call(
             self._scripts["session"], keys=[self.keys.trainer, self.keys.results],
-            args=[CONSUMER_GROUP, self.name, info], deadline=deadline)
-        self.session = TrainerSession(text(consumer), int(generation))
+            args=[CONSUMER_GROUP, self.name, info, session_id], deadline=deadline)
+        self.session = TrainerSession(text(consumer), int(generation), session_id)
         self.reconnect.what = f"trainer session {self.session.consumer}"
         if int(taken):
             log.info("trainer session %s: took over %d entries delivered to earlier sessions and not committed",
@@ -315,7 +317,7 @@ class Consumer:
     def _read(self, count: int, deadline: float | None) -> tuple[list[StreamEntry], str, int]:
         newest, pending, *rows = self._call(
             self._scripts["read"], keys=[self.keys.results, self.keys.trainer],
-            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, count], deadline=deadline)
+            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, count], deadline=deadline)
         rows = [(eid, dict(zip(flat[::2], flat[1::2]))) for eid, flat in rows]
         return self._call(self.queue.entries, self.keys.results, rows, deadline=deadline), text(newest), int(pending)
 
@@ -469,7 +471,7 @@ class Consumer:
         # Claimed again by this session, which counts the delivery: a batch that keeps
         # failing ends in dead letters instead of failing the trainer forever.
         counts = self._call(self._scripts["redeliver"], keys=[self.keys.results, self.keys.trainer],
-                            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, *ids])
+                            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, *ids])
         by_id = {e.entry_id: e for e in batch.entries}
         released = [(by_id[eid], int(c)) for eid, c in zip(ids, counts) if int(c)]
         held, self._held = self._held, []

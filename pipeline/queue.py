@@ -14,6 +14,7 @@ was reaped learns so at its next contact and registers anew.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
@@ -91,8 +92,13 @@ class Heartbeat:
 
 @dataclass
 class TrainerSession:
-    consumer: str  # its consumer name in the results stream's consumer group
-    generation: int
+    consumer: str  # its consumer name in the results stream's consumer group: "<base>.<generation>-<id>"
+    generation: int  # sessions started so far, for people; a lost write can hand it out twice
+    id: str  # random, never reissued: the fence every trainer script checks
+
+    @staticmethod
+    def new_id() -> str:
+        return secrets.token_hex(6)
 
 
 @dataclass
@@ -362,7 +368,7 @@ class Queue:
         k = self.keys
         if stream == k.results and session is None:
             raise ValueError("settling results entries needs the trainer session they were delivered to")
-        args: list = [CONSUMER_GROUP, session.consumer, session.generation] if session else ["", "", ""]
+        args: list = [CONSUMER_GROUP, session.consumer, session.id] if session else ["", "", ""]
         args.append(COMMITTED_IDS_KEPT)
         for it in items:
             args += [it.action, it.entry_id, it.group_id, it.text, it.payload]
