@@ -1,8 +1,9 @@
 """Riding out Redis restarts and failovers instead of exiting.
 
 Every long-running process (worker, trainer consumer) runs its Redis calls through a
-`Reconnect`: on a connection error it waits with capped exponential backoff and tries
-again, logging one line when Redis goes away and one when it is back. Retrying is safe
+`Reconnect`: on a transient error (`is_transient`: the connection, a restart loading,
+a failover's READONLY / MASTERDOWN / CLUSTERDOWN, a long script's BUSY) it waits with
+capped exponential backoff and tries again, logging one line when Redis goes away and one when it is back. Retrying is safe
 because every script is idempotent for its caller: a retried claim carries the same
 claim id, a retried publish finds its own earlier publish, a retried commit finds the
 entries committed.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable, TypeVar
@@ -21,15 +23,34 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Server replies that mean "not now" rather than "no": a restart loading its AOF, a
-#: failover in progress, a replica promoted.
-_TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+#: What redis-py raises for "not now" rather than "no": the connection went away or timed
+#: out, a restart loads its data (BusyLoadingError is a ConnectionError), a failover is
+#: under way or left this client on a demoted primary (READONLY), a cluster slot moves
+#: (TRYAGAIN) or its shard has no primary (CLUSTERDOWN, MASTERDOWN). redis-py strips the
+#: code from these replies' text, so they are recognised by class, never by text.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,  # MasterDownError is one
+)
+#: Wrong credentials are ConnectionErrors to redis-py, but waiting never fixes them.
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.AuthenticationError,
+                                                  redis.exceptions.AuthorizationError)
+#: Transient replies redis-py has no class for, so they keep their code: BUSY (a script
+#: or module command past busy-reply-threshold; it ends), NOREPLICAS (min-replicas-to-write
+#: while replicas reconnect), UNBLOCKED (a blocked read cut short when the primary was
+#: demoted). Redis 6 also wraps a script's failed call as "ERR Error running script ...
+#: -READONLY ...": the codes are matched after ": -" too.
+_TRANSIENT_CODES = re.compile(r"(?:^|: -)(?:BUSY|NOREPLICAS|UNBLOCKED|READONLY|TRYAGAIN|CLUSTERDOWN|MASTERDOWN|"
+                              r"LOADING)\b")
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    """Whether waiting and trying again can succeed (the docstring above each tuple says why)."""
+    if isinstance(exc, PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, TRANSIENT_ERRORS):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+    return isinstance(exc, redis.ResponseError) and bool(_TRANSIENT_CODES.search(str(exc)))
 
 
 class RedisUnavailable(ConnectionError):

@@ -30,6 +30,8 @@ EXPECTED = {
     "o1_session_identity_after_failover.py": ["same generation: True | same identity: False",
                                               "A commit refused: trainer session trainer.2-",
                                               "A next_batch refused: SessionFenced", "C commit -> 1", ": OK"],
+    "o6_readonly_failover_is_transient.py": ["worker publish: ok after", "(waited out: ReadOnlyError",
+                                             "trainer next_batch: got ['g0', 'r0']", "commit -> 2", ": OK"],
 }
 
 

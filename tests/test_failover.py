@@ -1,0 +1,135 @@
+"""Redis as it really runs (issue 21): replicas and failover, errors a failover answers
+with, outages longer than a lease. Real redis-server processes: a primary and a replica
+on loopback ports, demoted and promoted with REPLICAOF."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+from redis._parsers.base import BaseParser
+
+from pipeline.connection import connect
+from pipeline.consumer import Consumer
+from pipeline.queue import Place, Published, Queue
+from pipeline.retry import Reconnect, is_transient
+from pipeline.redis_server import free_port
+from tests.groups import assert_audit_ok, claim, finish, fresh, produce
+from tests.helpers import wait_for, wait_replicated
+
+SPIN = ("local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 while true do "
+        "local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > tonumber(ARGV[1]) then break end "
+        "end return 1")
+
+
+def _error(fn) -> redis.RedisError:
+    with pytest.raises(redis.RedisError) as info:
+        fn()
+    return info.value
+
+
+def _pair(redis_factory, binary: str | None = None):
+    """A primary and a replica in sync: (primary server, replica server)."""
+    kwargs = {"aof": False} | ({"binary": binary} if binary else {})
+    primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
+    connect(replica.url).replicaof("127.0.0.1", primary.port)
+    wait_replicated(connect(primary.url), connect(replica.url))
+    return primary, replica
+
+
+# -- o6: which errors a failover answers with, recognised by class -------------------------
+
+
+def test_a_read_only_replica_is_transient_for_commands_and_scripts(redis_factory, redis_binary):
+    """Issue 21 o6: redis-py strips READONLY from the message (ReadOnlyError); Redis 6
+    wraps a script's failed write as 'ERR Error running script ... -READONLY'. Both are
+    waited out; each binary installed answers one of the two ways."""
+    _, replica = _pair(redis_factory, redis_binary)
+    client = connect(replica.url)
+    plain = _error(lambda: client.set("k", 1))
+    assert isinstance(plain, redis.exceptions.ReadOnlyError) and is_transient(plain)
+    scripted = _error(lambda: Queue(client, "ro").register("w"))  # one of the pipeline's own scripts
+    assert "READONLY" in str(scripted) or isinstance(scripted, redis.exceptions.ReadOnlyError)
+    assert is_transient(scripted)
+
+
+def test_masterdown_clusterdown_and_busy_are_transient(redis_factory):
+    stale = redis_factory("stale", aof=False, extra_config=["replica-serve-stale-data no"])
+    connect(stale.url).replicaof("127.0.0.1", free_port())  # a primary that is gone
+    masterdown = _error(lambda: connect(stale.url).get("k"))
+    assert isinstance(masterdown, redis.exceptions.MasterDownError) and is_transient(masterdown)
+
+    no_slots = redis_factory("cluster", aof=False, extra_config=["cluster-enabled yes"])
+    clusterdown = _error(lambda: redis.Redis.from_url(no_slots.url).get("k"))
+    assert isinstance(clusterdown, redis.exceptions.ClusterDownError) and is_transient(clusterdown)
+
+    busy_server = redis_factory("busy", aof=False, extra_config=["lua-time-limit 50"])
+    probe, spinner = connect(busy_server.url), connect(busy_server.url)
+    spinning = threading.Thread(target=lambda: spinner.eval(SPIN, 0, 1.0))
+    spinning.start()
+    busy = wait_for(lambda: _busy_reply(probe), what="a BUSY reply")
+    spinning.join()
+    assert str(busy).startswith("BUSY ") and is_transient(busy)
+
+
+def _busy_reply(client) -> redis.ResponseError | None:
+    try:
+        client.get("k")
+    except redis.ResponseError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("reply, transient", [
+    ("TRYAGAIN Multiple keys request during rehashing of slot", True),  # a cluster slot migrating
+    ("NOREPLICAS Not enough good replicas to write.", True),
+    ("UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)", True),
+    ("BUSYGROUP Consumer Group name already exists", False),
+    ("ERR unknown command 'FOO'", False),
+    ("NOPERM this user has no permissions to run the 'eval' command", False),
+    ("WRONGPASS invalid username-password pair or user is disabled.", False),
+])
+def test_replies_are_classified_as_redis_py_raises_them(reply, transient):
+    """The replies no single server here gives on demand, through redis-py's own parser."""
+    assert is_transient(BaseParser.parse_error(reply)) is transient
+
+
+def _demote_until_noticed(client, reconnect: Reconnect) -> threading.Thread:
+    """Demote the server behind `client` (every write answers READONLY) and promote it
+    again once `reconnect` has seen the outage: a failover as a client on the old
+    primary lives it, the address reaching a writable primary again."""
+    client.replicaof("127.0.0.1", free_port())
+
+    def promote():
+        wait_for(lambda: reconnect.down, what="a READONLY reply")
+        client.replicaof("NO", "ONE")
+
+    thread = threading.Thread(target=promote)
+    thread.start()
+    return thread
+
+
+def test_a_publish_and_a_batch_wait_out_a_demoted_primary(redis_factory):
+    """Issue 21 o6: a failover leaves clients on the old primary, now a replica, until
+    they move on: the worker's publish and the trainer's next_batch wait it out."""
+    primary, _ = _pair(redis_factory)
+    q = Queue(connect(primary.url, socket_timeout=5), "o6")
+    produce(q, 1, prefix="r")  # a result ready for the trainer
+    q.push_groups(fresh(1))
+    [held] = claim(q, "w", 1).groups
+    admin = connect(primary.url)
+
+    worker = Reconnect("worker w")
+    promoted = _demote_until_noticed(admin, worker)
+    assert worker.call(q.publish_group, "w", finish(held.group), held.token, Place.RESULTS) == Published.OK
+    promoted.join()
+    assert worker.outages == 1 and worker.last_error.startswith("ReadOnlyError")
+
+    consumer = Consumer(connect(primary.url, socket_timeout=5), "o6", block_s=0.2)
+    promoted = _demote_until_noticed(admin, consumer.reconnect)
+    batch = consumer.next_batch(2, timeout=60)
+    promoted.join()
+    assert sorted(g.group_id for g in batch.groups) == ["g0", "r0"]
+    assert consumer.reconnect.outages == 1
+    assert consumer.commit(batch) == 2
+    assert assert_audit_ok(q).committed == 2
