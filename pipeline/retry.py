@@ -53,17 +53,26 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, redis.ResponseError) and bool(_TRANSIENT_CODES.search(str(exc)))
 
 
+#: How long a trainer-side call (Consumer, slime adapter, Controller) waits out one Redis
+#: outage before it raises RedisUnavailable: past a Sentinel failover (down-after 30 s by
+#: default, then the election) and the load of a large AOF, short enough that a trainer
+#: whose Redis is gone for good says so. Workers and the feeder wait forever.
+TRAINER_OUTAGE_LIMIT_S = 300.0
+
+
 class RedisUnavailable(ConnectionError):
-    """Redis stayed unreachable past the caller's deadline."""
+    """Redis stayed unreachable past the caller's deadline or the outage limit."""
 
 
 class Reconnect:
-    """Retries Redis calls through outages; records them for status."""
+    """Retries Redis calls through outages; records them for status. With `limit_s`, an
+    outage that lasts longer raises RedisUnavailable whatever the call's deadline."""
 
-    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0):
+    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0, limit_s: float | None = None):
         self.what = what  # who is waiting, for the log lines: "worker w1", "trainer session t.3"
         self.first_s = first_s
         self.max_s = max_s
+        self.limit_s = limit_s
         self.down_since: float | None = None  # monotonic time of the first failure of this outage
         self.last_error = ""
         self.outages = 0
@@ -84,9 +93,13 @@ class Reconnect:
             log.error("%s: Redis unreachable (%s: %s); retrying with backoff up to %gs", self.what,
                       type(exc).__name__, exc, self.max_s)
         self.last_error = f"{type(exc).__name__}: {exc}"
-        if deadline is not None and time.monotonic() + delay > deadline:
+        now = time.monotonic()
+        if self.limit_s is not None and now + delay > self.down_since + self.limit_s:
+            raise RedisUnavailable(f"{self.what}: Redis unreachable for {now - self.down_since:.1f}s, past the "
+                                   f"limit of {self.limit_s:g}s: {self.last_error}") from exc
+        if deadline is not None and now + delay > deadline:
             raise RedisUnavailable(f"{self.what}: Redis unreachable for "
-                                   f"{time.monotonic() - self.down_since:.1f}s: {self.last_error}") from exc
+                                   f"{now - self.down_since:.1f}s: {self.last_error}") from exc
         return delay
 
     def _succeeded(self) -> None:

@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import redis
@@ -299,3 +299,17 @@ class Forwarder:
             except OSError:
                 pass
             s.close()
+
+
+def outage(server, back_when: Callable[[], bool], timeout: float = 60) -> threading.Thread:
+    """kill -9 `server` now and start it again (same port, same data) once `back_when()`
+    holds: an outage that lasts until the clients under test have lived it."""
+    server.kill()
+
+    def again():
+        wait_for(back_when, timeout=timeout, interval=0.02, what="the outage's end condition")
+        server.start()
+
+    thread = threading.Thread(target=again, daemon=True)
+    thread.start()
+    return thread

@@ -457,7 +457,7 @@ def test_timeout_workers_dead(queue, client, namespace, monkeypatch):
     queue.register("w")
     queue.redis.zadd(queue.keys.workers, {"w": 0}, xx=True)
     c = Consumer(client, namespace, block_s=0.2)
-    monkeypatch.setattr(c, "_reap", lambda control: None)  # keep the dead worker for the message
+    monkeypatch.setattr(c, "_reap", lambda control, deadline: None)  # keep the dead worker for the message
     msg = _timeout(c)
     assert "no live workers (1 registered, lease expired)" in msg
     assert "3 prompts queued" in msg

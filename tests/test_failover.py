@@ -3,7 +3,11 @@ with, outages longer than a lease. Real redis-server processes: a primary and a 
 on loopback ports, demoted and promoted with REPLICAOF."""
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -11,11 +15,13 @@ from redis._parsers.base import BaseParser
 
 from pipeline.connection import connect
 from pipeline.consumer import Consumer
+from pipeline.control import configure
+from pipeline.controller import Controller
 from pipeline.queue import Place, Published, Queue
-from pipeline.retry import Reconnect, is_transient
+from pipeline.retry import Reconnect, RedisUnavailable, is_transient
 from pipeline.redis_server import free_port
 from tests.groups import assert_audit_ok, claim, finish, fresh, produce
-from tests.helpers import wait_for, wait_replicated
+from tests.helpers import outage, wait_for, wait_replicated
 
 SPIN = ("local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 while true do "
         "local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > tonumber(ARGV[1]) then break end "
@@ -133,3 +139,112 @@ def test_a_publish_and_a_batch_wait_out_a_demoted_primary(redis_factory):
     assert consumer.reconnect.outages == 1
     assert consumer.commit(batch) == 2
     assert assert_audit_ok(q).committed == 2
+
+
+# -- o4: every trainer-side call rides out an outage longer than the lease ------------------
+
+LEASE_S = 1.0
+
+
+def _lived(reconnect: Reconnect, since: float, seconds: float = 2 * LEASE_S):
+    """The outage's end: `reconnect` has met it and it has lasted `seconds`."""
+    return lambda: reconnect.down and time.monotonic() - since >= seconds
+
+
+@pytest.fixture
+def durable(redis_factory):
+    """A server that loses nothing acknowledged across kill -9 (AOF, fsync always)."""
+    return redis_factory("durable")
+
+
+def test_next_batch_rides_out_an_outage_after_a_read_that_found_nothing(durable):
+    """Issue 21 o4 (case A): Redis goes away right after the read script answered; the
+    consumer's reap and diagnosis went to Redis outside Reconnect and raised. Now the
+    batch arrives once Redis is back with a group, two leases later."""
+    q = Queue(connect(durable.url), "o4")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4", block_s=0.2)
+    read = consumer._scripts["read"]
+    down: list[threading.Thread] = []
+
+    def read_then_outage(*args, **kwargs):
+        reply = read(*args, **kwargs)
+        if not down:
+            down.append(outage(durable, _lived(consumer.reconnect, time.monotonic())))
+            threading.Thread(target=lambda: (down[0].join(), produce(Queue(connect(durable.url), "o4"), 1)),
+                             daemon=True).start()
+        return reply
+
+    consumer._scripts["read"] = read_then_outage
+    batch = consumer.next_batch(1, timeout=120)
+    assert [g.group_id for g in batch.groups] == ["g0"] and consumer.reconnect.outages >= 1
+    assert consumer.commit(batch) == 1
+    assert_audit_ok(Queue(connect(durable.url), "o4"))
+
+
+def test_an_outage_past_the_limit_is_a_clear_error(durable):
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4", block_s=0.2, outage_limit_s=0.5)
+    durable.kill()
+    with pytest.raises(RedisUnavailable, match=r"trainer trainer: Redis unreachable for [0-9.]+s, past the limit "
+                                               r"of 0.5s: ConnectionError"):
+        consumer.next_batch(1, timeout=None)
+
+
+def test_the_controller_rides_out_outages(durable):
+    q = Queue(connect(durable.url), "o4c")
+    controller = Controller(Queue(connect(durable.url, socket_timeout=5), "o4c"))
+    outage(durable, _lived(controller.reconnect, time.monotonic()))
+    report = asyncio.run(controller.pause())
+    assert report.requeued == 0 and controller.reconnect.outages == 1
+    outage(durable, _lived(controller.reconnect, time.monotonic()))
+    assert asyncio.run(controller.resume(weight_version=3)).weight_version == 3
+    assert controller.reconnect.outages == 2
+    assert q.redis.hget(q.keys.control, "paused") in (b"0", None)
+    assert_audit_ok(q)
+
+
+def test_the_slime_data_source_rides_out_outages(durable, monkeypatch):
+    """Issue 21 o4 (case B): slime asks for the next rollout, saves, counts and loads while
+    Redis is away for two leases; every call waits and carries on."""
+    from pipeline.trainers import slime_adapter as sa
+    from pipeline.trainers import slime_types as st
+    from tests import fake_slime
+    from tests.test_slime_adapter import publish_results
+
+    monkeypatch.setitem(sys.modules, "slime", None)
+    fake_slime.install(monkeypatch)
+    st.slime_types.cache_clear()
+    try:
+        q = Queue(connect(durable.url), "o4s")
+        configure(q.redis, q.keys, lease_s=LEASE_S)
+        publish_results(q, [0, 1, 2, 3])
+        args = SimpleNamespace(rollout_batch_size=2, n_samples_per_prompt=2, rollout_redis_url=durable.url,
+                               rollout_namespace="o4s", reward_key=None, rollout_max_response_len=64,
+                               save_interval=1)
+        source = sa.RedisDataSource(args)
+        reconnect = source.consumer.reconnect
+        assert len(source.get_samples(2)) == 2
+        for step in (lambda: source.get_samples(2), lambda: source.save(1), lambda: len(source)):
+            outage(durable, _lived(reconnect, time.monotonic()))
+            step()
+        assert reconnect.outages == 3
+        assert q.stats().get("committed") == 4
+        assert_audit_ok(q)
+    finally:
+        st.slime_types.cache_clear()
+
+
+def test_the_torch_adapter_rides_out_an_outage(durable):
+    pytest.importorskip("torch")
+    from pipeline.trainers.torch_adapter import RolloutIterable
+
+    q = Queue(connect(durable.url), "o4t")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    produce(q, 4)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4t", block_s=0.2)
+    steps = RolloutIterable(consumer, batch_size=2, timeout=120, steps=2)
+    next(steps)
+    outage(durable, _lived(consumer.reconnect, time.monotonic()))
+    assert [g.group_id for g in (next(steps), steps.batch)[1].groups] == ["g2", "g3"]  # commits step 1 first
+    assert list(steps) == [] and consumer.reconnect.outages == 1
+    assert assert_audit_ok(q).committed == 4

@@ -32,6 +32,8 @@ EXPECTED = {
                                               "A next_batch refused: SessionFenced", "C commit -> 1", ": OK"],
     "o6_readonly_failover_is_transient.py": ["worker publish: ok after", "(waited out: ReadOnlyError",
                                              "trainer next_batch: got ['g0', 'r0']", "commit -> 2", ": OK"],
+    "o4_trainer_rides_out_outage.py": ["outage right after a read): got ['a0']", "outage): got 1 group after",
+                                       "audit o4: pushed 1", "audit o4s: pushed 2"],
 }
 
 
