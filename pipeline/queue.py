@@ -267,8 +267,8 @@ class Queue:
         k = self.keys
         return int(self._scripts["reap"](
             keys=[k.workers, k.inflight(worker), k.prompts, k.worker_info, k.stats, k.claims, k.history,
-                  k.last_claim, k.reaped, k.isolated],
-            args=[worker, mode]))
+                  k.last_claim, k.reaped, k.isolated, k.control],
+            args=[worker, mode, int(DEFAULT_LEASE_S * 1000)]))
 
     def reap(self, worker: str) -> int:
         """Return `worker`'s groups to the prompt list if its lease expired. Returns

@@ -248,3 +248,91 @@ def test_the_torch_adapter_rides_out_an_outage(durable):
     assert [g.group_id for g in (next(steps), steps.batch)[1].groups] == ["g2", "g3"]  # commits step 1 first
     assert list(steps) == [] and consumer.reconnect.outages == 1
     assert assert_audit_ok(q).committed == 4
+
+
+# -- o8: a silence longer than the lease is not every worker's death ------------------------
+
+
+def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
+    """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
+    deadline passed (forced, not waited for)."""
+    now = q.now_ms()
+    q.redis.hset(q.keys.control, "beat_ms", now - 3 * lease_ms)
+    q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
+
+
+@pytest.fixture
+def fleet(queue):
+    """Two workers holding a group each, both renewed once."""
+    configure(queue.redis, queue.keys, lease_s=LEASE_S)
+    queue.push_groups(fresh(2))
+    for w in ("w1", "w2"):
+        claim(queue, w, 1)
+        assert not queue.heartbeat(w, "{}").reaped
+    return queue
+
+
+def test_the_first_reap_after_a_long_silence_gives_every_worker_a_grace(fleet):
+    """Issue 21 o8: when Redis is back after an outage longer than the lease, the first
+    reaper found every lease expired and reaped the whole fleet, charging each group a
+    claim. Now every worker gets a lease to renew; one that does not is reaped after it."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0
+    assert set(q.live_workers()) == {"w1", "w2"}
+    assert not q.heartbeat("w1", "{}").reaped  # w1 is alive and renews; w2 died in the outage
+    q.redis.zadd(q.keys.workers, {"w2": q.now_ms() - 1}, xx=True)  # its grace ran out
+    assert q.reap_expired() == 1 and q.live_workers() == ["w1"]
+    assert {w: int(c) for w, c in q.redis.hgetall(q.keys.claims).items()} == {b"g0": 1, b"g1": 1}
+    assert_audit_ok(q)
+
+
+def test_a_heartbeat_first_after_a_long_silence_gives_the_others_a_grace(fleet):
+    """The first to reach Redis is one worker's heartbeat: its renewal must not make the
+    next reaper take every other worker."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert not q.heartbeat("w1", "{}").reaped
+    assert q.reap_expired() == 0 and set(q.live_workers()) == {"w1", "w2"}
+    assert_audit_ok(q)
+
+
+def test_workers_that_really_died_are_reaped_one_lease_after_the_silence(fleet):
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0  # the grace, once per silence
+    q.redis.zadd(q.keys.workers, {"w1": q.now_ms() - 1, "w2": q.now_ms() - 1}, xx=True)  # nobody renewed
+    assert q.reap_expired() == 2 and q.live_workers() == []
+    assert q.redis.llen(q.keys.prompts) == 2
+    assert_audit_ok(q)
+
+
+def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
+    """The same through a real restart: workers renew in threads through their Reconnect;
+    Redis is down for two leases; another process reaps the moment it is back."""
+    q = Queue(connect(durable.url), "o8")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    q.push_groups(fresh(4))
+    stop = threading.Event()
+    renewers = []
+    for w in ("w1", "w2"):
+        claim(q, w, 2)
+        reconnect, mine = Reconnect(f"worker {w}"), Queue(connect(durable.url, socket_timeout=2), "o8")
+
+        def renew(w=w, reconnect=reconnect, mine=mine):
+            while not stop.wait(LEASE_S / 4):
+                assert not reconnect.call(mine.heartbeat, w, "{}").reaped, f"{w} was reaped"
+        renewers.append(threading.Thread(target=renew, daemon=True))
+        renewers[-1].start()
+    wait_for(lambda: q.redis.hget(q.keys.control, "beat_ms"), what="a renewal")
+    killed = time.monotonic()
+    outage(durable, lambda: time.monotonic() - killed >= 2 * LEASE_S).join()
+    reaper = Queue(connect(durable.url), "o8")
+    assert reaper.reap_expired() == 0
+    wait_for(lambda: all(left > LEASE_S / 2 for left in reaper.workers().values()), what="both renewed")
+    assert reaper.reap_expired() == 0
+    stop.set()
+    for t in renewers:
+        t.join()
+    assert q.redis.hlen(q.keys.claims) == 4 and all(int(c) == 1 for c in q.redis.hvals(q.keys.claims))
+    assert_audit_ok(q)
