@@ -39,8 +39,9 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.Authentication
 #: or module command past busy-reply-threshold; it ends), NOREPLICAS (min-replicas-to-write
 #: while replicas reconnect), UNBLOCKED (a blocked read cut short when the primary was
 #: demoted). Redis 6 also wraps a script's failed call as "ERR Error running script ...
-#: -READONLY ...": the codes are matched after ": -" too.
-_TRANSIENT_CODES = re.compile(r"(?:^|: -)(?:BUSY|NOREPLICAS|UNBLOCKED|READONLY|TRYAGAIN|CLUSTERDOWN|MASTERDOWN|"
+#: -READONLY ...", and redis-py a pipeline's as "Command # 1 (...) of pipeline caused
+#: error: BUSY ...": the codes are matched there too.
+_TRANSIENT_CODES = re.compile(r"(?:^|: -|caused error: )(?:BUSY|NOREPLICAS|UNBLOCKED|READONLY|TRYAGAIN|CLUSTERDOWN|MASTERDOWN|"
                               r"LOADING)\b")
 
 

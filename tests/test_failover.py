@@ -13,11 +13,12 @@ import pytest
 import redis
 from redis._parsers.base import BaseParser
 
+from pipeline import scripts
 from pipeline.connection import connect
 from pipeline.consumer import Consumer
 from pipeline.control import configure
 from pipeline.controller import Controller
-from pipeline.queue import Place, Published, Queue
+from pipeline.queue import Place, Published, Queue, text
 from pipeline.retry import Reconnect, RedisUnavailable, is_transient
 from pipeline.redis_server import free_port
 from tests.groups import assert_audit_ok, claim, finish, fresh, produce
@@ -91,6 +92,7 @@ def _busy_reply(client) -> redis.ResponseError | None:
     ("NOREPLICAS Not enough good replicas to write.", True),
     ("UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)", True),
     ("BUSYGROUP Consumer Group name already exists", False),
+    ("Command # 1 (HMGET {ns}:control paused) of pipeline caused error: BUSY Redis is busy running a script.", True),
     ("ERR unknown command 'FOO'", False),
     ("NOPERM this user has no permissions to run the 'eval' command", False),
     ("WRONGPASS invalid username-password pair or user is disabled.", False),
@@ -98,6 +100,7 @@ def _busy_reply(client) -> redis.ResponseError | None:
 def test_replies_are_classified_as_redis_py_raises_them(reply, transient):
     """The replies no single server here gives on demand, through redis-py's own parser."""
     assert is_transient(BaseParser.parse_error(reply)) is transient
+    assert is_transient(redis.ResponseError(reply)) is transient
 
 
 def _demote_until_noticed(client, reconnect: Reconnect) -> threading.Thread:
@@ -336,3 +339,58 @@ def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
         t.join()
     assert q.redis.hlen(q.keys.claims) == 4 and all(int(c) == 1 for c in q.redis.hvals(q.keys.claims))
     assert_audit_ok(q)
+
+
+# -- o7: the audit of a namespace too big to read in one step -------------------------------
+
+
+def test_the_paged_audit_finds_what_the_atomic_one_found(queue):
+    """Pages of 3 over 10 queued groups and 2 dead letters: a group queued twice (in two
+    pages), one without payload, one committed yet queued, one dead and queued."""
+    from pipeline.ops.audit import audit
+
+    queue.push_groups(fresh(10))
+    assert audit(queue, prompt_page=3, dead_page=2).ok
+    k = queue.keys
+    queue.redis.rpush(k.prompts, "g0")  # g0 at the head and at the tail
+    queue.redis.hdel(k.payloads, "g4")
+    queue.redis.zadd(k.committed, {"g5": 1})
+    queue.redis.xadd(k.dead, {"gid": "g6", "data": b"", "error": "test"})
+    queue.redis.xadd(k.dead, {"gid": "x", "data": b"", "error": "test"})
+    report = audit(queue, prompt_page=3, dead_page=2)
+    assert report.in_two_places == ["g0", "g6"] and report.committed_and_live == ["g5"]
+    assert report.missing_payloads == 1 and report.dead == 2 and report.prompts == 11
+    assert not report.ok
+
+
+def test_the_paged_audit_is_exact_while_groups_are_pushed_and_claimed(queue, monkeypatch):
+    """Between every two pages a feeder pushes rows at the tail (shifting the pages toward
+    the head) and a worker claims at the head: every group that stays queued is read
+    exactly once, and the audit adds up with nothing in two places."""
+    from pipeline.ops import audit as audit_module
+
+    queue.push_groups(fresh(40))
+    queue.register("w")
+    load, moves = scripts.load, iter(range(1000))
+
+    def load_with_moves(client, *names):
+        loaded = load(client, *names)
+        if "audit_page" in loaded:
+            page = loaded["audit_page"]
+
+            def page_then_move(*args, **kwargs):
+                reply = page(*args, **kwargs)
+                n = next(moves)
+                queue.push_groups(fresh(1 + n % 7, prefix=f"n{n}-"))  # up to 7: more than a page
+                queue.claim("w", f"w:{n}", 2)
+                return reply
+            loaded["audit_page"] = page_then_move
+        return loaded
+
+    monkeypatch.setattr(audit_module.scripts, "load", load_with_moves)
+    scan = audit_module._scan_prompts(queue, page=5)
+    stayed = set(text(g) for g in queue.redis.lrange(queue.keys.prompts, 0, -1)) & {f"g{i}" for i in range(40)}
+    assert stayed and stayed <= set(scan.seen)
+    assert max(scan.seen.values()) == 1
+    report = audit_module.audit(queue, prompt_page=5)
+    assert report.ok and report.in_two_places == [], report.summary()

@@ -34,6 +34,9 @@ EXPECTED = {
                                              "trainer next_batch: got ['g0', 'r0']", "commit -> 2", ": OK"],
     "o4_trainer_rides_out_outage.py": ["outage right after a read): got ['a0']", "outage): got 1 group after",
                                        "audit o4: pushed 1", "audit o4s: pushed 2"],
+    "o7_audit_does_not_stall_the_server.py": ["ok=True (150,000 queued)", "worker publish during the audit: ok",
+                                              "trainer next_batch: ['r0', 'r1']; commit -> 2",
+                                              "busy threshold: ['held'] (waited out: True)", ": OK"],
 }
 
 
