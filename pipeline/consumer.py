@@ -1,10 +1,11 @@
 """The trainer's side: exact-size batches from the results stream.
 
-A trainer session has a generation. Starting one (the first `next_batch`) fences every
-earlier session, here or in another process: their reads and commits are refused
-from then on, and the new session takes over, oldest first, every entry they had
-been delivered and not committed. Reads and commits check the generation inside
-their scripts, and a commit settles only entries delivered to this session, so two
+A trainer session has a random id that is never reissued (a generation counter is not
+enough: a failover that loses the last writes hands the same number out twice).
+Starting one (the first `next_batch`) fences every earlier session, here or in another
+process: their reads and commits are refused from then on, and the new session takes
+over, oldest first, every entry they had been delivered and not committed. Reads and
+commits check the id inside their scripts, and a commit settles only entries delivered to this session, so two
 trainers on one namespace never train the same group twice: the older one gets
 `SessionFenced` naming the newer one.
 
@@ -33,7 +34,7 @@ from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
-from .retry import Reconnect
+from .retry import TRAINER_OUTAGE_LIMIT_S, Reconnect
 from .types import Group, VersionClock
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class Consumer:
     def __init__(self, client: redis.Redis, namespace: str, consumer: str = "trainer",
                  filter: FilterFn | str | None = None, filter_args: Any = None, stale_policy: str = "restart",
                  max_restarts: int = DEFAULT_MAX_RESTARTS, max_deliveries: int = DEFAULT_MAX_DELIVERIES,
-                 block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S):
+                 block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
+                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S):
         if stale_policy not in ("restart", "drop"):
             raise ValueError(f"unknown stale_policy {stale_policy!r}: use restart or drop")
         self.queue = Queue(client, namespace)
@@ -120,7 +122,9 @@ class Consumer:
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
         self.session: TrainerSession | None = None
-        self.reconnect = Reconnect(f"trainer {consumer}")
+        # Every Redis call of this consumer (and of the adapters built on it) goes through
+        # here: outages up to outage_limit_s are waited out, then RedisUnavailable.
+        self.reconnect = Reconnect(f"trainer {consumer}", limit_s=outage_limit_s)
         self._scripts = scripts.load(client, "session", "read", "redeliver")
         self._held: list[_Held] = []  # delivered to this session, not yet in a batch
         self._fallback: list[_Held] = []  # rejected by the filter, kept if the batch cannot fill
@@ -133,10 +137,11 @@ class Consumer:
 
     def _start_session(self, deadline: float | None) -> None:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
-        generation, consumer, taken = self._call(
+        session_id = TrainerSession.new_id()
+        generation, consumer, taken = self.call(
             self._scripts["session"], keys=[self.keys.trainer, self.keys.results],
-            args=[CONSUMER_GROUP, self.name, info], deadline=deadline)
-        self.session = TrainerSession(text(consumer), int(generation))
+            args=[CONSUMER_GROUP, self.name, info, session_id], deadline=deadline)
+        self.session = TrainerSession(text(consumer), int(generation), session_id)
         self.reconnect.what = f"trainer session {self.session.consumer}"
         if int(taken):
             log.info("trainer session %s: took over %d entries delivered to earlier sessions and not committed",
@@ -147,13 +152,13 @@ class Consumer:
         out: list[tuple[StreamEntry, int]] = []
         start = "-"
         while True:
-            rows = self._call(self.redis.xpending_range, self.keys.results, CONSUMER_GROUP, min=start, max="+",
+            rows = self.call(self.redis.xpending_range, self.keys.results, CONSUMER_GROUP, min=start, max="+",
                               count=500, consumername=self.session.consumer, deadline=deadline)
             if not rows:
                 return out
             counts = {text(r["message_id"]): int(r["times_delivered"]) for r in rows}
             ids = list(counts)
-            fetched = self._call(self._fetch, ids, deadline=deadline)
+            fetched = self.call(self._fetch, ids, deadline=deadline)
             out += [(e, counts[e.entry_id]) for e in fetched]
             if len(rows) < 500:
                 return out
@@ -166,9 +171,10 @@ class Consumer:
         rows = [r[0] for r in pipe.execute() if r]
         return self.queue.entries(self.keys.results, rows)
 
-    def _call(self, fn, *args, deadline: float | None = None, **kwargs):
-        """A Redis call, retried through outages; a fenced session's script call raises
-        SessionFenced."""
+    def call(self, fn, *args, deadline: float | None = None, **kwargs):
+        """fn(*args, **kwargs), a Redis call, retried through outages (up to `deadline`
+        and the outage limit, then RedisUnavailable); a fenced session's script call
+        raises SessionFenced. The adapters built on a Consumer make their calls here."""
         try:
             return self.reconnect.call(fn, *args, deadline=deadline, **kwargs)
         except redis.ResponseError as exc:
@@ -179,7 +185,7 @@ class Consumer:
     # -- screening -----------------------------------------------------------------------
 
     def _settle(self, items: list[Settle], deadline: float | None = None) -> tuple[int, int]:
-        return self._call(self.queue.settle, self.keys.results, items, self.session, deadline=deadline)
+        return self.call(self.queue.settle, self.keys.results, items, self.session, deadline=deadline)
 
     def _screen(self, entries: list[tuple[StreamEntry, int]], control: ControlState, metrics: BatchMetrics,
                 deadline: float | None) -> None:
@@ -188,7 +194,7 @@ class Consumer:
         if not entries:
             return
         settle: list[Settle] = []
-        scores = self._call(self.redis.zmscore, self.keys.committed, [e.group_id or "?" for e, _ in entries],
+        scores = self.call(self.redis.zmscore, self.keys.committed, [e.group_id or "?" for e, _ in entries],
                             deadline=deadline)
         held_ids = ({h.group.group_id for h in self._held + self._fallback}
                     | {e.group_id for e in self._uncommitted.values()})
@@ -276,7 +282,7 @@ class Consumer:
         from their prompts (they cannot be trained on as they are; `why` says so)."""
         if self.session is None:
             raise ValueError("restart: this consumer has not delivered any batch")
-        control = self._call(read_control, self.redis, self.keys)
+        control = self.call(read_control, self.redis, self.keys)
         items = [self._restart(e, g, control, why) for e, g in zip(batch.entries, batch.groups)
                  if self._uncommitted.pop(e.entry_id, None) is not None]
         self._settle(items)
@@ -313,24 +319,24 @@ class Consumer:
                 f"{control.batch_size} groups, or `rollout configure --batch-size {n}`")
 
     def _read(self, count: int, deadline: float | None) -> tuple[list[StreamEntry], str, int]:
-        newest, pending, *rows = self._call(
+        newest, pending, *rows = self.call(
             self._scripts["read"], keys=[self.keys.results, self.keys.trainer],
-            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, count], deadline=deadline)
+            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, count], deadline=deadline)
         rows = [(eid, dict(zip(flat[::2], flat[1::2]))) for eid, flat in rows]
-        return self._call(self.queue.entries, self.keys.results, rows, deadline=deadline), text(newest), int(pending)
+        return self.call(self.queue.entries, self.keys.results, rows, deadline=deadline), text(newest), int(pending)
 
     def _wait_for_new(self, newest: str, block_s: float, deadline: float | None) -> None:
         """Block until an entry newer than `newest` arrives, or `block_s` passes. A plain
         XREAD: it delivers nothing, the read script does that under the fence."""
-        self._call(self.redis.xread, {self.keys.results: newest}, count=1, block=max(1, int(block_s * 1000)),
+        self.call(self.redis.xread, {self.keys.results: newest}, count=1, block=max(1, int(block_s * 1000)),
                    deadline=deadline)
 
-    def _reap(self, control: ControlState) -> None:
+    def _reap(self, control: ControlState, deadline: float | None) -> None:
         """The trainer reaps dead workers too, so their groups come back even when no
         worker is left alive to do it."""
         if time.monotonic() - self._last_reap >= control.lease_s / 4:
             self._last_reap = time.monotonic()
-            self.queue.reap_expired()
+            self.call(self.queue.reap_expired, deadline=deadline)
 
     def next_batch(self, n: int, timeout: float | None = None) -> Batch:
         """Exactly `n` groups, or BatchTimeout after `timeout` seconds (None: wait forever).
@@ -339,7 +345,7 @@ class Consumer:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         metrics = BatchMetrics()
-        control = self._call(read_control, self.redis, self.keys, deadline=deadline)
+        control = self.call(read_control, self.redis, self.keys, deadline=deadline)
         self._check_batch_size(n, control)
         if self.session is None:
             self._start_session(deadline)
@@ -361,7 +367,7 @@ class Consumer:
             if pending > len(self._held) + len(self._fallback) + len(self._uncommitted) + len(entries):
                 delivered += self._lost(entries, deadline)
             if delivered:
-                control = self._call(read_control, self.redis, self.keys, deadline=deadline)
+                control = self.call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)
                 self._screen(delivered, control, metrics, deadline)
             if len(self._held) < n and self._fallback and time.monotonic() - started >= self.fallback_wait_s:
@@ -377,7 +383,7 @@ class Consumer:
                 raise BatchTimeout(self.diagnose(n, len(self._held), timeout))
             if delivered:
                 continue
-            self._reap(control)
+            self._reap(control, deadline)
             block = self.block_s if remaining is None else max(0.001, min(self.block_s, remaining))
             if self._fallback:  # wake when the fallback groups may be taken
                 block = max(0.001, min(block, started + self.fallback_wait_s - time.monotonic()))
@@ -443,7 +449,7 @@ class Consumer:
         the first next_batch: it starts the session, which takes the rest over as usual."""
         if self.session is not None:
             raise ValueError("commit_trained: call it before this consumer's first batch")
-        control = self._call(read_control, self.redis, self.keys)
+        control = self.call(read_control, self.redis, self.keys)
         self._start_session(None)
         pending = self._own_pending(None)
         trained = [(e, n) for e, n in pending if e.entry_id in entry_ids]
@@ -468,12 +474,12 @@ class Consumer:
                     f" ({error})" if error else "")
         # Claimed again by this session, which counts the delivery: a batch that keeps
         # failing ends in dead letters instead of failing the trainer forever.
-        counts = self._call(self._scripts["redeliver"], keys=[self.keys.results, self.keys.trainer],
-                            args=[CONSUMER_GROUP, self.session.consumer, self.session.generation, *ids])
+        counts = self.call(self._scripts["redeliver"], keys=[self.keys.results, self.keys.trainer],
+                            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, *ids])
         by_id = {e.entry_id: e for e in batch.entries}
         released = [(by_id[eid], int(c)) for eid, c in zip(ids, counts) if int(c)]
         held, self._held = self._held, []
-        control = self._call(read_control, self.redis, self.keys)
+        control = self.call(read_control, self.redis, self.keys)
         self._screen(released, control, BatchMetrics(), None)
         self._held += held
 
@@ -481,6 +487,9 @@ class Consumer:
 
     def diagnose(self, n: int, have: int, timeout: float | None) -> str:
         """Why no batch: one line a person at 3 a.m. can act on."""
+        return self.call(self._diagnose, n, have, timeout)
+
+    def _diagnose(self, n: int, have: int, timeout: float | None) -> str:
         k = self.keys
         control = read_control(self.redis, k)
         workers = self.queue.workers()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .control import read_control, set_paused, set_weight_version
+from .retry import TRAINER_OUTAGE_LIMIT_S, Reconnect
 from .types import PauseMode, ReleasePolicy, member
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ class Controller:
     """pause → (update weights) → resume, for one pipeline and its engines."""
 
     def __init__(self, queue: "Queue", engines: EngineControl | None = None,
-                 release_policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, settle_s: float = 0.25):
+                 release_policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, settle_s: float = 0.25,
+                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S):
         self.queue = queue
         self.redis = queue.redis
         self.keys = queue.keys
@@ -70,13 +72,18 @@ class Controller:
         # abort mode: stop waiting for in-flight groups once their number has not moved
         # for this long after the engines paused (see PauseReport.still_inflight).
         self.settle_s = settle_s
+        # Every Redis call goes through here: a restart or failover is waited out up to
+        # outage_limit_s, then RedisUnavailable. (Each step is idempotent: setting a flag or
+        # a version, counting, releasing what the requeue stream holds.)
+        self.reconnect = Reconnect(f"controller {queue.keys.namespace}", limit_s=outage_limit_s)
+        self._call = self.reconnect.call
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT, timeout_s: float = 60.0) -> PauseReport:
         """Stop admission, then pause every engine. With `abort`, wait until the
         workers have requeued every interrupted group."""
         mode = member(PauseMode, mode, "pause mode")
         started = time.monotonic()
-        set_paused(self.redis, self.keys, True)
+        self._call(set_paused, self.redis, self.keys, True)
         if self.engines is not None:
             await self.engines.pause_generation(mode.value)
         remaining = 0
@@ -88,10 +95,11 @@ class Controller:
             # never settle. So: wait until nothing is in flight, or until the count has
             # stopped moving for settle_s.
             deadline = started + timeout_s
-            remaining, last_change = self.queue.inflight_count(), time.monotonic()
+            remaining, last_change = self._call(self.queue.inflight_count), time.monotonic()
             while remaining > 0:
                 await asyncio.sleep(0.005)
-                now, count = time.monotonic(), self.queue.inflight_count()
+                count = self._call(self.queue.inflight_count)
+                now = time.monotonic()
                 if count != remaining:
                     remaining, last_change = count, now
                 elif now - last_change >= self.settle_s:
@@ -100,21 +108,21 @@ class Controller:
                     break
                 if now > deadline:
                     raise TimeoutError(f"pause: {remaining} groups still in flight after {timeout_s:g}s")
-        return PauseReport(mode, time.monotonic() - started, self.redis.xlen(self.keys.requeue), remaining)
+        return PauseReport(mode, time.monotonic() - started, self._call(self.redis.xlen, self.keys.requeue), remaining)
 
     async def resume(self, weight_version: int | None = None) -> ResumeReport:
         """Record the new version, continue the engines, release aborted groups to the
         head of the prompt list, reopen admission. Returns at once: timing the first
         claim after a resume is the benchmark's business (bench/pause.py)."""
         if weight_version is not None:
-            set_weight_version(self.redis, self.keys, weight_version)
+            self._call(set_weight_version, self.redis, self.keys, weight_version)
         if self.engines is not None:
             await self.engines.continue_generation()
         # Recorded so the workers' own releases (of groups aborted later) follow it too.
-        self.redis.hset(self.keys.control, "release_policy", self.release_policy.value)
-        released = self.queue.release(self.release_policy)
-        set_paused(self.redis, self.keys, False)
-        return ResumeReport(read_control(self.redis, self.keys).weight_version, released)
+        self._call(self.redis.hset, self.keys.control, "release_policy", self.release_policy.value)
+        released = self._call(self.queue.release, self.release_policy)
+        self._call(set_paused, self.redis, self.keys, False)
+        return ResumeReport(self._call(read_control, self.redis, self.keys).weight_version, released)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int,
                                        mode: PauseMode | str = PauseMode.ABORT) -> tuple[PauseReport, ResumeReport]:

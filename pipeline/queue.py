@@ -14,6 +14,7 @@ was reaped learns so at its next contact and registers anew.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
@@ -91,8 +92,13 @@ class Heartbeat:
 
 @dataclass
 class TrainerSession:
-    consumer: str  # its consumer name in the results stream's consumer group
-    generation: int
+    consumer: str  # its consumer name in the results stream's consumer group: "<base>.<generation>-<id>"
+    generation: int  # sessions started so far, for people; a lost write can hand it out twice
+    id: str  # random, never reissued: the fence every trainer script checks
+
+    @staticmethod
+    def new_id() -> str:
+        return secrets.token_hex(6)
 
 
 @dataclass
@@ -261,8 +267,8 @@ class Queue:
         k = self.keys
         return int(self._scripts["reap"](
             keys=[k.workers, k.inflight(worker), k.prompts, k.worker_info, k.stats, k.claims, k.history,
-                  k.last_claim, k.reaped, k.isolated],
-            args=[worker, mode]))
+                  k.last_claim, k.reaped, k.isolated, k.control],
+            args=[worker, mode, int(DEFAULT_LEASE_S * 1000)]))
 
     def reap(self, worker: str) -> int:
         """Return `worker`'s groups to the prompt list if its lease expired. Returns
@@ -362,7 +368,7 @@ class Queue:
         k = self.keys
         if stream == k.results and session is None:
             raise ValueError("settling results entries needs the trainer session they were delivered to")
-        args: list = [CONSUMER_GROUP, session.consumer, session.generation] if session else ["", "", ""]
+        args: list = [CONSUMER_GROUP, session.consumer, session.id] if session else ["", "", ""]
         args.append(COMMITTED_IDS_KEPT)
         for it in items:
             args += [it.action, it.entry_id, it.group_id, it.text, it.payload]

@@ -1,8 +1,9 @@
 """Riding out Redis restarts and failovers instead of exiting.
 
 Every long-running process (worker, trainer consumer) runs its Redis calls through a
-`Reconnect`: on a connection error it waits with capped exponential backoff and tries
-again, logging one line when Redis goes away and one when it is back. Retrying is safe
+`Reconnect`: on a transient error (`is_transient`: the connection, a restart loading,
+a failover's READONLY / MASTERDOWN / CLUSTERDOWN, a long script's BUSY) it waits with
+capped exponential backoff and tries again, logging one line when Redis goes away and one when it is back. Retrying is safe
 because every script is idempotent for its caller: a retried claim carries the same
 claim id, a retried publish finds its own earlier publish, a retried commit finds the
 entries committed.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable, TypeVar
@@ -21,28 +23,57 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Server replies that mean "not now" rather than "no": a restart loading its AOF, a
-#: failover in progress, a replica promoted.
-_TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+#: What redis-py raises for "not now" rather than "no": the connection went away or timed
+#: out, a restart loads its data (BusyLoadingError is a ConnectionError), a failover is
+#: under way or left this client on a demoted primary (READONLY), a cluster slot moves
+#: (TRYAGAIN) or its shard has no primary (CLUSTERDOWN, MASTERDOWN). redis-py strips the
+#: code from these replies' text, so they are recognised by class, never by text.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,  # MasterDownError is one
+)
+#: Wrong credentials are ConnectionErrors to redis-py, but waiting never fixes them.
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.AuthenticationError,
+                                                  redis.exceptions.AuthorizationError)
+#: Transient replies redis-py has no class for, so they keep their code: BUSY (a script
+#: or module command past busy-reply-threshold; it ends), NOREPLICAS (min-replicas-to-write
+#: while replicas reconnect), UNBLOCKED (a blocked read cut short when the primary was
+#: demoted). Redis 6 also wraps a script's failed call as "ERR Error running script ...
+#: -READONLY ...", and redis-py a pipeline's as "Command # 1 (...) of pipeline caused
+#: error: BUSY ...": the codes are matched there too.
+_TRANSIENT_CODES = re.compile(r"(?:^|: -|caused error: )(?:BUSY|NOREPLICAS|UNBLOCKED|READONLY|TRYAGAIN|CLUSTERDOWN|MASTERDOWN|"
+                              r"LOADING)\b")
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    """Whether waiting and trying again can succeed (the docstring above each tuple says why)."""
+    if isinstance(exc, PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, TRANSIENT_ERRORS):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+    return isinstance(exc, redis.ResponseError) and bool(_TRANSIENT_CODES.search(str(exc)))
+
+
+#: How long a trainer-side call (Consumer, slime adapter, Controller) waits out one Redis
+#: outage before it raises RedisUnavailable: past a Sentinel failover (down-after 30 s by
+#: default, then the election) and the load of a large AOF, short enough that a trainer
+#: whose Redis is gone for good says so. Workers and the feeder wait forever.
+TRAINER_OUTAGE_LIMIT_S = 300.0
 
 
 class RedisUnavailable(ConnectionError):
-    """Redis stayed unreachable past the caller's deadline."""
+    """Redis stayed unreachable past the caller's deadline or the outage limit."""
 
 
 class Reconnect:
-    """Retries Redis calls through outages; records them for status."""
+    """Retries Redis calls through outages; records them for status. With `limit_s`, an
+    outage that lasts longer raises RedisUnavailable whatever the call's deadline."""
 
-    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0):
+    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0, limit_s: float | None = None):
         self.what = what  # who is waiting, for the log lines: "worker w1", "trainer session t.3"
         self.first_s = first_s
         self.max_s = max_s
+        self.limit_s = limit_s
         self.down_since: float | None = None  # monotonic time of the first failure of this outage
         self.last_error = ""
         self.outages = 0
@@ -63,9 +94,13 @@ class Reconnect:
             log.error("%s: Redis unreachable (%s: %s); retrying with backoff up to %gs", self.what,
                       type(exc).__name__, exc, self.max_s)
         self.last_error = f"{type(exc).__name__}: {exc}"
-        if deadline is not None and time.monotonic() + delay > deadline:
+        now = time.monotonic()
+        if self.limit_s is not None and now + delay > self.down_since + self.limit_s:
+            raise RedisUnavailable(f"{self.what}: Redis unreachable for {now - self.down_since:.1f}s, past the "
+                                   f"limit of {self.limit_s:g}s: {self.last_error}") from exc
+        if deadline is not None and now + delay > deadline:
             raise RedisUnavailable(f"{self.what}: Redis unreachable for "
-                                   f"{time.monotonic() - self.down_since:.1f}s: {self.last_error}") from exc
+                                   f"{now - self.down_since:.1f}s: {self.last_error}") from exc
         return delay
 
     def _succeeded(self) -> None:

@@ -1,19 +1,21 @@
 """Test helpers: a real Worker in a thread, the real sglang-router as a subprocess,
-small HTTP and consumer shortcuts."""
+small HTTP and consumer shortcuts, a replica catching up and a switchable TCP forwarder."""
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import redis
 
 from pipeline.consumer import Consumer
+from pipeline.redis_server import free_port
 from pipeline.types import Group
 from local import router
 from local.router import router_engine_urls  # noqa: F401 - re-exported for the tests
@@ -218,3 +220,96 @@ class FakeModelEngine:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def wait_replicated(primary, replica, timeout: float = 10) -> None:
+    """Until the replica has applied everything the primary wrote so far."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        offset = primary.info("replication").get("master_repl_offset", 0)
+        info = replica.info("replication")
+        if info.get("master_link_status") == "up" and info.get("slave_repl_offset", -1) >= offset:
+            return
+        time.sleep(0.02)
+    raise RuntimeError("replica did not catch up")
+
+
+class Forwarder:
+    """A TCP forwarder on a fixed port to a switchable upstream port: clients keep one
+    address while the server behind it changes (a failover behind a VIP or DNS name).
+    `switch(port)` cuts every open connection; new ones go to the new upstream;
+    `switch(None)` refuses them (the server is down)."""
+
+    def __init__(self, upstream: int | None):
+        self.upstream = upstream
+        self.port = free_port()
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", self.port))
+        self._listener.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                if self.upstream is None:
+                    raise OSError("down")
+                upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._socks |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def switch(self, upstream: int | None) -> None:
+        self.upstream = upstream
+        with self._lock:
+            socks, self._socks = self._socks, set()
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def outage(server, back_when: Callable[[], bool], timeout: float = 60) -> threading.Thread:
+    """kill -9 `server` now and start it again (same port, same data) once `back_when()`
+    holds: an outage that lasts until the clients under test have lived it."""
+    server.kill()
+
+    def again():
+        wait_for(back_when, timeout=timeout, interval=0.02, what="the outage's end condition")
+        server.start()
+
+    thread = threading.Thread(target=again, daemon=True)
+    thread.start()
+    return thread

@@ -1,5 +1,5 @@
 """The trainer's consumer: exact batches, surplus left undelivered, sessions fenced by
-generation, recovery of an uncommitted batch, hand-back of a failed one, deduplication,
+an id never reissued, recovery of an uncommitted batch, hand-back of a failed one, deduplication,
 filters, staleness and timeout diagnostics."""
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_uncommitted_batch_is_redelivered_first(queue, client, namespace, name):
     assert [g.group_id for g in b2.groups] == delivered
     pending = queue.redis.xpending(queue.keys.results, CONSUMER_GROUP)
     assert {c["name"].decode() for c in pending["consumers"]} == {again.session.consumer}
-    assert again.session.consumer == f"{name}.2"
+    assert again.session.consumer == f"{name}.2-{again.session.id}"
     again.commit(b2)
     b3 = again.next_batch(5, timeout=5)
     assert [g.group_id for g in b3.groups] == [f"g{i}" for i in range(3, 8)]
@@ -165,7 +165,7 @@ def test_two_trainer_sessions_never_train_a_group_twice(queue, client, namespace
     b = Consumer(client, namespace, consumer="trainer-B", block_s=0.1)
     batch_b = b.next_batch(3, timeout=5)
     assert [g.group_id for g in batch_b.groups] == [g.group_id for g in batch_a.groups]
-    with pytest.raises(SessionFenced, match="trainer-A.1 was replaced by session trainer-B.2"):
+    with pytest.raises(SessionFenced, match=r"trainer-A\.1-[0-9a-f]+ was replaced by session trainer-B\.2-"):
         a.commit(batch_a)
     with pytest.raises(SessionFenced):
         a.next_batch(3, timeout=1)
@@ -199,10 +199,50 @@ def test_a_fenced_session_does_not_hand_out_groups_it_read_before_the_fence(queu
     b = Consumer(client, namespace, consumer="B", block_s=0.01)
     batch = b.next_batch(1, timeout=5)
     assert [g.group_id for g in batch.groups] == ["g0"]
-    with pytest.raises(SessionFenced, match="A.1 was replaced by session B.2"):
+    with pytest.raises(SessionFenced, match=r"A\.1-[0-9a-f]+ was replaced by session B\.2-"):
         a.next_batch(1, timeout=1)
     assert b.commit(batch) == 1
     assert assert_audit_ok(queue).committed == 1
+
+
+def test_a_session_lost_in_a_failover_is_fenced_by_the_next_one(queue, client, namespace):
+    """Issue 21 o1: a failover to a replica that missed session A's start and read rolls
+    the trainer hash and the stream back. The next session gets A's generation number
+    again, but not A's identity: A's commit and reads are refused, and the group both
+    were delivered is trained by the new session alone."""
+    produce(queue, 3)
+    k = queue.keys
+    b = Consumer(client, namespace, consumer="trainer", block_s=0.05)
+    assert b.commit(b.next_batch(1, timeout=5)) == 1
+    # What the replica that will be promoted holds: everything up to here.
+    replica = {key: client.dump(key) for key in (k.trainer, k.results)}
+    a = Consumer(client, namespace, consumer="trainer", block_s=0.05)
+    batch_a = a.next_batch(1, timeout=5)
+    for key, dumped in replica.items():  # the failover: A's writes are gone
+        client.restore(key, 0, dumped, replace=True)
+    c = Consumer(client, namespace, consumer="trainer", block_s=0.05)
+    batch_c = c.next_batch(1, timeout=5)
+    assert c.session.generation == a.session.generation  # the counter was rolled back ...
+    assert c.session.consumer != a.session.consumer  # ... the identity was not
+    assert [g.group_id for g in batch_c.groups] == [g.group_id for g in batch_a.groups] == ["g1"]
+    with pytest.raises(SessionFenced, match=f"{a.session.consumer} was replaced by session {c.session.consumer}"):
+        a.commit(batch_a)
+    with pytest.raises(SessionFenced):
+        a.next_batch(1, timeout=1)
+    assert c.commit(batch_c) == 1
+    assert assert_audit_ok(queue).committed == 2
+
+
+def test_a_retried_session_start_finds_its_own_session(queue, client, namespace):
+    """The session script ran, its reply was lost: the retry (same session id) returns
+    the session it started instead of starting another."""
+    produce(queue, 1)
+    a = Consumer(client, namespace, consumer="trainer", block_s=0.05)
+    a._scripts["session"] = LoseReplies(a._scripts["session"], armed=1)
+    batch = a.next_batch(1, timeout=5)
+    assert a.session.generation == 1 and client.hget(queue.keys.trainer, "generation") == b"1"
+    assert a.commit(batch) == 1
+    assert_audit_ok(queue)
 
 
 def test_lost_read_reply_strands_nothing(queue, consumer):
@@ -417,7 +457,7 @@ def test_timeout_workers_dead(queue, client, namespace, monkeypatch):
     queue.register("w")
     queue.redis.zadd(queue.keys.workers, {"w": 0}, xx=True)
     c = Consumer(client, namespace, block_s=0.2)
-    monkeypatch.setattr(c, "_reap", lambda control: None)  # keep the dead worker for the message
+    monkeypatch.setattr(c, "_reap", lambda control, deadline: None)  # keep the dead worker for the message
     msg = _timeout(c)
     assert "no live workers (1 registered, lease expired)" in msg
     assert "3 prompts queued" in msg

@@ -610,9 +610,10 @@ def test_release_max_count_and_policy_check(queue):
 
 
 def _session(q: Queue, name: str = "t") -> TrainerSession:
+    session_id = TrainerSession.new_id()
     generation, consumer, _ = scripts.load(q.redis, "session")["session"](
-        keys=[q.keys.trainer, q.keys.results], args=[CONSUMER_GROUP, name, "{}"])
-    return TrainerSession(consumer.decode(), int(generation))
+        keys=[q.keys.trainer, q.keys.results], args=[CONSUMER_GROUP, name, "{}", session_id])
+    return TrainerSession(consumer.decode(), int(generation), session_id)
 
 
 def _delivered(q: Queue, n: int, session: TrainerSession) -> list[Settle]:

@@ -26,3 +26,19 @@ end
 local function staleness_limit(max_staleness, version, batch_size)
   return (max_staleness + version + 1) * batch_size
 end
+
+-- A silence longer than a lease in which no worker renewed (Redis restarted or failed
+-- over, or nobody could reach it) is not every worker's death: the first heartbeat or
+-- reap after it moves every lease deadline to a lease from now, once per silence, so
+-- live workers renew before anyone reaps. (Workers that really died are reaped one
+-- lease later.) `beat_ms` in the control hash is the last renewal, by server time.
+local function grace_after_silence(workers, control, now, lease)
+  local ctl = redis.call('HMGET', control, 'beat_ms', 'grace_for')
+  local beat = tonumber(ctl[1])
+  if not beat or now - beat <= lease or ctl[2] == ctl[1] then return false end
+  redis.call('HSET', control, 'grace_for', ctl[1])
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. (now + lease))) do
+    redis.call('ZADD', workers, 'XX', now + lease, w)
+  end
+  return true
+end

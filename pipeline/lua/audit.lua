@@ -1,6 +1,9 @@
--- One consistent snapshot of where every group is, for the conservation audit: every
--- place is read in this one atomic step, so a busy pipeline cannot make groups look
--- missing or doubled. Blocks Redis for time linear in the groups present (an operator's tool).
+-- The audit's atomic step: every count, and every group outside the prompt list and the
+-- dead-letter stream, in one snapshot, so a busy pipeline cannot make groups look missing
+-- or doubled. It reads the places a pipeline keeps small (in flight, requeue, results:
+-- bounded by concurrency and max_ready) and only the lengths of the two that grow with a
+-- dataset (prompts, dead), which the audit then reads page by page (audit_page.lua, XRANGE):
+-- the server is never held for time linear in the groups queued.
 -- KEYS: prompts, payloads, workers, requeue, results, dead, stats, committed, then one
 --       in-flight key per worker in ARGV
 -- ARGV: consumer group, then the worker ids whose in-flight keys follow
@@ -12,15 +15,14 @@ for _, w in ipairs(registered) do
   if not given[w] then return 'retry' end
 end
 
-local count, order = {}, {}
-local function seen(gid)
+local count, order, placed = {}, {}, {}
+local function seen(gid, place)
   if not count[gid] then order[#order + 1] = gid end
   count[gid] = (count[gid] or 0) + 1
+  placed[#placed + 1] = gid
+  placed[#placed + 1] = place
 end
-local live = {}  -- queued or in flight: must have a stored payload
-local prompts = redis.call('LRANGE', KEYS[1], 0, -1)
-for _, gid in ipairs(prompts) do seen(gid); live[gid] = true end
-local inflight, unregistered = {}, {}
+local inflight, unregistered, missing_payloads, inflight_payloads = {}, {}, 0, 0
 local is_registered = {}
 for _, w in ipairs(registered) do is_registered[w] = true end
 for i = 2, #ARGV do
@@ -29,9 +31,16 @@ for i = 2, #ARGV do
     inflight[ARGV[i]] = #gids
     if not is_registered[ARGV[i]] then unregistered[#unregistered + 1] = ARGV[i] end
   end
-  for _, gid in ipairs(gids) do seen(gid); live[gid] = true end
+  for _, gid in ipairs(gids) do
+    seen(gid, 'inflight')
+    if redis.call('HEXISTS', KEYS[2], gid) == 1 then
+      inflight_payloads = inflight_payloads + 1
+    else
+      missing_payloads = missing_payloads + 1
+    end
+  end
 end
-local function stream(key, with_token)
+local function stream(key, place, with_token)
   local n, rows = 0, {}
   for _, entry in ipairs(redis.call('XRANGE', key, '-', '+')) do
     local f = entry[2]
@@ -40,35 +49,31 @@ local function stream(key, with_token)
       if f[j] == 'gid' then gid = f[j + 1] elseif f[j] == 'tok' then tok = f[j + 1] end
     end
     if gid then
-      seen(gid)
+      seen(gid, place)
       n = n + 1
       if with_token then rows[#rows + 1] = {entry[1], gid, tok} end
     end
   end
   return n, rows
 end
-local requeue = stream(KEYS[4], false)
-local results, result_rows = stream(KEYS[5], true)
-local dead = stream(KEYS[6], false)
+local requeue = stream(KEYS[4], 'requeue', false)
+local results, result_rows = stream(KEYS[5], 'results', true)
 local pending = 0
 local summary = redis.pcall('XPENDING', KEYS[5], ARGV[1])  -- an error: no consumer group yet
 if type(summary) == 'table' and not summary.err then pending = tonumber(summary[1]) end
 
-local twice, committed_too, missing_payloads = {}, {}, 0
+local twice, committed_too = {}, {}
 for _, gid in ipairs(order) do
   if count[gid] > 1 then twice[#twice + 1] = gid end
   if redis.call('ZSCORE', KEYS[8], gid) then committed_too[#committed_too + 1] = gid end
-end
-local stored = 0
-for gid in pairs(live) do
-  if redis.call('HEXISTS', KEYS[2], gid) == 1 then stored = stored + 1 else missing_payloads = missing_payloads + 1 end
 end
 local stats = {}
 local flat = redis.call('HGETALL', KEYS[7])
 for j = 1, #flat, 2 do stats[flat[j]] = flat[j + 1] end
 return cjson.encode({
-  stats = stats, prompts = #prompts, inflight = inflight, unregistered = unregistered,
-  requeue = requeue, results = results, pending = pending, dead = dead,
+  stats = stats, prompts = redis.call('LLEN', KEYS[1]), inflight = inflight, unregistered = unregistered,
+  requeue = requeue, results = results, pending = pending, dead = redis.call('XLEN', KEYS[6]),
   in_two_places = twice, committed_too = committed_too, missing_payloads = missing_payloads,
-  orphan_payloads = redis.call('HLEN', KEYS[2]) - stored, result_rows = result_rows,
+  payloads = redis.call('HLEN', KEYS[2]), inflight_payloads = inflight_payloads, placed = placed,
+  result_rows = result_rows,
 })

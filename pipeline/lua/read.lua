@@ -2,13 +2,13 @@
 -- the fence check); a fenced session gets an error instead, so it can never take entries
 -- it would strand.
 -- KEYS: results, trainer
--- ARGV: consumer group, consumer, generation, count
+-- ARGV: consumer group, consumer, session id, count
 -- Returns {newest entry id ('0-0' when empty), entries pending for this consumer, then
 -- the entries as XREADGROUP gives them}; the caller blocks (XREAD) outside when none came.
-local current = redis.call('HMGET', KEYS[2], 'generation', 'session')
+local current = redis.call('HMGET', KEYS[2], 'session_id', 'session')
 if current[1] ~= ARGV[3] then
   return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
-                           tostring(current[2]) .. ' (generation ' .. tostring(current[1]) .. ')')
+                           tostring(current[2]))
 end
 -- COUNT 0 would mean no limit: a count of 0 only confirms the session.
 local reply = nil

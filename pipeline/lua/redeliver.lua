@@ -2,12 +2,12 @@
 -- entry is claimed again by that session, which counts one more delivery. Fenced like
 -- every trainer call, so a replaced session cannot take entries back.
 -- KEYS: results, trainer
--- ARGV: consumer group, consumer, generation, then entry ids
+-- ARGV: consumer group, consumer, session id, then entry ids
 -- Returns the delivery count of each entry still pending for this session (0: it is not).
-local current = redis.call('HMGET', KEYS[2], 'generation', 'session')
+local current = redis.call('HMGET', KEYS[2], 'session_id', 'session')
 if current[1] ~= ARGV[3] then
   return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
-                           tostring(current[2]) .. ' (generation ' .. tostring(current[1]) .. ')')
+                           tostring(current[2]))
 end
 local out = {}
 for i = 4, #ARGV do

@@ -1,14 +1,21 @@
--- Start a trainer session. Its generation fences every earlier session (their reads and
--- commits are refused from now on), so it takes over at once every entry delivered to
--- them and not committed, oldest first; consumers left holding nothing are forgotten.
+-- Start a trainer session. Its random id (ARGV[4]) fences every earlier session (their
+-- reads and commits are refused from now on), so it takes over at once every entry
+-- delivered to them and not committed, oldest first; consumers left holding nothing are
+-- forgotten. The fence is the id, not the generation counter: a failover to a replica
+-- that missed the last session start rolls the counter back and would hand out the same
+-- generation twice; the id (and the consumer name, which carries it) never repeats.
 -- KEYS: trainer, results
--- ARGV: consumer group, consumer base name, info JSON
+-- ARGV: consumer group, consumer base name, info JSON, session id
 -- Returns {generation, consumer name, entries taken over}.
 local group = ARGV[1]
 redis.pcall('XGROUP', 'CREATE', KEYS[2], group, '0', 'MKSTREAM')  -- an error: it exists already
-local generation = redis.call('HINCRBY', KEYS[1], 'generation', 1)
-local name = ARGV[2] .. '.' .. generation
-redis.call('HSET', KEYS[1], 'session', name, 'info', ARGV[3], 'started_ms', now_ms())
+local current = redis.call('HMGET', KEYS[1], 'session_id', 'generation', 'session')
+local generation, name = tonumber(current[2]), current[3]
+if current[1] ~= ARGV[4] then  -- else a retry whose reply was lost: the session is started
+  generation = redis.call('HINCRBY', KEYS[1], 'generation', 1)
+  name = ARGV[2] .. '.' .. generation .. '-' .. ARGV[4]
+  redis.call('HSET', KEYS[1], 'session', name, 'session_id', ARGV[4], 'info', ARGV[3], 'started_ms', now_ms())
+end
 redis.call('XGROUP', 'CREATECONSUMER', KEYS[2], group, name)  -- visible to XINFO before its first read
 local cursor, taken = '0-0', 0
 repeat

@@ -4,7 +4,7 @@
 -- settle, and only entries delivered to it.
 -- KEYS: source stream, prompts, payloads, dead, dropped, committed, stats, admitted, claims,
 --       history, trainer, and for the results stream one result payload key per entry
--- ARGV: consumer group, consumer, generation ('' x3 for streams without a consumer group),
+-- ARGV: consumer group, consumer, session id ('' x3 for streams without a consumer group),
 --       max committed ids to remember, then five items per entry: action, entry id, group id,
 --       text, encoded group.
 --   commit    the trainer trained on it (text: the batch, for the group's history)
@@ -20,12 +20,12 @@ local actions = {commit = true, drop = true, duplicate = true, prompt = true, de
 for i = 5, #ARGV, 5 do
   if not actions[ARGV[i]] then return redis.error_reply('settle: unknown action ' .. ARGV[i]) end
 end
-local group, consumer, generation = ARGV[1], ARGV[2], ARGV[3]
-if generation ~= '' then
-  local current = redis.call('HMGET', KEYS[11], 'generation', 'session')
-  if current[1] ~= generation then
+local group, consumer, session_id = ARGV[1], ARGV[2], ARGV[3]
+if session_id ~= '' then
+  local current = redis.call('HMGET', KEYS[11], 'session_id', 'session')
+  if current[1] ~= session_id then
     return redis.error_reply('FENCED trainer session ' .. consumer .. ' was replaced by session ' ..
-                             tostring(current[2]) .. ' (generation ' .. tostring(current[1]) .. ')')
+                             tostring(current[2]))
   end
 end
 local now = now_ms()

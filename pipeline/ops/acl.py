@@ -102,9 +102,10 @@ TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
 )
 
 ADMIN = TRAINER | _access(
-    scripts=("audit", "check_results", "locate"),
+    scripts=("audit", "audit_page", "check_results", "locate"),
     commands=(
         "scan", "unlink", "exists",  # purge, namespace_is_empty
+        "lpos",  # the audit's re-check of a group that looks in two places
         "lrange", "hkeys", "hgetall", "zcount",  # status, dead letters, inspect
         "hmget", "get", "xrevrange",  # status --worker, inspect (a result's payload, the drop log)
     ),

@@ -87,7 +87,7 @@ def read_eval(client: redis.Redis, namespace: str, passes: dict[str, int] | None
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if passes is None:
-            if not client.xlen(reader.keys.results):
+            if not reader.call(client.xlen, reader.keys.results):
                 return out
             want = 1
         else:

@@ -189,15 +189,16 @@ class RedisDataSource:
         """Groups age on the queue's clock; with `rollout_max_staleness` (or an η set with
         `rollout configure`) admission paces against slime's batch size."""
         batch = getattr(self.args, "rollout_batch_size", None)
-        control = read_control(self.client, self.queue.keys)
+        call = self.consumer.call
+        control = call(read_control, self.client, self.queue.keys)
         eta = self.settings.max_staleness
         if eta is not None:
-            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
-                                max_staleness=int(eta), batch_size=batch)
+            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
+                           max_staleness=int(eta), batch_size=batch)
         elif control.max_staleness is not None and not control.batch_size and batch:
-            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch)
+            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch)
         elif control.version_clock != VersionClock.QUEUE:
-            control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
+            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
         if self.checkpoints and batch:
             check_backlog((int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch, control.max_ready)
 
@@ -235,14 +236,15 @@ class RedisDataSource:
                 self._track(item, forget=True)
                 ours.append(item)
         if ours:
-            self.client.hdel(self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in ours))  # not trained
+            self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,  # not trained
+                               *(it.entry.entry_id for it in ours))
             self.consumer.release(Batch([it.group for it in ours], [it.entry for it in ours], 0, BatchMetrics(),
                                         "given back by slime"), "given back by slime")
         if foreign:
             self._check_group_sizes(foreign, [f"given back #{i}" for i in range(len(foreign))])
             groups = [Group(group_id=f"slime:{uuid.uuid4().hex}", samples=[from_slime_sample(s) for s in g],
                             dataset="slime", row=g[0].group_index or 0) for g in foreign]
-            self.queue.push_groups(groups)
+            self.consumer.call(self.queue.push_groups, groups)
             log.info("pushed %d groups given back by slime as prompts", len(groups))
 
     def save(self, rollout_id: int) -> None:
@@ -260,11 +262,11 @@ class RedisDataSource:
         self._next_rollout = 0 if rollout_id is None else rollout_id + 1
         if self.consumer.session is not None or rollout_id is None or rollout_id < 0:
             return
-        recorded = self.client.hgetall(self.queue.keys.slime_rollouts)
+        recorded = self.consumer.call(self.client.hgetall, self.queue.keys.slime_rollouts)
         trained = {eid.decode() for eid, r in recorded.items() if int(r) <= rollout_id}
         committed = self.consumer.commit_trained(trained, f"slime checkpoint {rollout_id}")
         if trained:
-            self.client.hdel(self.queue.keys.slime_rollouts, *trained)
+            self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts, *trained)
         if committed:
             log.info("load(%d): committed %d groups read before that checkpoint and saved in it", rollout_id,
                      committed)
@@ -272,7 +274,7 @@ class RedisDataSource:
     def __len__(self) -> int:
         """Finished groups ready in the results stream (not handed out, or given back)."""
         outstanding = sum(1 for d in self._pending for it in d.items if not it.returned)
-        return max(0, self.client.xlen(self.queue.keys.results) - outstanding)
+        return max(0, self.consumer.call(self.client.xlen, self.queue.keys.results) - outstanding)
 
     # -- reading a rollout ---------------------------------------------------------------
 
@@ -282,10 +284,10 @@ class RedisDataSource:
         if n <= 0:
             raise ValueError(f"a rollout needs a positive number of groups, got {n}")
         started = time.monotonic()
-        if read_control(self.client, self.queue.keys).weight_version != rollout_id:
+        if self.consumer.call(read_control, self.client, self.queue.keys).weight_version != rollout_id:
             # slime updates the weights once per rollout: its rollout id is the version, also
             # backwards when it resumes from an earlier checkpoint than the queue last saw.
-            set_weight_version(self.client, self.queue.keys, rollout_id)
+            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id)
         if not self.checkpoints:
             self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
         batch = self._next_batch(n)
@@ -300,7 +302,8 @@ class RedisDataSource:
         self._pending.append(_Delivery(rollout_id, items, version, metrics))
         # Durable, for load(): which rollout read each entry, so a checkpoint that includes
         # that rollout commits it even when this process died before save() reached it.
-        self.client.hset(self.queue.keys.slime_rollouts, mapping={it.entry.entry_id: rollout_id for it in items})
+        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts,
+                           mapping={it.entry.entry_id: rollout_id for it in items})
         for it in items:
             self._track(it)
         self.last_metrics = slime_metrics(metrics, version)
@@ -377,7 +380,8 @@ class RedisDataSource:
                 batch = Batch([it.group for it in items], [it.entry for it in items],
                               delivery.weight_version, delivery.metrics, f"slime rollout {delivery.rollout_id}")
                 done += self.consumer.commit(batch)
-                self.client.hdel(self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in items))
+                self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,
+                                   *(it.entry.entry_id for it in items))
         return done
 
     # -- helpers -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pipeline.queue import Place, Queue  # noqa: E402,F401
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
 from pipeline.types import Group, Status  # noqa: E402,F401
 from tests.groups import claim, finish, produce, publish  # noqa: E402,F401
+from tests.helpers import Forwarder, wait_replicated  # noqa: E402,F401
 
 
 def busy(url: str, seconds: float = 0.5) -> threading.Thread:
@@ -34,3 +35,13 @@ def server() -> RedisServer:
     s = RedisServer(tempfile.mkdtemp(prefix="repro-redis-"), port=free_port(), aof=False)
     s.start()
     return s
+
+
+def replica_of(primary: RedisServer) -> RedisServer:
+    """A second server replicating `primary`, caught up before it returns."""
+    r = server()
+    client = connect(r.url)
+    client.replicaof("127.0.0.1", primary.port)
+    wait_replicated(connect(primary.url), client)
+    return r
+

@@ -1,0 +1,396 @@
+"""Redis as it really runs (issue 21): replicas and failover, errors a failover answers
+with, outages longer than a lease. Real redis-server processes: a primary and a replica
+on loopback ports, demoted and promoted with REPLICAOF."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+from redis._parsers.base import BaseParser
+
+from pipeline import scripts
+from pipeline.connection import connect
+from pipeline.consumer import Consumer
+from pipeline.control import configure
+from pipeline.controller import Controller
+from pipeline.queue import Place, Published, Queue, text
+from pipeline.retry import Reconnect, RedisUnavailable, is_transient
+from pipeline.redis_server import free_port
+from tests.groups import assert_audit_ok, claim, finish, fresh, produce
+from tests.helpers import outage, wait_for, wait_replicated
+
+SPIN = ("local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 while true do "
+        "local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > tonumber(ARGV[1]) then break end "
+        "end return 1")
+
+
+def _error(fn) -> redis.RedisError:
+    with pytest.raises(redis.RedisError) as info:
+        fn()
+    return info.value
+
+
+def _pair(redis_factory, binary: str | None = None):
+    """A primary and a replica in sync: (primary server, replica server)."""
+    kwargs = {"aof": False} | ({"binary": binary} if binary else {})
+    primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
+    connect(replica.url).replicaof("127.0.0.1", primary.port)
+    wait_replicated(connect(primary.url), connect(replica.url))
+    return primary, replica
+
+
+# -- o6: which errors a failover answers with, recognised by class -------------------------
+
+
+def test_a_read_only_replica_is_transient_for_commands_and_scripts(redis_factory, redis_binary):
+    """Issue 21 o6: redis-py strips READONLY from the message (ReadOnlyError); Redis 6
+    wraps a script's failed write as 'ERR Error running script ... -READONLY'. Both are
+    waited out; each binary installed answers one of the two ways."""
+    _, replica = _pair(redis_factory, redis_binary)
+    client = connect(replica.url)
+    plain = _error(lambda: client.set("k", 1))
+    assert isinstance(plain, redis.exceptions.ReadOnlyError) and is_transient(plain)
+    scripted = _error(lambda: Queue(client, "ro").register("w"))  # one of the pipeline's own scripts
+    assert "READONLY" in str(scripted) or isinstance(scripted, redis.exceptions.ReadOnlyError)
+    assert is_transient(scripted)
+
+
+def test_masterdown_clusterdown_and_busy_are_transient(redis_factory):
+    stale = redis_factory("stale", aof=False, extra_config=["replica-serve-stale-data no"])
+    connect(stale.url).replicaof("127.0.0.1", free_port())  # a primary that is gone
+    masterdown = _error(lambda: connect(stale.url).get("k"))
+    assert isinstance(masterdown, redis.exceptions.MasterDownError) and is_transient(masterdown)
+
+    no_slots = redis_factory("cluster", aof=False, extra_config=["cluster-enabled yes"])
+    clusterdown = _error(lambda: redis.Redis.from_url(no_slots.url).get("k"))
+    assert isinstance(clusterdown, redis.exceptions.ClusterDownError) and is_transient(clusterdown)
+
+    busy_server = redis_factory("busy", aof=False, extra_config=["lua-time-limit 50"])
+    probe, spinner = connect(busy_server.url), connect(busy_server.url)
+    spinning = threading.Thread(target=lambda: spinner.eval(SPIN, 0, 1.0))
+    spinning.start()
+    busy = wait_for(lambda: _busy_reply(probe), what="a BUSY reply")
+    spinning.join()
+    assert str(busy).startswith("BUSY ") and is_transient(busy)
+
+
+def _busy_reply(client) -> redis.ResponseError | None:
+    try:
+        client.get("k")
+    except redis.ResponseError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("reply, transient", [
+    ("TRYAGAIN Multiple keys request during rehashing of slot", True),  # a cluster slot migrating
+    ("NOREPLICAS Not enough good replicas to write.", True),
+    ("UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)", True),
+    ("BUSYGROUP Consumer Group name already exists", False),
+    ("Command # 1 (HMGET {ns}:control paused) of pipeline caused error: BUSY Redis is busy running a script.", True),
+    ("ERR unknown command 'FOO'", False),
+    ("NOPERM this user has no permissions to run the 'eval' command", False),
+    ("WRONGPASS invalid username-password pair or user is disabled.", False),
+])
+def test_replies_are_classified_as_redis_py_raises_them(reply, transient):
+    """The replies no single server here gives on demand, through redis-py's own parser."""
+    assert is_transient(BaseParser.parse_error(reply)) is transient
+    assert is_transient(redis.ResponseError(reply)) is transient
+
+
+def _demote_until_noticed(client, reconnect: Reconnect) -> threading.Thread:
+    """Demote the server behind `client` (every write answers READONLY) and promote it
+    again once `reconnect` has seen the outage: a failover as a client on the old
+    primary lives it, the address reaching a writable primary again."""
+    client.replicaof("127.0.0.1", free_port())
+
+    def promote():
+        wait_for(lambda: reconnect.down, what="a READONLY reply")
+        client.replicaof("NO", "ONE")
+
+    thread = threading.Thread(target=promote)
+    thread.start()
+    return thread
+
+
+def test_a_publish_and_a_batch_wait_out_a_demoted_primary(redis_factory):
+    """Issue 21 o6: a failover leaves clients on the old primary, now a replica, until
+    they move on: the worker's publish and the trainer's next_batch wait it out."""
+    primary, _ = _pair(redis_factory)
+    q = Queue(connect(primary.url, socket_timeout=5), "o6")
+    produce(q, 1, prefix="r")  # a result ready for the trainer
+    q.push_groups(fresh(1))
+    [held] = claim(q, "w", 1).groups
+    admin = connect(primary.url)
+
+    worker = Reconnect("worker w")
+    promoted = _demote_until_noticed(admin, worker)
+    assert worker.call(q.publish_group, "w", finish(held.group), held.token, Place.RESULTS) == Published.OK
+    promoted.join()
+    assert worker.outages == 1 and worker.last_error.startswith("ReadOnlyError")
+
+    consumer = Consumer(connect(primary.url, socket_timeout=5), "o6", block_s=0.2)
+    promoted = _demote_until_noticed(admin, consumer.reconnect)
+    batch = consumer.next_batch(2, timeout=60)
+    promoted.join()
+    assert sorted(g.group_id for g in batch.groups) == ["g0", "r0"]
+    assert consumer.reconnect.outages == 1
+    assert consumer.commit(batch) == 2
+    assert assert_audit_ok(q).committed == 2
+
+
+# -- o4: every trainer-side call rides out an outage longer than the lease ------------------
+
+LEASE_S = 1.0
+
+
+def _lived(reconnect: Reconnect, since: float, seconds: float = 2 * LEASE_S):
+    """The outage's end: `reconnect` has met it and it has lasted `seconds`."""
+    return lambda: reconnect.down and time.monotonic() - since >= seconds
+
+
+@pytest.fixture
+def durable(redis_factory):
+    """A server that loses nothing acknowledged across kill -9 (AOF, fsync always)."""
+    return redis_factory("durable")
+
+
+def test_next_batch_rides_out_an_outage_after_a_read_that_found_nothing(durable):
+    """Issue 21 o4 (case A): Redis goes away right after the read script answered; the
+    consumer's reap and diagnosis went to Redis outside Reconnect and raised. Now the
+    batch arrives once Redis is back with a group, two leases later."""
+    q = Queue(connect(durable.url), "o4")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4", block_s=0.2)
+    read = consumer._scripts["read"]
+    down: list[threading.Thread] = []
+
+    def read_then_outage(*args, **kwargs):
+        reply = read(*args, **kwargs)
+        if not down:
+            down.append(outage(durable, _lived(consumer.reconnect, time.monotonic())))
+            threading.Thread(target=lambda: (down[0].join(), produce(Queue(connect(durable.url), "o4"), 1)),
+                             daemon=True).start()
+        return reply
+
+    consumer._scripts["read"] = read_then_outage
+    batch = consumer.next_batch(1, timeout=120)
+    assert [g.group_id for g in batch.groups] == ["g0"] and consumer.reconnect.outages >= 1
+    assert consumer.commit(batch) == 1
+    assert_audit_ok(Queue(connect(durable.url), "o4"))
+
+
+def test_an_outage_past_the_limit_is_a_clear_error(durable):
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4", block_s=0.2, outage_limit_s=0.5)
+    durable.kill()
+    with pytest.raises(RedisUnavailable, match=r"trainer trainer: Redis unreachable for [0-9.]+s, past the limit "
+                                               r"of 0.5s: ConnectionError"):
+        consumer.next_batch(1, timeout=None)
+
+
+def test_the_controller_rides_out_outages(durable):
+    q = Queue(connect(durable.url), "o4c")
+    controller = Controller(Queue(connect(durable.url, socket_timeout=5), "o4c"))
+    outage(durable, _lived(controller.reconnect, time.monotonic()))
+    report = asyncio.run(controller.pause())
+    assert report.requeued == 0 and controller.reconnect.outages == 1
+    outage(durable, _lived(controller.reconnect, time.monotonic()))
+    assert asyncio.run(controller.resume(weight_version=3)).weight_version == 3
+    assert controller.reconnect.outages == 2
+    assert q.redis.hget(q.keys.control, "paused") in (b"0", None)
+    assert_audit_ok(q)
+
+
+def test_the_slime_data_source_rides_out_outages(durable, monkeypatch):
+    """Issue 21 o4 (case B): slime asks for the next rollout, saves, counts and loads while
+    Redis is away for two leases; every call waits and carries on."""
+    from pipeline.trainers import slime_adapter as sa
+    from pipeline.trainers import slime_types as st
+    from tests import fake_slime
+    from tests.test_slime_adapter import publish_results
+
+    monkeypatch.setitem(sys.modules, "slime", None)
+    fake_slime.install(monkeypatch)
+    st.slime_types.cache_clear()
+    try:
+        q = Queue(connect(durable.url), "o4s")
+        configure(q.redis, q.keys, lease_s=LEASE_S)
+        publish_results(q, [0, 1, 2, 3])
+        args = SimpleNamespace(rollout_batch_size=2, n_samples_per_prompt=2, rollout_redis_url=durable.url,
+                               rollout_namespace="o4s", reward_key=None, rollout_max_response_len=64,
+                               save_interval=1)
+        source = sa.RedisDataSource(args)
+        reconnect = source.consumer.reconnect
+        assert len(source.get_samples(2)) == 2
+        for step in (lambda: source.get_samples(2), lambda: source.save(1), lambda: len(source)):
+            outage(durable, _lived(reconnect, time.monotonic()))
+            step()
+        assert reconnect.outages == 3
+        assert q.stats().get("committed") == 4
+        assert_audit_ok(q)
+    finally:
+        st.slime_types.cache_clear()
+
+
+def test_the_torch_adapter_rides_out_an_outage(durable):
+    pytest.importorskip("torch")
+    from pipeline.trainers.torch_adapter import RolloutIterable
+
+    q = Queue(connect(durable.url), "o4t")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    produce(q, 4)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4t", block_s=0.2)
+    steps = RolloutIterable(consumer, batch_size=2, timeout=120, steps=2)
+    next(steps)
+    outage(durable, _lived(consumer.reconnect, time.monotonic()))
+    assert [g.group_id for g in (next(steps), steps.batch)[1].groups] == ["g2", "g3"]  # commits step 1 first
+    assert list(steps) == [] and consumer.reconnect.outages == 1
+    assert assert_audit_ok(q).committed == 4
+
+
+# -- o8: a silence longer than the lease is not every worker's death ------------------------
+
+
+def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
+    """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
+    deadline passed (forced, not waited for)."""
+    now = q.now_ms()
+    q.redis.hset(q.keys.control, "beat_ms", now - 3 * lease_ms)
+    q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
+
+
+@pytest.fixture
+def fleet(queue):
+    """Two workers holding a group each, both renewed once."""
+    configure(queue.redis, queue.keys, lease_s=LEASE_S)
+    queue.push_groups(fresh(2))
+    for w in ("w1", "w2"):
+        claim(queue, w, 1)
+        assert not queue.heartbeat(w, "{}").reaped
+    return queue
+
+
+def test_the_first_reap_after_a_long_silence_gives_every_worker_a_grace(fleet):
+    """Issue 21 o8: when Redis is back after an outage longer than the lease, the first
+    reaper found every lease expired and reaped the whole fleet, charging each group a
+    claim. Now every worker gets a lease to renew; one that does not is reaped after it."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0
+    assert set(q.live_workers()) == {"w1", "w2"}
+    assert not q.heartbeat("w1", "{}").reaped  # w1 is alive and renews; w2 died in the outage
+    q.redis.zadd(q.keys.workers, {"w2": q.now_ms() - 1}, xx=True)  # its grace ran out
+    assert q.reap_expired() == 1 and q.live_workers() == ["w1"]
+    assert {w: int(c) for w, c in q.redis.hgetall(q.keys.claims).items()} == {b"g0": 1, b"g1": 1}
+    assert_audit_ok(q)
+
+
+def test_a_heartbeat_first_after_a_long_silence_gives_the_others_a_grace(fleet):
+    """The first to reach Redis is one worker's heartbeat: its renewal must not make the
+    next reaper take every other worker."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert not q.heartbeat("w1", "{}").reaped
+    assert q.reap_expired() == 0 and set(q.live_workers()) == {"w1", "w2"}
+    assert_audit_ok(q)
+
+
+def test_workers_that_really_died_are_reaped_one_lease_after_the_silence(fleet):
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0  # the grace, once per silence
+    q.redis.zadd(q.keys.workers, {"w1": q.now_ms() - 1, "w2": q.now_ms() - 1}, xx=True)  # nobody renewed
+    assert q.reap_expired() == 2 and q.live_workers() == []
+    assert q.redis.llen(q.keys.prompts) == 2
+    assert_audit_ok(q)
+
+
+def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
+    """The same through a real restart: workers renew in threads through their Reconnect;
+    Redis is down for two leases; another process reaps the moment it is back."""
+    q = Queue(connect(durable.url), "o8")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    q.push_groups(fresh(4))
+    stop = threading.Event()
+    renewers = []
+    for w in ("w1", "w2"):
+        claim(q, w, 2)
+        reconnect, mine = Reconnect(f"worker {w}"), Queue(connect(durable.url, socket_timeout=2), "o8")
+
+        def renew(w=w, reconnect=reconnect, mine=mine):
+            while not stop.wait(LEASE_S / 4):
+                assert not reconnect.call(mine.heartbeat, w, "{}").reaped, f"{w} was reaped"
+        renewers.append(threading.Thread(target=renew, daemon=True))
+        renewers[-1].start()
+    wait_for(lambda: q.redis.hget(q.keys.control, "beat_ms"), what="a renewal")
+    killed = time.monotonic()
+    outage(durable, lambda: time.monotonic() - killed >= 2 * LEASE_S).join()
+    reaper = Queue(connect(durable.url), "o8")
+    assert reaper.reap_expired() == 0
+    wait_for(lambda: all(left > LEASE_S / 2 for left in reaper.workers().values()), what="both renewed")
+    assert reaper.reap_expired() == 0
+    stop.set()
+    for t in renewers:
+        t.join()
+    assert q.redis.hlen(q.keys.claims) == 4 and all(int(c) == 1 for c in q.redis.hvals(q.keys.claims))
+    assert_audit_ok(q)
+
+
+# -- o7: the audit of a namespace too big to read in one step -------------------------------
+
+
+def test_the_paged_audit_finds_what_the_atomic_one_found(queue):
+    """Pages of 3 over 10 queued groups and 2 dead letters: a group queued twice (in two
+    pages), one without payload, one committed yet queued, one dead and queued."""
+    from pipeline.ops.audit import audit
+
+    queue.push_groups(fresh(10))
+    assert audit(queue, prompt_page=3, dead_page=2).ok
+    k = queue.keys
+    queue.redis.rpush(k.prompts, "g0")  # g0 at the head and at the tail
+    queue.redis.hdel(k.payloads, "g4")
+    queue.redis.zadd(k.committed, {"g5": 1})
+    queue.redis.xadd(k.dead, {"gid": "g6", "data": b"", "error": "test"})
+    queue.redis.xadd(k.dead, {"gid": "x", "data": b"", "error": "test"})
+    report = audit(queue, prompt_page=3, dead_page=2)
+    assert report.in_two_places == ["g0", "g6"] and report.committed_and_live == ["g5"]
+    assert report.missing_payloads == 1 and report.dead == 2 and report.prompts == 11
+    assert not report.ok
+
+
+def test_the_paged_audit_is_exact_while_groups_are_pushed_and_claimed(queue, monkeypatch):
+    """Between every two pages a feeder pushes rows at the tail (shifting the pages toward
+    the head) and a worker claims at the head: every group that stays queued is read
+    exactly once, and the audit adds up with nothing in two places."""
+    from pipeline.ops import audit as audit_module
+
+    queue.push_groups(fresh(40))
+    queue.register("w")
+    load, moves = scripts.load, iter(range(1000))
+
+    def load_with_moves(client, *names):
+        loaded = load(client, *names)
+        if "audit_page" in loaded:
+            page = loaded["audit_page"]
+
+            def page_then_move(*args, **kwargs):
+                reply = page(*args, **kwargs)
+                n = next(moves)
+                queue.push_groups(fresh(1 + n % 7, prefix=f"n{n}-"))  # up to 7: more than a page
+                queue.claim("w", f"w:{n}", 2)
+                return reply
+            loaded["audit_page"] = page_then_move
+        return loaded
+
+    monkeypatch.setattr(audit_module.scripts, "load", load_with_moves)
+    scan = audit_module._scan_prompts(queue, page=5)
+    stayed = set(text(g) for g in queue.redis.lrange(queue.keys.prompts, 0, -1)) & {f"g{i}" for i in range(40)}
+    assert stayed and stayed <= set(scan.seen)
+    assert max(scan.seen.values()) == 1
+    report = audit_module.audit(queue, prompt_page=5)
+    assert report.ok and report.in_two_places == [], report.summary()
