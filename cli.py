@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -26,7 +27,7 @@ from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
-from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
+from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES, MAX_SAMPLES_PER_PROMPT
 from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
@@ -34,6 +35,27 @@ from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
+#: Exit status of a command stopped by Ctrl-C or SIGTERM before it finished its work (as a shell reports Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
+#: The longest duration any option takes (a week): more is a typo, and 1e308 s overflows every clock.
+MAX_OPTION_SECONDS = 7 * 24 * 3600.0
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses nan and inf (nan passes every range check: it compares false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class Seconds(FiniteFloat):
+    """A duration in seconds: finite and at most MAX_OPTION_SECONDS."""
+
+    def __init__(self, min: float = 0, max: float = MAX_OPTION_SECONDS, **kwargs):
+        super().__init__(min=min, max=max, **kwargs)
 
 
 @dataclass
@@ -214,7 +236,8 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
 @click.option("--label-key", default="label", show_default=True, help="Field holding the label (optional in rows).")
 @click.option("--metadata-key", default="metadata", show_default=True, help="Field holding a metadata object.")
-@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--n-samples", "n_samples", default=1, show_default=True,
+              type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT),
               help="Samples per prompt (n_samples_per_prompt): the group size.")
 @click.option("--epochs", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--shuffle/--no-shuffle", default=False, show_default=True, help="Shuffle each epoch (seeded).")
@@ -272,7 +295,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                        restart_cursor=restart_cursor)
     queue = obj.queue()
     # Each chunk and its cursor move in one script: stopping anywhere loses nothing.
-    with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor"):
+    # Exit 130 (as a shell reports Ctrl-C): a script must be able to tell the push stopped early.
+    with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor",
+                          exit_code=INTERRUPTED_EXIT_CODE):
         try:
             data = load_dataset(file, opts)
             if not data.rows:
@@ -354,22 +379,22 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
 @click.option("--max-new-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
-@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0, 1, min_open=True))
 @click.option("--top-k", default=-1, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string; repeat for several.")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
 @click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
-              type=click.FloatRange(min=0.05),
+              type=Seconds(min=0.05),
               help="Seconds between heartbeats. The lease (a namespace setting, `rollout configure --lease`) "
                    "must cover three.")
 @click.option("--request-timeout", "request_timeout_s", default=600.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Seconds(min=0, min_open=True),
               help="Seconds one /generate call may take; then it is aborted on the engine and retried.")
 @click.option("--reward-timeout", "reward_timeout_s", default=300.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Seconds(min=0, min_open=True),
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
@@ -488,9 +513,9 @@ def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
 @click.option("--decode-rate", default=2000.0, show_default=True, help="Tokens per second per running request.")
 @click.option("--median-tokens", default=64, show_default=True, help="Median output length.")
 @click.option("--p99-tokens", default=640, show_default=True, help="p99 output length (long tail).")
-@click.option("--skill", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--skill", default=0.5, show_default=True, type=FiniteFloat(0, 1),
               help="Chance an arithmetic question is answered right.")
-@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--error-rate", default=0.0, show_default=True, type=FiniteFloat(0, 1),
               help="Fault injection: fraction of /generate answered 500/503.")
 def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_tokens, skill, error_rate) -> None:
     """Run the SGLang-compatible simulator (no GPU needed).
@@ -533,7 +558,7 @@ def sim_engine(host, port, seed, max_running, decode_rate, median_tokens, p99_to
               help="Requests decoding at once (KV cache slots); more wait.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch CPU threads.")
-@click.option("--step-time", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--step-time", default=0.0, show_default=True, type=Seconds(min=0),
               help="Minimum seconds per decode step (sleeps the rest, CPU free): emulate a GPU's pace.")
 def torch_engine(host, port, seed, model_path, layers, width, heads, context_length, max_running, device, threads,
                  step_time) -> None:
@@ -577,7 +602,7 @@ def torch_engine(host, port, seed, model_path, layers, width, heads, context_len
               help="sim: the SGLang simulator and a stand-in trainer; torch: real models and GRPO that learns.")
 @click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8.")
-@click.option("--n-samples", type=click.IntRange(min=1), help="Samples per group. Default: 4 (sim), 8 (torch).")
+@click.option("--n-samples", type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT), help="Samples per group. Default: 4 (sim), 8 (torch).")
 @click.option("--workers", "n_workers", type=click.IntRange(min=1),
               help="Generation worker processes. Default: 2 (sim), 1 (torch).")
 @click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
@@ -647,7 +672,7 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
 @click.option("--lease", "lease_s", default=10.0, show_default=True,
-              type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+              type=Seconds(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help="The namespace's worker lease in seconds (see `rollout configure`).")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="Simulator: median output length.")
@@ -662,9 +687,9 @@ def demo(engine, steps, batch_size, n_samples, n_workers, n_engines, png, as_jso
                    "crashes; every write waits for the disk. everysec: faster, but a crash (of redis-server on "
                    "a busy disk, or of the host) can lose ~1-2 s of acknowledged writes: a batch trained then "
                    "may be delivered again.")
-@click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=Seconds(min=0.1),
               help="Dashboard refresh interval in seconds.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0),
+@click.option("--duration", "duration_s", type=Seconds(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
 def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
@@ -709,7 +734,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
 
 
 @main.command()
-@click.option("--minutes", default=1.0, show_default=True, type=click.FloatRange(min=0.25),
+@click.option("--minutes", default=1.0, show_default=True, type=FiniteFloat(min=0.25),
               help="How long faults are injected; every fault kind once per minute (or part of one).")
 @click.option("--seed", default=0, show_default=True, help="Seeds when each fault strikes and what it hits.")
 @click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.ALWAYS.value,
@@ -763,9 +788,9 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--interval", default=2.0, show_default=True, type=Seconds(min=0.1),
               help="Seconds between refreshes with --watch.")
-@click.option("--sample", "sample_s", default=1.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--sample", "sample_s", default=1.0, show_default=True, type=Seconds(min=0),
               help="Without --watch: seconds between the two counter samples behind the published and "
                    "claimed rates (0: skip them; the committed rate is exact either way).")
 @click.option("--worker", "worker_name", metavar="W",
@@ -1007,11 +1032,21 @@ def _print_audit(report) -> None:
 def _given_engine_urls(engine_urls: tuple[str, ...]) -> list[str]:
     from urllib.parse import urlsplit
 
+    from pipeline.connection import redact
+
     urls = [u for url in engine_urls for u in url.split()]
     for u in urls:
         parts = urlsplit(u)
+        shown = redact(u)
+        if "," in u:
+            raise click.BadParameter(f"{shown!r} holds a comma: separate several engine URLs with spaces "
+                                     f"({ENGINE_URLS_ENV}) or repeat --engine-url", param_hint="--engine-url")
+        try:
+            parts.port  # noqa: B018 -- raises on a port that is not a number from 0 to 65535
+        except ValueError:
+            raise click.BadParameter(f"{shown!r} has a malformed port", param_hint="--engine-url") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise click.BadParameter(f"{u!r} is not an engine URL: use http://host:port or https://...",
+            raise click.BadParameter(f"{shown!r} is not an engine URL: use http://host:port or https://...",
                                      param_hint="--engine-url")
     return urls
 
@@ -1050,7 +1085,7 @@ _ENGINE_URL_OPTION = click.option(
               help="abort: end in-flight requests (partial output is requeued); retract / in_place: "
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
 @click.pass_obj
 def pause(obj: Context, mode, engine_urls, timeout_s) -> None:
@@ -1156,7 +1191,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls) -> None:
                    "admission is paced to (η + version + 1) · B groups. Negative: no bound.")
 @click.option("--batch-size", type=int, help="B, the groups per training step that pacing counts with "
                                               "(next_batch must ask for exactly this many). Negative: unset.")
-@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+@click.option("--lease", "lease_s", type=Seconds(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help=f"Seconds a worker may go without a heartbeat before any worker or the trainer gives its "
                    f"groups back (at least {HEARTBEATS_PER_LEASE} heartbeats of {DEFAULT_HEARTBEAT_S:g}s).")
 @click.option("--max-claims", type=click.IntRange(min=1),
@@ -1227,8 +1262,8 @@ def eval_group() -> None:
 @eval_group.command("push")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--name", help="The eval dataset's name. Default: the file name without its suffix.")
-@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
+@click.option("--n-samples", "n_samples", default=1, show_default=True,
+              type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT), help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
 @click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
 @click.option("--label-key", default="label", show_default=True, help="Field holding the label.")
 @click.pass_obj
@@ -1254,7 +1289,7 @@ def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -
 
 
 @eval_group.command("results")
-@click.option("--wait", "wait_s", default=5.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--wait", "wait_s", default=5.0, show_default=True, type=Seconds(min=0),
               help="Seconds to wait for each next finished group.")
 @click.option("--reward-key", help="Key picked from dict rewards.")
 @click.option("--json", "as_json", is_flag=True,
@@ -1500,7 +1535,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
 @click.option("--batch-size", required=True, type=click.IntRange(min=1), help="Groups per batch (B).")
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1), help="Batches to take (K).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, one per line.")
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0.1),
               help="Seconds to wait for each batch; on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,
               help="Consumer name; a new session under the same name first gets what the last left uncommitted.")

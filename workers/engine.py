@@ -61,6 +61,7 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import aiohttp
 from yarl import URL
 
+from pipeline.connection import redact
 from pipeline.types import PauseMode, choices
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,10 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     header value (None: none given).
     The bare URL is the one shown anywhere (logs, errors, worker info, dead letters);
     the credentials go only in the Authorization header of requests to that URL."""
-    parsed = URL(url)
+    try:
+        parsed = URL(url)
+    except ValueError:  # not a URL (a malformed port): nothing to send it to, nothing to show of it
+        return redact(url), None
     if parsed.user is None and parsed.password is None:
         return url, None
     pair = f"{parsed.user or ''}:{parsed.password or ''}".encode()
