@@ -350,8 +350,8 @@ class GroupRunner:
                                   f"that needs none", "missing_label") from None
             except (RewardError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, asyncio.TimeoutError):
-                    # A synchronous reward keeps its thread until it returns; the pool has
-                    # others, and the group is retried or dead-lettered meanwhile.
+                    # A synchronous reward still running is abandoned on its thread, which
+                    # gives its place back (RewardThreads): the group is retried meanwhile.
                     exc = RewardError(f"reward took longer than {self.settings.reward_timeout_s:g}s "
                                       f"(--reward-timeout); abandoned")
                 self.ctx.counters.reward_errors += 1

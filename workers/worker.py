@@ -51,12 +51,12 @@ from pipeline.keys import eval_namespace
 from pipeline.queue import ClaimStatus, Queue
 
 from .claiming import Claimer
-from .context import DaemonPool, WorkerContext
+from .context import WorkerContext
 from .engine import EngineSet
 from .engine_health import EngineHealth
 from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
 from .liveness import Liveness
-from .rewards import BUILTIN_REWARDS, Reward
+from .rewards import BUILTIN_REWARDS, Reward, RewardThreads
 from .sampling import SamplingSettings  # noqa: F401 - re-exported: callers build WorkerSettings from here
 from .settings import WorkerSettings
 from .tokenizer import ByteTokenizer, load_tokenizer
@@ -106,10 +106,10 @@ class Worker:
                                  else None)
         self.reward = reward or self._load_reward()
         # Synchronous rewards run on threads of their own, never on the ones Redis calls
-        # use: a slow judge cannot delay a heartbeat, a hung one cannot hold up exit.
-        self._reward_pool = DaemonPool(settings.reward_threads, "reward")
+        # use: a slow judge cannot delay a heartbeat; a hung one is abandoned at its
+        # timeout and gives its place back.
         if isinstance(self.reward, Reward):
-            self.reward.executor = self._reward_pool
+            self.reward.threads = RewardThreads(settings.reward_threads)
         self.reward_args = reward_args(settings)
         self.engine_health = EngineHealth(self.ctx, self.engines)
         self.runner = GroupRunner(self.ctx, self.engines, self.engine_health, self.tokenizer, self.reward,
