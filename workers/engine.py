@@ -181,6 +181,7 @@ class GenerateResult:
     completion_tokens: int
     rid: str
     e2e_latency: float | None
+    url: str | None = None  # the URL that answered (without credentials)
 
 
 def _head(data: Any) -> str:
@@ -342,6 +343,7 @@ def parse_generate_response(
         completion_tokens=completion_tokens,
         rid=rid,
         e2e_latency=None if e2e is None else float(e2e),
+        url=url,
     )
 
 

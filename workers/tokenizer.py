@@ -327,6 +327,7 @@ async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
     from .engine import EngineClient, EngineUnavailable
 
     client = EngineClient(url)
+    url = client.url  # without credentials: the one logs and errors show
     delay, last_log = 0.5, float("-inf")
     try:
         while True:
@@ -363,5 +364,5 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
             and not apply_chat_template:
         logger.warning("tokenizer %s has a chat template, but string prompts are sent without it: pass "
                        "--apply-chat-template for an instruct model", name)
-    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(engine_urls))
+    logger.info("tokenizer %s for engines %s", name or "byte", ", ".join(e.url for e in engines) or "(not asked)")
     return name

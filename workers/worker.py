@@ -171,7 +171,7 @@ class Worker:
 
     def describe(self) -> str:
         """The one line a worker prints when it starts."""
-        engines = self.engines.engines or self.settings.engine_urls
+        engines = self.engines.engines or self.engines.urls
         reward = getattr(self.reward, "name", self.settings.reward)
         if self.settings.reward_queue:
             reward += f" (rq queue {self.settings.reward_queue})"
@@ -232,7 +232,7 @@ class Worker:
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "engines": self.engines.engines or self.settings.engine_urls,
+            "engines": self.engines.engines or self.engines.urls,
             "state": self.state(),
             "capacity": self.capacity,
             "inflight_samples": self.inflight_samples,
