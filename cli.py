@@ -861,6 +861,7 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
     from dataclasses import asdict
 
     from pipeline.ops.inspect import UnknownWorker, worker_groups
+    from pipeline.ops.printable import printable
     from pipeline.ops.status_render import age
 
     try:
@@ -877,11 +878,11 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(f"worker {w.worker}: {state}; holds {len(w.groups)} groups")
+        click.echo(printable(f"worker {w.worker}: {state}; holds {len(w.groups)} groups"))
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
-            click.echo(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}")
+            click.echo(printable(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}"))
     click.echo("`rollout inspect GROUP_ID` for a group's history")
 
 
@@ -913,12 +914,13 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
       rollout inspect prompts.jsonl:0:17 --json | jq .history
     """
     from pipeline.ops.inspect import locate
+    from pipeline.ops.printable import printable
 
     report = locate(obj.nonempty_queue(), group_id)
     if as_json:
         click.echo(_dump(report.to_dict()))
     else:
-        click.echo("\n".join(report.lines()))
+        click.echo("\n".join(printable(line) for line in report.lines()))  # errors and details come from data
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
@@ -1375,11 +1377,13 @@ def dead_list(obj: Context, limit, as_json) -> None:
         return
     from rich.text import Text
 
+    from pipeline.ops.printable import printable
+
     rows = []
     for l in letters:
         g = l.group
-        rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                     _retry_mark(l), l.error or "-"))
+        rows.append((printable(l.entry_id), printable(l.group_id), _age(l.age_s),
+                     "-" if g is None else str(g.attempts), _retry_mark(l), printable(l.error or "-")))
     # Fixed columns as wide as their contents (group ids capped); the error takes the rest
     # (each column is padded by one space on either side), on up to two lines.
     widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
@@ -1434,11 +1438,12 @@ def dead_show(obj: Context, ident, as_json) -> None:
       rollout dead show data.jsonl:0:17 --json
     """
     from pipeline.ops import deadletters
+    from pipeline.ops.printable import printable
 
     queue = obj.nonempty_queue()
     letters, missing = deadletters.find(queue, [ident])
     if missing:
-        raise click.ClickException(f"no dead letter {ident!r} in namespace {obj.namespace!r} "
+        raise click.ClickException(f"no dead letter {printable(ident)!r} in namespace {obj.namespace!r} "
                                    "(`rollout dead list` shows the ids)")
     now_ms = queue.now_ms()
     details = [l.details(queue.history(l.group_id), now_ms) for l in letters]
@@ -1472,7 +1477,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
         for e in d["history"]:
             lines.append(f"    {_age(e['age_s']):>7} ago  {e['event']:<11} {e['who']}"
                          + (f"  {e['detail']}" if e["detail"] else ""))
-        click.echo("\n".join(lines))
+        click.echo("\n".join(printable(line) for line in lines))  # every field may come from data
 
 
 @dead.command("retry")
