@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.consumer import Consumer
+from pipeline.ops.inspect import locate
+from tests.groups import assert_audit_ok, produce
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,3 +75,18 @@ def test_an_interrupted_push_exits_non_zero(signum, redis_url, queue, tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "push stopped; pushing the same dataset again resumes from its cursor" in err
+
+
+@pytest.mark.parametrize("reshape", [lambda gs: gs.reverse(), lambda gs: gs.sort(key=lambda g: g.group_id[::-1]),
+                                     lambda gs: gs.pop(0), lambda gs: gs.clear()],
+                         ids=["reversed", "sorted", "filtered", "emptied"])
+def test_commit_settles_the_batchs_own_entries_whatever_the_trainer_did_to_its_groups(reshape, queue):
+    gids = produce(queue, 6)
+    consumer = Consumer(queue.redis, queue.keys.namespace, block_s=0.2)
+    batch = consumer.next_batch(4, timeout=5)
+    reshape(batch.groups)
+    assert consumer.commit(batch) == 4
+    report = assert_audit_ok(queue)
+    assert report.committed == 4 and queue.redis.xlen(queue.keys.results) == 2
+    for gid in gids[:4]:  # each group's own history names the batch that trained it
+        assert locate(queue, gid).where[0].batch == batch.batch_id
