@@ -22,24 +22,37 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Server replies that mean "not now" rather than "no": a restart loading its AOF, a
-#: failover in progress, a replica promoted.
-_TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+#: failover in progress, a replica promoted, memory full (maxmemory with noeviction:
+#: writes are refused until the trainer commits or an operator makes room; a worker
+#: holds what it finished and retries the publish, every max_s at most, never
+#: dead-letters it for this).
+_TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "OOM")
+
+
+#: How a script's write refused for memory reads. Redis refuses a script's write only
+#: while the script has written nothing yet, so such a script changed nothing: retry it.
+_SCRIPT_OOM = "-OOM command not allowed"
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError)):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+    return isinstance(exc, redis.ResponseError) and (str(exc).startswith(_TRANSIENT_REPLIES)
+                                                     or _SCRIPT_OOM in str(exc))
 
 
 class RedisUnavailable(ConnectionError):
     """Redis stayed unreachable past the caller's deadline."""
 
 
+#: The longest wait between two tries of a call through an outage.
+DEFAULT_RETRY_MAX_S = 5.0
+
+
 class Reconnect:
     """Retries Redis calls through outages; records them for status."""
 
-    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0):
+    def __init__(self, what: str, first_s: float = 0.05, max_s: float = DEFAULT_RETRY_MAX_S):
         self.what = what  # who is waiting, for the log lines: "worker w1", "trainer session t.3"
         self.first_s = first_s
         self.max_s = max_s

@@ -48,6 +48,7 @@ from pipeline.codec import DecodeError
 from pipeline.control import read_control
 from pipeline.keys import CONSUMER_GROUP, Keys
 from pipeline.queue import Queue, text
+from pipeline.retry import DEFAULT_RETRY_MAX_S
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
@@ -362,8 +363,24 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     snap.empty = (not counters and not names and not stray and not any((snap.prompts, results, snap.requeue,
                                                                        snap.dead))
                   and namespace_is_empty(r, k))
-    snap.alerts = poison + alerts(snap)
+    snap.alerts = poison + _memory_alert(r) + alerts(snap)
     return snap
+
+
+def _memory_alert(r) -> list[str]:
+    """Redis at maxmemory with noeviction refuses every write: say so first, since the
+    workers' heartbeats (their state in this report) are among the writes refused."""
+    try:
+        info = r.info("memory")
+        used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        policy = str(info.get("maxmemory_policy", ""))
+    except (redis.RedisError, TypeError, ValueError, AttributeError):
+        return []  # a cluster answers per node, or INFO is not allowed: nothing to say
+    if not limit or used < limit or policy != "noeviction":
+        return []
+    return [f"Redis is full ({used / 2**20:.1f} MiB used of maxmemory {limit / 2**20:.1f} MiB, noeviction): every "
+            f"write is refused; workers hold the groups they finished and retry publishing them (every "
+            f"{DEFAULT_RETRY_MAX_S:g}s at most) until the trainer commits or maxmemory is raised"]
 
 
 def _worker_row(name: str, deadline: float, size: int, raw_info: bytes | None, now_ms: int,
