@@ -426,7 +426,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
-    from workers.worker import WorkerSettings, run_worker
+    from workers.worker import WorkerConfigError, WorkerSettings, run_worker
 
     urls = _given_engine_urls(engine_urls)
     if metrics_port:
@@ -453,7 +453,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     )
     try:
         asyncio.run(run_worker(settings))
-    except (ConnectionFailed, TokenizerError, ValueError) as exc:
+    except (ConnectionFailed, TokenizerError, ValueError, WorkerConfigError) as exc:
         raise click.ClickException(obj.scrub(str(exc))) from None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline import metrics
 from pipeline.codec import EncodeError, encode_group
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimedGroup, Place, Published, Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
@@ -146,6 +147,8 @@ class GroupRunner:
         except asyncio.CancelledError:
             self.ctx.counters.cancelled += 1
             raise
+        except PermissionDenied as exc:  # the worker's ACL, not the group: it stays held and is handed back
+            self.ctx.refused(exc)
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
             metrics.DEAD_LETTERS.labels("worker_error").inc()

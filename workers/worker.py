@@ -48,6 +48,7 @@ from pipeline import metrics
 from pipeline.connection import connect
 from pipeline.control import HEARTBEATS_PER_LEASE
 from pipeline.keys import eval_namespace
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimStatus, Queue
 
 from .claiming import Claimer
@@ -80,6 +81,12 @@ class WorkerState(StrEnum):
     ENGINE_DOWN = "engine-down"  # stopped claiming until an engine answers /health
     REDIS_DOWN = "redis-down"  # retrying Redis; generation goes on
     STOPPING = "stopping"
+    REFUSED = "permission-denied"  # Redis refused a command under the worker's ACL: it stops
+
+
+class WorkerConfigError(RuntimeError):
+    """The worker cannot work as configured (its Redis user lacks a command); it stopped
+    after handing back what it held."""
 
 
 class Worker:
@@ -164,10 +171,16 @@ class Worker:
                       asyncio.create_task(self.liveness.listen_for_control())]
         try:
             await self.claimer.loop()
+        except PermissionDenied as exc:
+            self.ctx.refused(exc)
         finally:
             for t in background:
                 t.cancel()
             await self._shutdown()
+        if self.ctx.refusal:
+            raise WorkerConfigError(f"worker {self.id} stopped: {self.ctx.refusal}; grant the Redis user that "
+                                    "command (`rollout acl --role worker` prints a user with everything a worker "
+                                    "needs)")
 
     def describe(self) -> str:
         """The one line a worker prints when it starts."""
@@ -201,6 +214,8 @@ class Worker:
     def state(self) -> str:
         """What the worker does or waits on, for status (one line)."""
         runner, claimer = self.runner, self.claimer
+        if self.ctx.refusal:
+            return f"{WorkerState.REFUSED.value}: {self.ctx.refusal}"
         if self.ctx.stopping.is_set():
             return WorkerState.STOPPING.value
         if self.reconnect.down:

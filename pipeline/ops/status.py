@@ -219,23 +219,25 @@ def server_time(client: redis.Redis) -> float:
 
 
 def namespace_is_empty(client: redis.Redis, keys: Keys) -> bool:
-    if client.exists(*keys.all_fixed()):
-        return False
-    for _ in client.scan_iter(match=keys.inflight_pattern, count=1000):
-        return False
-    return True
+    """No fixed key exists. (A worker's in-flight hash never exists alone: its worker
+    registered in `workers` and its group has history. No SCAN: a role that may touch
+    one namespace should not list every team's key names.)"""
+    return not client.exists(*keys.all_fixed())
 
 
 def known_namespaces(client: redis.Redis, max_names: int = 1000, max_keys: int = 200_000) -> list[str]:
     """Namespaces found on this server (from their `{ns}:...` keys), for hints. Scans at
     most `max_keys` keys: an error path on a big shared server must stay quick."""
     found: set[str] = set()
-    for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
-        name = text(key)
-        if name.startswith("{") and "}:" in name:
-            found.add(name[1:name.index("}:")])
-        if len(found) >= max_names or seen >= max_keys:
-            break
+    try:
+        for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
+            name = text(key)
+            if name.startswith("{") and "}:" in name:
+                found.add(name[1:name.index("}:")])
+            if len(found) >= max_names or seen >= max_keys:
+                break
+    except redis.exceptions.NoPermissionError:  # a role limited to its namespace: no hints
+        return []
     return sorted(found)
 
 
