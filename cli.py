@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -26,7 +27,7 @@ from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
-from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES
+from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES, MAX_SAMPLES_PER_PROMPT
 from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
@@ -35,6 +36,27 @@ from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
 ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
+#: Exit status of a command stopped by Ctrl-C or SIGTERM before it finished its work (as a shell reports Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
+#: The longest duration any option takes (a week): more is a typo, and 1e308 s overflows every clock.
+MAX_OPTION_SECONDS = 7 * 24 * 3600.0
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses nan and inf (nan passes every range check: it compares false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class Seconds(FiniteFloat):
+    """A duration in seconds: finite and at most MAX_OPTION_SECONDS."""
+
+    def __init__(self, min: float = 0, max: float = MAX_OPTION_SECONDS, **kwargs):
+        super().__init__(min=min, max=max, **kwargs)
 
 
 @dataclass
@@ -221,7 +243,8 @@ def main(ctx: click.Context, redis_url: str | None, namespace: str, verbose: int
 @click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
 @click.option("--label-key", default="label", show_default=True, help="Field holding the label (optional in rows).")
 @click.option("--metadata-key", default="metadata", show_default=True, help="Field holding a metadata object.")
-@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--n-samples", "n_samples", default=1, show_default=True,
+              type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT),
               help="Samples per prompt (n_samples_per_prompt): the group size.")
 @click.option("--epochs", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--shuffle/--no-shuffle", default=False, show_default=True, help="Shuffle each epoch (seeded).")
@@ -281,7 +304,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                        restart_cursor=restart_cursor)
     queue = obj.queue()
     # Each chunk and its cursor move in one script: stopping anywhere loses nothing.
-    with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor"):
+    # Exit 130 (as a shell reports Ctrl-C): a script must be able to tell the push stopped early.
+    with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor",
+                          exit_code=INTERRUPTED_EXIT_CODE):
         try:
             data = load_dataset(file, opts)
             if not data.rows:
@@ -428,22 +453,22 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--reward-queue", help="Score in rq workers listening on this queue (slow judges).")
 @click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1),
               help="rollout_max_response_len.")
-@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0, 1, min_open=True))
 @click.option("--top-k", default=-1, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string; repeat for several.")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
 @click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
-              type=click.FloatRange(min=0.05),
+              type=Seconds(min=0.05),
               help="Seconds between heartbeats. The lease (a namespace setting, `rollout configure --lease`) "
                    "must cover three.")
 @click.option("--request-timeout", "request_timeout_s", default=600.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Seconds(min=0, min_open=True),
               help="Seconds one /generate call may take; then it is aborted on the engine and retried.")
 @click.option("--reward-timeout", "reward_timeout_s", default=300.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Seconds(min=0, min_open=True),
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
@@ -475,7 +500,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
-    from workers.worker import WorkerSettings, run_worker
+    from workers.worker import WorkerConfigError, WorkerSettings, run_worker
 
     urls = _given_engine_urls(engine_urls)
     if metrics_port:
@@ -502,7 +527,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     )
     try:
         asyncio.run(run_worker(settings))
-    except (ConnectionFailed, TokenizerError, ValueError) as exc:
+    except (ConnectionFailed, TokenizerError, ValueError, WorkerConfigError) as exc:
         raise click.ClickException(obj.scrub(str(exc))) from None
 
 
@@ -568,9 +593,9 @@ def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
               help="KV cache capacity in tokens: beyond it requests wait and running ones are retracted.")
 @click.option("--median-tokens", default=64, show_default=True, help="Median output length.")
 @click.option("--p99-tokens", default=640, show_default=True, help="p99 output length (long tail).")
-@click.option("--skill", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--skill", default=0.5, show_default=True, type=FiniteFloat(0, 1),
               help="Chance an arithmetic question is answered right.")
-@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--error-rate", default=0.0, show_default=True, type=FiniteFloat(0, 1),
               help="Fault injection: fraction of /generate answered 500/503.")
 def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_tokens, median_tokens, p99_tokens,
                skill, error_rate) -> None:
@@ -645,7 +670,7 @@ def prepare_model(name, out) -> None:
               help="Requests decoding at once (KV cache slots); more wait. Default: 64 (byte-level), 16 (--model).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch CPU threads.")
-@click.option("--step-time", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--step-time", default=0.0, show_default=True, type=Seconds(min=0),
               help="Minimum seconds per decode step (sleeps the rest, CPU free): emulate a GPU's pace.")
 def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, context_length, max_running, device,
                  threads, step_time) -> None:
@@ -705,7 +730,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
               help="llm: the HF folder to serve and train (rollout prepare-model smollm2 --out DIR).")
 @click.option("--steps", type=click.IntRange(min=1), help="Training steps. Default: 5 (sim), 60 (torch), 4 (llm).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Groups per step. Default: 8 (sim, torch), 2 (llm).")
-@click.option("--n-samples", type=click.IntRange(min=1),
+@click.option("--n-samples", type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT),
               help="Samples per group. Default: 4 (sim, llm), 8 (torch).")
 @click.option("--workers", "n_workers", type=click.IntRange(min=1),
               help="Generation worker processes. Default: 2 (sim), 1 (torch).")
@@ -795,7 +820,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Samples in flight per engine, per worker.")
 @click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
-@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+@click.option("--lease", "lease_s", type=Seconds(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help=f"The namespace's worker lease in seconds (see `rollout configure`). Default: as "
                    f"configured, else {DEFAULT_LEASE_S:g}.")
 @click.option("--sim-median-tokens", default=64, show_default=True, type=click.IntRange(min=1),
@@ -811,9 +836,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                    "crashes; every write waits for the disk. everysec: faster, but a crash (of redis-server on "
                    "a busy disk, or of the host) can lose ~1-2 s of acknowledged writes: a batch trained then "
                    "may be delivered again.")
-@click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--refresh", "refresh_s", default=1.0, show_default=True, type=Seconds(min=0.1),
               help="Dashboard refresh interval in seconds.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0),
+@click.option("--duration", "duration_s", type=Seconds(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
 def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
@@ -858,7 +883,7 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
 
 
 @main.command()
-@click.option("--minutes", default=1.0, show_default=True, type=click.FloatRange(min=0.25),
+@click.option("--minutes", default=1.0, show_default=True, type=FiniteFloat(min=0.25),
               help="How long faults are injected; every fault kind once per minute (or part of one).")
 @click.option("--seed", default=0, show_default=True, help="Seeds when each fault strikes and what it hits.")
 @click.option("--fsync", type=click.Choice([f.value for f in Fsync]), default=Fsync.ALWAYS.value,
@@ -912,9 +937,9 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--interval", default=2.0, show_default=True, type=Seconds(min=0.1),
               help="Seconds between refreshes with --watch.")
-@click.option("--sample", "sample_s", default=1.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--sample", "sample_s", default=1.0, show_default=True, type=Seconds(min=0),
               help="Without --watch: seconds between the two counter samples behind the published and "
                    "claimed rates (0: skip them; the committed rate is exact either way).")
 @click.option("--worker", "worker_name", metavar="W",
@@ -985,6 +1010,7 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
     from dataclasses import asdict
 
     from pipeline.ops.inspect import UnknownWorker, worker_groups
+    from pipeline.ops.printable import printable
     from pipeline.ops.status_render import age
 
     try:
@@ -1001,11 +1027,11 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(f"worker {w.worker}: {state}; holds {len(w.groups)} groups")
+        click.echo(printable(f"worker {w.worker}: {state}; holds {len(w.groups)} groups"))
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
-            click.echo(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}")
+            click.echo(printable(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}"))
     click.echo("`rollout inspect GROUP_ID` for a group's history")
 
 
@@ -1037,12 +1063,13 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
       rollout inspect prompts.jsonl:0:17 --json | jq .history
     """
     from pipeline.ops.inspect import GroupPlace, locate
+    from pipeline.ops.printable import printable
 
     report = locate(obj.nonempty_queue(), group_id)
     if as_json:
         click.echo(_dump(report.to_dict()))
     else:
-        click.echo("\n".join(report.lines()))
+        click.echo("\n".join(printable(line) for line in report.lines()))  # errors and details come from data
     if report.place == GroupPlace.NOWHERE and not report.history:
         sys.exit(1)  # an id this namespace never saw: a typo, or another namespace
 
@@ -1182,11 +1209,21 @@ def _print_audit(report) -> None:
 def _given_engine_urls(engine_urls: tuple[str, ...]) -> list[str]:
     from urllib.parse import urlsplit
 
+    from pipeline.connection import redact
+
     urls = [u for url in engine_urls for u in url.split()]
     for u in urls:
         parts = urlsplit(u)
+        shown = redact(u)
+        if "," in u:
+            raise click.BadParameter(f"{shown!r} holds a comma: separate several engine URLs with spaces "
+                                     f"({ENGINE_URLS_ENV}) or repeat --engine-url", param_hint="--engine-url")
+        try:
+            parts.port  # noqa: B018 -- raises on a port that is not a number from 0 to 65535
+        except ValueError:
+            raise click.BadParameter(f"{shown!r} has a malformed port", param_hint="--engine-url") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise click.BadParameter(f"{u!r} is not an engine URL: use http://host:port or https://...",
+            raise click.BadParameter(f"{shown!r} is not an engine URL: use http://host:port or https://...",
                                      param_hint="--engine-url")
     return urls
 
@@ -1240,7 +1277,7 @@ _ENGINE_API_KEY_OPTION = click.option(
                    "keep them inside the engines.")
 @_ENGINE_URL_OPTION
 @_ENGINE_API_KEY_OPTION
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
 @click.pass_obj
 def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
@@ -1347,7 +1384,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -
                    "admission is paced to (η + version + 1) · B groups. Negative: no bound.")
 @click.option("--batch-size", type=int, help="B, the groups per training step that pacing counts with "
                                               "(next_batch must ask for exactly this many). Negative: unset.")
-@click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
+@click.option("--lease", "lease_s", type=Seconds(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help=f"Seconds a worker may go without a heartbeat before any worker or the trainer gives its "
                    f"groups back (at least {HEARTBEATS_PER_LEASE} heartbeats of {DEFAULT_HEARTBEAT_S:g}s).")
 @click.option("--max-claims", type=click.IntRange(min=1),
@@ -1425,8 +1462,8 @@ def eval_group() -> None:
 @eval_group.command("push")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--name", help="The eval dataset's name. Default: the file name without its suffix.")
-@click.option("--n-samples", "n_samples", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
+@click.option("--n-samples", "n_samples", default=1, show_default=True,
+              type=click.IntRange(1, MAX_SAMPLES_PER_PROMPT), help="Samples per eval prompt (slime's --n-samples-per-eval-prompt).")
 @click.option("--input-key", default="input", show_default=True, help="Field holding the prompt.")
 @click.option("--label-key", default="label", show_default=True, help="Field holding the label.")
 @click.pass_obj
@@ -1452,7 +1489,7 @@ def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -
 
 
 @eval_group.command("results")
-@click.option("--wait", "wait_s", default=5.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--wait", "wait_s", default=5.0, show_default=True, type=Seconds(min=0),
               help="Seconds to wait for each next finished group.")
 @click.option("--reward-key", help="Key picked from dict rewards.")
 @click.option("--json", "as_json", is_flag=True,
@@ -1538,11 +1575,13 @@ def dead_list(obj: Context, limit, as_json) -> None:
         return
     from rich.text import Text
 
+    from pipeline.ops.printable import printable
+
     rows = []
     for l in letters:
         g = l.group
-        rows.append((l.entry_id, l.group_id, _age(l.age_s), "-" if g is None else str(g.attempts),
-                     _retry_mark(l), l.error or "-"))
+        rows.append((printable(l.entry_id), printable(l.group_id), _age(l.age_s),
+                     "-" if g is None else str(g.attempts), _retry_mark(l), printable(l.error or "-")))
     # Fixed columns as wide as their contents (group ids capped); the error takes the rest
     # (each column is padded by one space on either side), on up to two lines.
     widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
@@ -1597,11 +1636,12 @@ def dead_show(obj: Context, ident, as_json) -> None:
       rollout dead show data.jsonl:0:17 --json
     """
     from pipeline.ops import deadletters
+    from pipeline.ops.printable import printable
 
     queue = obj.nonempty_queue()
     letters, missing = deadletters.find(queue, [ident])
     if missing:
-        raise click.ClickException(f"no dead letter {ident!r} in namespace {obj.namespace!r} "
+        raise click.ClickException(f"no dead letter {printable(ident)!r} in namespace {obj.namespace!r} "
                                    "(`rollout dead list` shows the ids)")
     now_ms = queue.now_ms()
     details = [l.details(queue.history(l.group_id), now_ms) for l in letters]
@@ -1635,7 +1675,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
         for e in d["history"]:
             lines.append(f"    {_age(e['age_s']):>7} ago  {e['event']:<11} {e['who']}"
                          + (f"  {e['detail']}" if e["detail"] else ""))
-        click.echo("\n".join(lines))
+        click.echo("\n".join(printable(line) for line in lines))  # every field may come from data
 
 
 @dead.command("retry")
@@ -1700,7 +1740,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
 @click.option("--batch-size", required=True, type=click.IntRange(min=1), help="Groups per batch (B).")
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1), help="Batches to take (K).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch, one per line.")
-@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0.1),
               help="Seconds to wait for each batch (and, in an empty namespace, for the first push); "
                    "on timeout the error says why none came.")
 @click.option("--consumer", default="trainer", show_default=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from functools import cache
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
@@ -36,23 +37,34 @@ class ConnectionFailed(RuntimeError):
     """Redis could not be reached or the URL is wrong; the message says which."""
 
 
+#: Query parameters that carry credentials (redis-py reads `?password=` and `?username=`).
+_SECRET_QUERY = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
     """The URL without its userinfo (everything up to the last '@' after the
-    scheme), for logs and error messages."""
+    scheme) and without the values of a `password=` or `username=` query
+    parameter, for logs and error messages."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    if "@" not in rest:
-        return url
-    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+    if "@" in rest:
+        rest = f"***@{rest.rpartition('@')[2]}"
+    return f"{scheme}{sep}{_SECRET_QUERY.sub(lambda m: m.group(1) + '***', rest)}"
+
+
+def _secrets(url: str) -> set[str]:
+    """The credentials in `url`: userinfo pieces and credential query values."""
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    found = set(userinfo.split(":")) | {m.group()[len(m.group(1)):] for m in _SECRET_QUERY.finditer(url)}
+    return {p for part in found for p in (part, unquote(part)) if len(p) > 2}
 
 
 def scrub(text: str, url: str) -> str:
-    """`text` (an error message, say) with `url` redacted and every piece of its
-    userinfo, as typed or percent-decoded, masked wherever it appears."""
+    """`text` (an error message, say) with `url` redacted and every credential in
+    it, as typed or percent-decoded, masked wherever it appears."""
     text = text.replace(url, redact(url))
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    pieces = {p for part in userinfo.split(":") for p in (part, unquote(part)) if len(p) > 2}
+    pieces = _secrets(url)
     for piece in sorted(pieces, key=len, reverse=True):
         text = text.replace(piece, "***")
     return text

@@ -433,8 +433,10 @@ class Consumer:
         if self.session is None:
             raise ValueError("commit: this consumer has not delivered any batch")
         deadline = None if timeout is None else time.monotonic() + timeout
-        items = [Settle("commit", e.entry_id, g.group_id, batch.batch_id, token=e.token)
-                 for e, g in zip(batch.entries, batch.groups)]
+        # By the batch's own entries, never by `batch.groups`: a trainer may sort or filter
+        # that list, and pairing it with the entries would settle one group's entry under
+        # another's id (orphaning payloads in the audit).
+        items = [Settle("commit", e.entry_id, e.group_id, batch.batch_id, token=e.token) for e in batch.entries]
         settled, already = self._settle(items, deadline)
         for e in batch.entries:
             self._uncommitted.pop(e.entry_id, None)

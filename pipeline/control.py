@@ -93,11 +93,20 @@ def _number(raw: bytes | None, name: str, keys: Keys) -> int | None:
 
 
 def read_control(client: redis.Redis, keys: Keys) -> ControlState:
-    pipe = client.pipeline(transaction=True)
-    pipe.hmget(keys.control, _FIELDS)
-    pipe.hget(keys.stats, "committed")
-    pipe.hlen(keys.admitted)
-    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock), committed, live = pipe.execute()
+    def read(transaction: bool) -> list:
+        pipe = client.pipeline(transaction=transaction)
+        pipe.hmget(keys.control, _FIELDS)
+        pipe.hget(keys.stats, "committed")
+        pipe.hlen(keys.admitted)
+        return pipe.execute()
+
+    try:
+        replies = read(transaction=True)
+    except redis.exceptions.OutOfMemoryError:
+        # A full Redis (maxmemory, noeviction) refuses anything queued in MULTI, reads
+        # too; the three reads one by one still tell status and the workers what is going on.
+        replies = read(transaction=False)
+    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock), committed, live = replies
     committed = _number(committed, "stats.committed", keys) or 0
     lease_ms = _number(lease_ms, "lease_ms", keys)
     try:

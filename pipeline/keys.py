@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: fullmatch, never `$`: that also matches before a final newline ("exp1\n").
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 # The trainer's consumer group on the results stream.
 CONSUMER_GROUP = "trainer"
@@ -16,15 +17,25 @@ CONSUMER_GROUP = "trainer"
 EVAL_SUFFIX = ".eval"
 
 
-def eval_namespace(namespace: str) -> str:
-    return namespace + EVAL_SUFFIX
+class CompanionNamespace(str):
+    """A namespace made by `eval_namespace`: the only way a name ending in EVAL_SUFFIX
+    is valid. A namespace a user names `exp1.eval` would be `exp1`'s eval companion,
+    whose workers and ACL users would take its groups."""
+
+
+def eval_namespace(namespace: str) -> CompanionNamespace:
+    return CompanionNamespace(check_namespace(namespace) + EVAL_SUFFIX)
 
 
 def check_namespace(namespace: str) -> str:
-    if not _NAMESPACE.match(namespace):
+    base = namespace.removesuffix(EVAL_SUFFIX) if isinstance(namespace, CompanionNamespace) else namespace
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(base):
         raise ValueError(
             f"namespace {namespace!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'"
         )
+    if namespace.endswith(EVAL_SUFFIX) and not isinstance(namespace, CompanionNamespace):
+        raise ValueError(f"namespace {namespace!r} is invalid: a name ending in {EVAL_SUFFIX!r} is the evaluation "
+                         f"companion of namespace {namespace.removesuffix(EVAL_SUFFIX)!r} (its workers serve both)")
     return namespace
 
 

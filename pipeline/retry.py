@@ -27,10 +27,14 @@ T = TypeVar("T")
 #: out, a restart loads its data (BusyLoadingError is a ConnectionError), a failover is
 #: under way or left this client on a demoted primary (READONLY), a cluster slot moves
 #: (TRYAGAIN) or its shard has no primary (CLUSTERDOWN, MASTERDOWN). redis-py strips the
-#: code from these replies' text, so they are recognised by class, never by text.
+#: code from these replies' text, so they are recognised by class, never by text. Memory
+#: full (maxmemory with noeviction, OutOfMemoryError) too: writes are refused until the
+#: trainer commits or an operator makes room; a worker holds what it finished and retries
+#: the publish, never dead-letters it for this.
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ReadOnlyError,
     redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,  # MasterDownError is one
+    redis.exceptions.OutOfMemoryError,
 )
 #: Wrong credentials are ConnectionErrors to redis-py, but waiting never fixes them.
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.AuthenticationError,
@@ -40,9 +44,11 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.Authentication
 #: while replicas reconnect), UNBLOCKED (a blocked read cut short when the primary was
 #: demoted). Redis 6 also wraps a script's failed call as "ERR Error running script ...
 #: -READONLY ...", and redis-py a pipeline's as "Command # 1 (...) of pipeline caused
-#: error: BUSY ...": the codes are matched there too.
+#: error: BUSY ...": the codes are matched there too (a script's write refused for memory,
+#: "-OOM command not allowed", comes only before the script wrote anything: it changed
+#: nothing, and is retried like the rest).
 _TRANSIENT_CODES = re.compile(r"(?:^|: -|caused error: )(?:BUSY|NOREPLICAS|UNBLOCKED|READONLY|TRYAGAIN|CLUSTERDOWN|MASTERDOWN|"
-                              r"LOADING)\b")
+                              r"LOADING|OOM)\b")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -65,11 +71,16 @@ class RedisUnavailable(ConnectionError):
     """Redis stayed unreachable past the caller's deadline or the outage limit."""
 
 
+#: The longest wait between two tries of a call through an outage.
+DEFAULT_RETRY_MAX_S = 5.0
+
+
 class Reconnect:
     """Retries Redis calls through outages; records them for status. With `limit_s`, an
     outage that lasts longer raises RedisUnavailable whatever the call's deadline."""
 
-    def __init__(self, what: str, first_s: float = 0.05, max_s: float = 5.0, limit_s: float | None = None):
+    def __init__(self, what: str, first_s: float = 0.05, max_s: float = DEFAULT_RETRY_MAX_S,
+                 limit_s: float | None = None):
         self.what = what  # who is waiting, for the log lines: "worker w1", "trainer session t.3"
         self.first_s = first_s
         self.max_s = max_s

@@ -578,7 +578,7 @@ CLI_KINDS: dict[str, tuple[tuple[str, ...], str]] = {  # {busy} is a port someth
     "worker_top_k_zero": (("worker", *ENGINE, "--top-k", "0"), "top_k must be -1 (no limit) or at least 1, got 0"),
     "worker_33_stop_strings": (("worker", *ENGINE, *_stops(33)), "at most 32 stop strings"),
     "worker_empty_stop_string": (("worker", *ENGINE, "--stop", ""), "stop must be a list of non-empty strings"),
-    "worker_temperature_nan": (("worker", *ENGINE, "--temperature", "nan"), "temperature must be a finite number"),
+    "worker_temperature_nan": (("worker", *ENGINE, "--temperature", "nan"), "'nan' is not a finite number"),
     "worker_metrics_port_out_of_range": (("worker", *ENGINE, "--metrics-port", "99999"),
                                          "99999 is not in the range"),
     "worker_metrics_port_in_use": (("worker", *ENGINE, "--metrics-port", "{busy}"), "cannot listen on 127.0.0.1:"),

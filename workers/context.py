@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue as threadqueue
 import threading
 from concurrent.futures import Executor, Future
@@ -13,6 +14,8 @@ from pipeline.retry import Reconnect
 from pipeline.types import VersionClock
 
 from .settings import WorkerSettings
+
+log = logging.getLogger("workers.worker")
 
 
 @dataclass
@@ -85,6 +88,19 @@ class WorkerContext:
         self.stopping = asyncio.Event()
         self.claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
         self.redis_pool = DaemonPool(6, "redis")  # one of them waits on control events
+        self.refusal: str | None = None  # the first command Redis refused under this worker's ACL
+
+    def refused(self, exc: Exception) -> None:
+        """Redis refused a command under this worker's ACL: a configuration error, not the
+        group's fault. Stop claiming and stop (shutdown hands back what is held) rather
+        than generate every group only to dead-letter it."""
+        if self.refusal is None:
+            self.refusal = str(exc)
+            log.error("worker %s: %s; this is a configuration error (grant the user that command: `rollout acl "
+                      "--role worker` lists what a worker needs): it stops claiming and hands back the groups it "
+                      "holds", self.id, exc)
+        self.stopping.set()
+        self.wake.set()
 
     async def redis(self, fn: Callable, *args: Any, deadline: float | None = None) -> Any:
         """A Redis call on the Redis pool, retried through outages."""

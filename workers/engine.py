@@ -17,7 +17,10 @@ Error taxonomy (what callers branch on):
 * ``EngineProtocolError`` (an ``EngineUnavailable``): a 200 answer that breaks
   the protocol: not JSON, no ``meta_info``, an unknown finish reason, token ids
   outside the vocabulary or int32, log-probs that are not finite floats or not one
-  per token, ``completion_tokens`` disagreeing with the tokens. Retriable like
+  per token, ``completion_tokens`` disagreeing with the tokens, ``output_ids``
+  disagreeing with the ids in ``output_token_logprobs``, more tokens than
+  ``max_new_tokens`` asked for, a body larger than ``answer_limit`` after
+  decompression, a redirect (never followed). Retriable like
   ``EngineUnavailable`` (the same request may reach a healthy engine), but it is a
   protocol error, never a sample; ``head`` holds the answer's first bytes.
 * ``EngineError``: the base class.
@@ -47,6 +50,7 @@ tests/test_engine_client.py and by hand:
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import logging
@@ -55,7 +59,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import aiohttp
+from yarl import URL
 
+from pipeline.connection import redact
 from pipeline.types import PauseMode, choices
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,39 @@ INT32_MAX = 2**31 - 1
 #: Log-probs travel as float32: a finite float64 beyond this would arrive as inf.
 FLOAT32_MAX = 3.4028234663852886e38
 _MISSING = object()
+#: SGLang's default max_new_tokens, for a request that does not say.
+DEFAULT_MAX_NEW_TOKENS = 128
+#: Bytes a /generate answer may take per token asked for, after decompression. SGLang
+#: sends about 60 per token (an output_token_logprobs entry, an output id, the token's
+#: text, JSON-escaped); 1 KiB leaves room for long tokens written as \u escapes.
+ANSWER_BYTES_PER_TOKEN = 1024
+#: Bytes any answer may take whatever was asked (meta_info, a router's worker list).
+ANSWER_BASE_BYTES = 1 << 20
+#: Bytes read from the network at a time while an answer is bounded.
+_READ_CHUNK = 1 << 16
+
+
+def answer_limit(max_new_tokens: int | None) -> int:
+    """The most bytes (after decompression) a /generate answer for `max_new_tokens`
+    may take: ANSWER_BASE_BYTES + ANSWER_BYTES_PER_TOKEN per token; 33 MiB for 32k
+    tokens. A larger answer is refused while it is read, before it is parsed."""
+    tokens = max_new_tokens if isinstance(max_new_tokens, int) and max_new_tokens > 0 else DEFAULT_MAX_NEW_TOKENS
+    return ANSWER_BASE_BYTES + ANSWER_BYTES_PER_TOKEN * tokens
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """`url` without its user and password, and those as a basic-auth Authorization
+    header value (None: none given).
+    The bare URL is the one shown anywhere (logs, errors, worker info, dead letters);
+    the credentials go only in the Authorization header of requests to that URL."""
+    try:
+        parsed = URL(url)
+    except ValueError:  # not a URL (a malformed port): nothing to send it to, nothing to show of it
+        return redact(url), None
+    if parsed.user is None and parsed.password is None:
+        return url, None
+    pair = f"{parsed.user or ''}:{parsed.password or ''}".encode()
+    return str(parsed.with_user(None)), "Basic " + base64.b64encode(pair).decode("ascii")
 
 
 # --------------------------------------------------------------------------- errors
@@ -103,7 +142,7 @@ class EngineProtocolError(EngineUnavailable):
     `head` is the answer's first HEAD_CHARS characters, for the dead letter."""
 
     def __init__(self, message: str, url: str | None = None, head: str = ""):
-        super().__init__(f"{message}; the answer began {head!r}", url=url)
+        super().__init__(f"{message}; the answer began {head!r}" if head else message, url=url)
         self.head = head
 
 
@@ -142,6 +181,7 @@ class GenerateResult:
     completion_tokens: int
     rid: str
     e2e_latency: float | None
+    url: str | None = None  # the URL that answered (without credentials)
 
 
 def _head(data: Any) -> str:
@@ -182,6 +222,10 @@ def _check_log_probs(log_probs: list) -> str | None:
     return None
 
 
+def _count(value: Any) -> str:
+    return f"{len(value)} ids" if isinstance(value, list) else f"a {type(value).__name__}"
+
+
 def _utf8_text(value: Any) -> bool:
     """A str the wire format can store (no lone surrogates)."""
     if not isinstance(value, str):
@@ -194,7 +238,8 @@ def _utf8_text(value: Any) -> bool:
 
 
 def parse_generate_response(
-    data: Any, url: str | None = None, return_logprob: bool = True, vocab_size: int | None = None
+    data: Any, url: str | None = None, return_logprob: bool = True, vocab_size: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> GenerateResult:
     """Turn one non-streaming ``/generate`` answer into a ``GenerateResult``, or raise
     ``EngineProtocolError`` saying what is wrong with it.
@@ -204,6 +249,10 @@ def parse_generate_response(
     zero tokens, but only for an abort: SGLang 0.4.10-0.5.2 omit it for "Abort
     before prefill"; a finished answer without it would become a sample with no
     tokens. `vocab_size` (None: unknown) bounds the token ids; int32 always does.
+    `max_new_tokens` (None: unchecked) bounds their number: an engine that ignores
+    it must not put tokens the trainer never asked for into a sample. When the answer
+    also carries ``output_ids`` they must be the same ids: two versions of the output
+    means neither can be trusted.
     """
 
     def bad(why: str) -> EngineProtocolError:
@@ -247,6 +296,10 @@ def parse_generate_response(
             why = _check_log_probs(log_probs)
             if why:
                 raise bad(f"output_token_logprobs {why}")
+        output_ids = data.get("output_ids", _MISSING)
+        if output_ids is not _MISSING and output_ids is not None and output_ids != ids:
+            raise bad(f"output_ids ({_count(output_ids)}) disagree with the {len(ids)} token ids of "
+                      "output_token_logprobs")
     else:
         ids = data.get("output_ids") or []
         if type(ids) is not list:
@@ -254,6 +307,8 @@ def parse_generate_response(
     why = _check_token_ids(ids, vocab_size)
     if why:
         raise bad(f"{'output_token_logprobs' if return_logprob else 'output_ids'} {why}")
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        raise bad(f"{len(ids)} output tokens, more than the {max_new_tokens} asked for (max_new_tokens)")
     if completion_tokens is _MISSING:
         completion_tokens = len(ids)
     elif completion_tokens != len(ids):
@@ -288,6 +343,7 @@ def parse_generate_response(
         completion_tokens=completion_tokens,
         rid=rid,
         e2e_latency=None if e2e is None else float(e2e),
+        url=url,
     )
 
 
@@ -319,6 +375,25 @@ def _error_message(body: Any) -> str:
     return str(body)[:500]
 
 
+async def _read_bounded(resp: aiohttp.ClientResponse, max_bytes: int, what: str, url: str) -> bytes:
+    """The body of `resp`, decompressed, refused past `max_bytes` (a gzip bomb or an
+    endless chunked answer costs at most that much memory)."""
+    def too_large(size: str) -> EngineProtocolError:
+        return EngineProtocolError(f"{what}: the answer is {size} bytes, more than the {max_bytes} allowed "
+                                   "(workers.engine.answer_limit)", url=url)
+    declared = resp.content_length
+    if declared is not None and declared > max_bytes and not resp.headers.get("Content-Encoding"):
+        raise too_large(str(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(f"over {max_bytes}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def make_session(timeout_s: float = 600.0, api_key: str | None = None) -> aiohttp.ClientSession:
     """One session for thousands of concurrent requests; with `api_key`, every request
     carries it as SGLang's `--api-key` expects (`Authorization: Bearer KEY`).
@@ -348,7 +423,8 @@ class EngineClient:
         vocab_size: int | None = None,
         api_key: str | None = None,
     ):
-        self.url = url.rstrip("/")
+        # Credentials in the URL are kept out of self.url, which errors and logs show.
+        self.url, self._auth = split_credentials(url.rstrip("/"))
         self.timeout_s = timeout_s
         self.vocab_size = vocab_size
         self.api_key = api_key  # for a session of its own; a given session carries its headers
@@ -375,21 +451,32 @@ class EngineClient:
         payload: Any = None,
         timeout_s: float | None = None,
         send_body: bool = True,
+        max_bytes: int = ANSWER_BASE_BYTES,
     ) -> Any:
         """Send one request; return the decoded body (JSON, text or None).
 
+        The answer is untrusted: a redirect is refused, never followed (it would send
+        the prompt to a host the worker was never given), and the body is read in
+        chunks and refused past `max_bytes` after decompression, before it is parsed.
         Raises EngineUnavailable / EngineRequestError according to the taxonomy
         in the module docstring.
         """
         url = self.url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        kwargs: dict[str, Any] = {"timeout": timeout}
+        kwargs: dict[str, Any] = {"timeout": timeout, "allow_redirects": False}
+        if self._auth is not None:
+            kwargs["headers"] = {"Authorization": self._auth}
         if send_body and payload is not None:
             kwargs["json"] = payload
         try:
             async with self._get_session().request(method, url, **kwargs) as resp:
-                raw = await resp.read()
                 status = resp.status
+                if 300 <= status < 400:
+                    location, _ = split_credentials(resp.headers.get("Location", "(no Location)"))
+                    raise EngineProtocolError(
+                        f"{method} {url} -> HTTP {status} redirect to {location:.200}; redirects are never "
+                        "followed: give the worker the URL that answers", url=self.url)
+                raw = await _read_bounded(resp, max_bytes, f"{method} {url}", self.url)
         except asyncio.TimeoutError as exc:
             raise EngineUnavailable(
                 f"{method} {url} timed out after {timeout.total:g}s", url=self.url
@@ -425,7 +512,8 @@ class EngineClient:
         }
         if rid is not None:
             payload["rid"] = rid
-        body = await self._request("POST", "/generate", payload)
+        max_new_tokens = sampling_params.get("max_new_tokens")
+        body = await self._request("POST", "/generate", payload, max_bytes=answer_limit(max_new_tokens))
         if isinstance(body, list):
             # A list answer means a batch or n > 1: this client is single-sample only.
             raise EngineProtocolError(
@@ -434,7 +522,8 @@ class EngineClient:
                 url=self.url,
                 head=_head(body),
             )
-        result = parse_generate_response(body, self.url, return_logprob, self.vocab_size)
+        result = parse_generate_response(body, self.url, return_logprob, self.vocab_size,
+                                         max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS)
         if not result.rid and rid is not None:
             result.rid = rid
         return result
@@ -575,8 +664,8 @@ async def discover_engines(url: str, session: aiohttp.ClientSession | None) -> l
     older ones ``GET /list_workers`` with ``{"urls": [...]}``; an engine answers 404
     to both. A router that has not registered its workers yet returns ``[]``.
     """
-    base = url.rstrip("/")
-    client = EngineClient(base, session, timeout_s=META_TIMEOUT_S)
+    client = EngineClient(url, session, timeout_s=META_TIMEOUT_S)
+    base = client.url  # without credentials
     try:
         statuses: list[int | None] = []
         for path in ("/workers", "/list_workers"):
@@ -638,7 +727,11 @@ class EngineSet:
         (through the session this set makes; a given `session` carries its own headers)."""
         if isinstance(urls, str):
             urls = [urls]
-        self.urls = _dedupe([u.rstrip("/") for u in urls])
+        given = _dedupe([u.rstrip("/") for u in urls])
+        # The URLs as given (maybe with credentials), by the bare URL everything else uses:
+        # credentials go only to the URL they came with, never to engines a router names.
+        self._with_credentials = {split_credentials(u)[0]: u for u in given}
+        self.urls = list(self._with_credentials)
         if not self.urls:
             raise ValueError("EngineSet needs at least one engine or router URL")
         self.timeout_s = timeout_s
@@ -661,6 +754,9 @@ class EngineSet:
             self._owns_session = True
         return self._session
 
+    def _client(self, url: str, vocab_size: int | None = None) -> EngineClient:
+        return EngineClient(self._with_credentials.get(url, url), self._get_session(), self.timeout_s, vocab_size)
+
     @property
     def engines(self) -> list[str]:
         """Engine URLs found by the last refresh()."""
@@ -677,7 +773,7 @@ class EngineSet:
         session = self._get_session()
         sources = [u for u in self.urls if self._by_source.get(u) != [u]]
         found = await asyncio.gather(
-            *(discover_engines(u, session) for u in sources), return_exceptions=True
+            *(discover_engines(self._with_credentials[u], session) for u in sources), return_exceptions=True
         )
         errors: dict[str, BaseException] = {}
         for source, res in zip(sources, found):
@@ -697,7 +793,7 @@ class EngineSet:
         clients = {}
         for e in engines:
             # Reuse clients so per-engine state (the pause fallback) survives refreshes.
-            clients[e] = self._engine_clients.get(e) or EngineClient(e, session, self.timeout_s)
+            clients[e] = self._engine_clients.get(e) or self._client(e)
         self._engine_clients = clients
         if errors:
             raise EngineControlError("discovery", errors, {})
@@ -713,8 +809,7 @@ class EngineSet:
         return_logprob: bool = True,
     ) -> GenerateResult:
         if self._gen_clients is None:
-            session = self._get_session()
-            self._gen_clients = [EngineClient(u, session, self.timeout_s, self.vocab_size) for u in self.urls]
+            self._gen_clients = [self._client(u, self.vocab_size) for u in self.urls]
             self._in_flight = [0] * len(self.urls)
         # Fewest in flight, not plain round-robin: request times vary a lot, so
         # round-robin queues requests at one engine while another has free slots.
@@ -808,11 +903,8 @@ class EngineSet:
             await self.refresh()
         except EngineError as exc:
             logger.warning("engine discovery failed during health check: %s", exc)
-        session = self._get_session()
         urls = _dedupe(self.urls + list(self._engine_clients))
-        clients = [
-            self._engine_clients.get(u) or EngineClient(u, session, self.timeout_s) for u in urls
-        ]
+        clients = [self._engine_clients.get(u) or self._client(u) for u in urls]
         healthy = await asyncio.gather(*(c.health() for c in clients))
         out = dict(zip(urls, healthy))
         for source in self.urls:

@@ -75,7 +75,7 @@ class EngineHealth:
         try:
             engines = await self.engines.refresh()
         except EngineError as exc:  # keep going: generation goes through the given URLs
-            log.warning("engine discovery failed (%s); using %s as given", exc, self.ctx.settings.engine_urls)
+            log.warning("engine discovery failed (%s); using %s as given", exc, self.engines.urls)
             return
         capacity = self.ctx.settings.concurrency_per_engine * max(1, len(engines))
         if capacity != self.ctx.capacity and self.ctx.lease_s:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline import metrics
 from pipeline.codec import EncodeError, encode_group
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimedGroup, Place, Published, Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
@@ -146,6 +147,8 @@ class GroupRunner:
         except asyncio.CancelledError:
             self.ctx.counters.cancelled += 1
             raise
+        except PermissionDenied as exc:  # the worker's ACL, not the group: it stays held and is handed back
+            self.ctx.refused(exc)
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
             metrics.DEAD_LETTERS.labels("worker_error").inc()
@@ -303,12 +306,18 @@ class GroupRunner:
         return result
 
     def _append(self, sample: Sample, result: GenerateResult) -> None:
-        """Add one engine answer to a sample; a continuation extends the previous one."""
+        """Add one engine answer to a sample; a continuation extends the previous one.
+
+        The response text is decoded here from the response tokens, never taken from the
+        engine's `text`: the reward must score what the trainer trains on, and an engine
+        whose text says something its tokens do not would otherwise buy rewards."""
         n_new = len(result.output_ids)
+        if n_new:
+            self._refuse_unusable_version(result)
         previous_mask = sample.loss_mask
         sample.tokens += result.output_ids
         sample.response_length += n_new
-        sample.response += result.text
+        sample.response = self.tokenizer.decode(sample.response_tokens)
         sample.rollout_log_probs = (sample.rollout_log_probs or []) + result.output_log_probs
         segments = sample.metadata.setdefault(SEGMENTS_KEY, [])
         if n_new:  # a call that produced nothing (aborted while queued) adds no version
@@ -322,6 +331,19 @@ class GroupRunner:
             sample.loss_mask = previous_mask + [1] * n_new
         if self.settings.mask_offpolicy_prefix and sample.status != Status.ABORTED:
             sample.loss_mask = offpolicy_mask(sample.weight_versions, segments)
+
+    def _refuse_unusable_version(self, result: GenerateResult) -> None:
+        """Staleness on the engines' clock needs integer versions; SGLang allows any string.
+        Read as 0, "v3" would make every group look stale and restart it forever: refuse
+        the answer as an engine fault (retried, then engine-down in status) saying why."""
+        version = result.weight_version
+        if self.ctx.version_clock != VersionClock.ENGINE or version == "default" or _is_integer(version):
+            return
+        raise EngineProtocolError(
+            f"engine {result.url or '(unknown)'} generates with weight version {version!r:.50}, not an integer: "
+            "staleness is measured on the engines' versions here (version clock 'engine'); give the engines "
+            "integer versions (update_weights ... weight_version=str(step)), or measure on the queue's clock "
+            "(configure(version_clock='queue'), as the slime adapter does)", url=result.url)
 
     def _check_version(self, version: str) -> None:
         """An engine ahead of the queue's weight version means the trainer updates the
@@ -350,8 +372,8 @@ class GroupRunner:
                                   f"that needs none", "missing_label") from None
             except (RewardError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, asyncio.TimeoutError):
-                    # A synchronous reward keeps its thread until it returns; the pool has
-                    # others, and the group is retried or dead-lettered meanwhile.
+                    # A synchronous reward still running is abandoned on its thread, which
+                    # gives its place back (RewardThreads): the group is retried meanwhile.
                     exc = RewardError(f"reward took longer than {self.settings.reward_timeout_s:g}s "
                                       f"(--reward-timeout); abandoned")
                 self.ctx.counters.reward_errors += 1
@@ -359,6 +381,10 @@ class GroupRunner:
                     raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", "reward") from None
                 log.warning("group %s: reward error (%s); retry %d", group.group_id, exc, attempt)
                 await asyncio.sleep(min(self.settings.backoff_max_s, self.settings.backoff_s * 2 ** (attempt - 1)))
+
+
+def _is_integer(text: str) -> bool:
+    return text.lstrip("-").isdigit() and text.isascii()
 
 
 def offpolicy_mask(weight_versions: list[str], segment_lengths: list[int]) -> list[int]:

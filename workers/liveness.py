@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from pipeline import metrics
 from pipeline.control import HEARTBEATS_PER_LEASE, read_control
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import Queue
 
 from .context import WorkerContext
@@ -129,6 +130,8 @@ class Liveness:
                 await self.reconcile()
             except asyncio.CancelledError:
                 raise
+            except PermissionDenied as exc:
+                self.ctx.refused(exc)
             except Exception as exc:
                 log.warning("worker %s: heartbeat failed: %s", self.ctx.id, exc)
 
@@ -142,6 +145,8 @@ class Liveness:
                 await self.engine_health.watch()
             except asyncio.CancelledError:
                 raise
+            except PermissionDenied as exc:
+                self.ctx.refused(exc)
             except Exception as exc:
                 log.warning("worker %s: maintenance failed: %s", self.ctx.id, exc)
 

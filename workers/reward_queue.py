@@ -39,6 +39,7 @@ from typing import Any
 
 from redis import Redis, RedisError
 from redis.cluster import RedisCluster
+import rq
 from rq import Queue, Worker
 from rq.command import send_stop_job_command
 from rq.exceptions import NoSuchJobError
@@ -52,6 +53,9 @@ from workers.rewards import Reward, RewardError, RewardValue, load_reward, valid
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "rollout-rewards"
+#: The rq major version AllowlistedJob was checked against (pyproject pins it): a new major
+#: can add job fields that run code or send requests (rq 3 added webhooks) it would let through.
+RQ_CHECKED_MAJOR = 3
 
 __all__ = ["DEFAULT_QUEUE", "AllowlistedJob", "JobRefused", "RQReward", "run_reward_worker",
            "score_group_job"]
@@ -91,7 +95,10 @@ def _same_path(path: str) -> str:
 class AllowlistedJob(Job):
     """A job that resolves to `score_group_job` with an allowlisted reward path, or
     raises JobRefused before anything it names is imported. Job callbacks (rq imports
-    them by name too) never run. Use `for_paths` to make the class for an allowlist."""
+    them by name too) never run, webhooks (rq 3: any URL, method and headers a job
+    names) are never sent, refused jobs' included, and a job carrying either, or
+    dependencies, is refused: RQReward sets none of them. Use `for_paths` to make the
+    class for an allowlist."""
 
     allowed_paths: frozenset[str] = frozenset()
 
@@ -108,6 +115,11 @@ class AllowlistedJob(Job):
                                  self._stopped_callback_name) if n]
         if callbacks:
             return f"job callbacks are not run here ({', '.join(callbacks)})"
+        webhooks = getattr(self, "webhooks", None)
+        if webhooks:
+            return f"job webhooks are not sent here ({len(webhooks)} given)"
+        if self._dependency_ids:
+            return f"a scoring job has no dependencies ({len(self._dependency_ids)} given)"
         if self.kwargs or len(self.args) != 4 or not isinstance(self.args[0], str):
             return "malformed scoring job: expected (path, group, args, samples)"
         if _same_path(self.args[0]) not in self.allowed_paths:
@@ -121,6 +133,9 @@ class AllowlistedJob(Job):
         if refusal:
             raise JobRefused(f"refused job {self.id}: {refusal}")
         return score_group_job
+
+    def send_webhooks(self, *args: Any, **kwargs: Any) -> None:
+        """Never: a webhook is a request to a host the job names (refused jobs' too)."""
 
     @property
     def success_callback(self):
@@ -142,6 +157,10 @@ def run_reward_worker(connection: Redis, allowed_paths: Sequence[str], queue_nam
     its queues are empty). Returns whether it did any work."""
     if not allowed_paths:
         raise ValueError("a reward worker needs at least one allowed reward path")
+    major = int(rq.__version__.split(".")[0])
+    if major != RQ_CHECKED_MAJOR:
+        raise ValueError(f"rq {rq.__version__} is installed, but the reward worker's job allowlist was checked "
+                         f"against rq {RQ_CHECKED_MAJOR}.x only: install rq>={RQ_CHECKED_MAJOR},<{RQ_CHECKED_MAJOR + 1}")
     if isinstance(connection, RedisCluster):
         raise ValueError("a reward worker needs a plain Redis connection; rq does not support Redis Cluster")
     for path in allowed_paths:  # a path that does not load fails here, not on the first job

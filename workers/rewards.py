@@ -43,17 +43,19 @@ carries slime's names of the worker's settings (`rm_type`, `rollout_temperature`
 from __future__ import annotations
 
 import asyncio
-import functools
+import copy
 import importlib
 import inspect
+import itertools
 import logging
 import math
 import numbers
 import re
 import string
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -65,6 +67,8 @@ from pipeline.types import Sample
 logger = logging.getLogger(__name__)
 
 RewardValue = float | dict
+#: Synchronous reward calls running at once, unless the worker says (--reward-threads).
+DEFAULT_REWARD_THREADS = 16
 # A reward function as slime defines it: per-sample (args, sample) or per-group
 # (args, samples); sync or async.
 RewardFn = Callable[..., Any]
@@ -112,7 +116,8 @@ async def exact_match(args: Any, sample: Sample) -> float:
     return 1.0 if sample.response.strip() == str(sample.label).strip() else 0.0
 
 
-_BOXED = "\\boxed{"
+#: What extract_boxed looks at: a box opening, or any other brace.
+_BOX_OR_BRACE = re.compile(r"\\boxed\{|[{}]")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -120,23 +125,21 @@ def extract_boxed(text: str) -> str | None:
 
     Returns None when there is no complete boxed answer (none at all, or the last
     one is unterminated; an unterminated box falls back to the previous one).
+    One pass with a stack of open braces: linear in the text, however many boxes a
+    degenerate answer opens (re-scanning from each one was quadratic).
     """
-    start = text.rfind(_BOXED)
-    while start != -1:
-        depth = 1
-        pos = start + len(_BOXED)
-        while pos < len(text):
-            ch = text[pos]
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(_BOXED):pos]
-            pos += 1
-        # unbalanced (e.g. the generation was truncated inside the box): try an earlier one
-        start = text.rfind(_BOXED, 0, start)
-    return None
+    open_braces: list[int] = []  # per open brace: where a box's content starts, or -1
+    last_start, last_end = -1, -1
+    for m in _BOX_OR_BRACE.finditer(text):
+        brace = m.group()
+        if brace == "}":
+            if open_braces:
+                start = open_braces.pop()
+                if start > last_start:  # the complete box that starts last wins
+                    last_start, last_end = start, m.start()
+        else:
+            open_braces.append(m.end() if brace != "{" else -1)
+    return text[last_start:last_end] if last_start >= 0 else None
 
 
 _WS = re.compile(r"\s+")
@@ -184,17 +187,24 @@ def math_equal(answer: str, label: str) -> bool:
     Everything else compares as normalized strings (no symbolic algebra).
     """
     a, b = normalize_answer(answer), normalize_answer(label)
-    num_a, num_b = _parse_number(a), _parse_number(b)
+    try:
+        num_a, num_b = _parse_number(a), _parse_number(b)
+    except ValueError:  # past Python's int digit limit (sys.get_int_max_str_digits): a legitimate answer
+        if _DECIMAL.match(a) and _DECIMAL.match(b):
+            return Decimal(a) == Decimal(b)  # exact, whatever the number of digits
+        return a == b
     if num_a is not None and num_b is not None:
         return num_a == num_b
     return a == b
 
 
-async def math_boxed(args: Any, sample: Sample) -> float:
+def math_boxed(args: Any, sample: Sample) -> float:
     """1.0 when the last ``\\boxed{...}`` of the response matches the label.
 
     No boxed answer in the response gives 0.0 (a formatting failure of the model,
-    a legitimate reward); a missing label is a data error and raises.
+    a legitimate reward); a missing label is a data error and raises. A plain
+    function: it runs on the reward threads, never on the worker's event loop (a
+    32k-token answer takes milliseconds, but the loop renews the worker's lease).
     """
     if sample.label is None:
         raise MissingLabel("math_boxed needs a label, but sample.label is None")
@@ -292,7 +302,9 @@ def _per_sample_as_group(fn: RewardFn) -> RewardFn:
     """slime with --group-rm and a built-in reward scores the samples one by one."""
 
     async def group_rm(args: Any, samples: Sequence[Sample]) -> list[Any]:
-        return list(await asyncio.gather(*(fn(args, s) for s in samples)))
+        if _is_async(fn):
+            return list(await asyncio.gather(*(fn(args, s) for s in samples)))
+        return await asyncio.to_thread(lambda: [fn(args, s) for s in samples])  # off the event loop
 
     group_rm.__name__ = group_rm.__qualname__ = getattr(fn, "__name__", "reward")
     return group_rm
@@ -389,11 +401,72 @@ def _describe(fn: Any) -> str:
 # --------------------------------------------------------------------------- wrapper
 
 
+class RewardThreads:
+    """Where synchronous rewards run: each call on a daemon thread of its own, at most
+    `size` at a time. A call its caller stops waiting for (the reward timeout) gives its
+    place back at once and its thread is abandoned: Python cannot kill a thread, but a
+    reward stuck forever then costs one idle thread, not one of `size` places, so hung
+    rewards never starve the groups after them. `abandoned` counts the threads
+    abandoned while still running; each is logged."""
+
+    def __init__(self, size: int, name: str = "reward"):
+        if size < 1:
+            raise ValueError(f"reward threads must be at least 1, got {size}")
+        self.size = size
+        self.name = name
+        self.abandoned = 0
+        self._places = asyncio.Semaphore(size)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop _places belongs to
+        self._serial = itertools.count()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a semaphore serves one loop (rq jobs each run in a new one)
+            self._places, self._loop = asyncio.Semaphore(self.size), loop
+        async with self._places:
+            done: asyncio.Future = loop.create_future()
+
+            def settle(result: Any, exc: BaseException | None) -> None:
+                if done.cancelled():
+                    return
+                if exc is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(result)
+
+            def call() -> None:
+                try:
+                    result, exc = fn(*args), None
+                except BaseException as error:  # SystemExit too: it must reach the caller, not end a thread
+                    result, exc = None, error
+                try:
+                    loop.call_soon_threadsafe(settle, result, exc)
+                except RuntimeError:  # the loop closed while the reward ran
+                    pass
+
+            thread = threading.Thread(target=call, name=f"{self.name}-{next(self._serial)}", daemon=True)
+            thread.start()
+            try:
+                return await done
+            except asyncio.CancelledError:
+                if thread.is_alive():
+                    self.abandoned += 1
+                    logger.warning("a synchronous reward call (%s) is still running after its caller gave up; "
+                                   "its thread is abandoned (%d so far)", getattr(fn, "__name__", fn),
+                                   self.abandoned)
+                raise
+
+
 class Reward:
     """One reward function behind one interface: `score(args, samples)`.
 
     ``Reward(fn, group=False)`` wraps a per-sample function (samples of a group are
     scored concurrently); ``group=True`` wraps a per-group function.
+
+    A reward is user code, contained: it scores copies of the samples (whatever it
+    changes in them never reaches the trainer), anything it raises, BaseException
+    included (SystemExit, KeyboardInterrupt), is a RewardError, and a synchronous one
+    runs on `threads` (RewardThreads), where a hung call is abandoned.
     """
 
     def __init__(self, fn: RewardFn, group: bool = False, name: str | None = None) -> None:
@@ -404,9 +477,8 @@ class Reward:
         self.name = name or _describe(fn)
         # A reward written for slime calls slime's Sample methods: hand it slime's samples.
         self.slime_samples = False
-        # Where sync functions run (None: the loop's default). The worker gives them
-        # threads of their own, apart from the ones its Redis calls use.
-        self.executor: Executor | None = None
+        # Where sync functions run; the worker sizes it (--reward-threads).
+        self.threads = RewardThreads(DEFAULT_REWARD_THREADS)
 
     @classmethod
     def from_path(cls, path: str, group: bool = False) -> Reward:
@@ -418,14 +490,20 @@ class Reward:
         return f"Reward({self.name!r}, group={self.group})"
 
     async def _call(self, args: Any, arg: Any) -> Any:
-        if _is_async(self.fn):
-            result = await self.fn(args, arg)
-        else:
-            # sync judges may block (HTTP, subprocess, heavy parsing): keep the loop free
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self.executor, functools.partial(self.fn, args, arg))
-        if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
-            result = await result
+        try:
+            if _is_async(self.fn):
+                result = await self.fn(args, arg)
+            else:
+                # sync judges may block (HTTP, subprocess, heavy parsing): keep the loop free
+                result = await self.threads.run(self.fn, args, arg)
+            if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
+                result = await result
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            # Caught here, inside the reward's own coroutine: past this point asyncio would
+            # re-raise a SystemExit or KeyboardInterrupt out of the event loop, ending the worker.
+            raise RewardError(f"raised {type(exc).__name__}({exc}), which a reward must not") from exc
         return result
 
     def _error(self, exc: BaseException, where: str) -> RewardError:
@@ -438,7 +516,9 @@ class Reward:
 
     async def score(self, args: Any, samples: Sequence[Sample]) -> list[RewardValue]:
         """One validated reward per sample, in order. Raises RewardError."""
-        samples = list(samples)
+        # Copies: a reward that edits its samples (tokens, log-probs, loss mask) must not
+        # change what is trained; no schema check could tell such an edit from generation.
+        samples = [copy.deepcopy(s) for s in samples]
         if not samples:
             return []
         reward_key = getattr(args, "reward_key", None)
@@ -460,7 +540,7 @@ class Reward:
             results = await asyncio.gather(*(self._call(args, s) for s in samples), return_exceptions=True)
             for sample, result in zip(samples, results):
                 if isinstance(result, BaseException):
-                    if not isinstance(result, Exception):  # CancelledError, KeyboardInterrupt
+                    if not isinstance(result, Exception):  # CancelledError (_call turned the rest into RewardError)
                         raise result
                     where = f"sample group_index={sample.group_index} index={sample.index}"
                     raise self._error(result, where) from result

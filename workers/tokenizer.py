@@ -373,6 +373,7 @@ async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
     from .engine import EngineClient, EngineUnavailable
 
     client = EngineClient(url)
+    url = client.url  # without credentials: the one logs and errors show
     delay, last_log = 0.5, float("-inf")
     try:
         while True:
@@ -410,6 +411,6 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
                                    "model): prompts would be wrapped in one it never saw; leave the option out "
                                    "(string prompts go as text)")
     templated = tokenizer.has_chat_template and apply_chat_template is not False
-    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte", ", ".join(engine_urls),
+    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte", ", ".join(e.url for e in engines) or "(not asked)",
                 "in the model's chat template" if templated else "as text")
     return name

@@ -48,15 +48,16 @@ from pipeline import metrics
 from pipeline.connection import connect
 from pipeline.control import HEARTBEATS_PER_LEASE
 from pipeline.keys import eval_namespace
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimStatus, Queue
 
 from .claiming import Claimer
-from .context import DaemonPool, WorkerContext
+from .context import WorkerContext
 from .engine import EngineSet
 from .engine_health import EngineHealth
 from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
 from .liveness import Liveness
-from .rewards import BUILTIN_REWARDS, Reward
+from .rewards import BUILTIN_REWARDS, Reward, RewardThreads
 from .sampling import SamplingSettings  # noqa: F401 - re-exported: callers build WorkerSettings from here
 from .settings import WorkerSettings
 from .tokenizer import ByteTokenizer, load_tokenizer
@@ -80,6 +81,12 @@ class WorkerState(StrEnum):
     ENGINE_DOWN = "engine-down"  # stopped claiming until an engine answers /health
     REDIS_DOWN = "redis-down"  # retrying Redis; generation goes on
     STOPPING = "stopping"
+    REFUSED = "permission-denied"  # Redis refused a command under the worker's ACL: it stops
+
+
+class WorkerConfigError(RuntimeError):
+    """The worker cannot work as configured (its Redis user lacks a command); it stopped
+    after handing back what it held."""
 
 
 class Worker:
@@ -106,10 +113,10 @@ class Worker:
                                  else None)
         self.reward = reward or self._load_reward()
         # Synchronous rewards run on threads of their own, never on the ones Redis calls
-        # use: a slow judge cannot delay a heartbeat, a hung one cannot hold up exit.
-        self._reward_pool = DaemonPool(settings.reward_threads, "reward")
+        # use: a slow judge cannot delay a heartbeat; a hung one is abandoned at its
+        # timeout and gives its place back.
         if isinstance(self.reward, Reward):
-            self.reward.executor = self._reward_pool
+            self.reward.threads = RewardThreads(settings.reward_threads)
         self.reward_args = reward_args(settings)
         self.engine_health = EngineHealth(self.ctx, self.engines)
         self.runner = GroupRunner(self.ctx, self.engines, self.engine_health, self.tokenizer, self.reward,
@@ -164,14 +171,20 @@ class Worker:
                       asyncio.create_task(self.liveness.listen_for_control())]
         try:
             await self.claimer.loop()
+        except PermissionDenied as exc:
+            self.ctx.refused(exc)
         finally:
             for t in background:
                 t.cancel()
             await self._shutdown()
+        if self.ctx.refusal:
+            raise WorkerConfigError(f"worker {self.id} stopped: {self.ctx.refusal}; grant the Redis user that "
+                                    "command (`rollout acl --role worker` prints a user with everything a worker "
+                                    "needs)")
 
     def describe(self) -> str:
         """The one line a worker prints when it starts."""
-        engines = self.engines.engines or self.settings.engine_urls
+        engines = self.engines.engines or self.engines.urls
         reward = getattr(self.reward, "name", self.settings.reward)
         if self.settings.reward_queue:
             reward += f" (rq queue {self.settings.reward_queue})"
@@ -201,6 +214,8 @@ class Worker:
     def state(self) -> str:
         """What the worker does or waits on, for status (one line)."""
         runner, claimer = self.runner, self.claimer
+        if self.ctx.refusal:
+            return f"{WorkerState.REFUSED.value}: {self.ctx.refusal}"
         if self.ctx.stopping.is_set():
             return WorkerState.STOPPING.value
         if self.reconnect.down:
@@ -232,7 +247,7 @@ class Worker:
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "engines": self.engines.engines or self.settings.engine_urls,
+            "engines": self.engines.engines or self.engines.urls,
             "state": self.state(),
             "capacity": self.capacity,
             "inflight_samples": self.inflight_samples,

@@ -96,6 +96,7 @@ TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
         "llen", "xlen", "zrevrange", "zrange", "hlen",  # the timeout error's diagnosis, in-flight count
         "hset", "hdel",  # control fields (Controller, configure)
         "hincrby",  # the producer's cursor
+        "exists",  # namespace_is_empty: consume, pause and resume check that the namespace exists
     ),
     settles=("results",),
     publishes=True,

@@ -48,6 +48,7 @@ from pipeline.codec import DecodeError
 from pipeline.control import read_control
 from pipeline.keys import CONSUMER_GROUP, Keys
 from pipeline.queue import Queue, text
+from pipeline.retry import DEFAULT_RETRY_MAX_S
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
@@ -218,23 +219,25 @@ def server_time(client: redis.Redis) -> float:
 
 
 def namespace_is_empty(client: redis.Redis, keys: Keys) -> bool:
-    if client.exists(*keys.all_fixed()):
-        return False
-    for _ in client.scan_iter(match=keys.inflight_pattern, count=1000):
-        return False
-    return True
+    """No fixed key exists. (A worker's in-flight hash never exists alone: its worker
+    registered in `workers` and its group has history. No SCAN: a role that may touch
+    one namespace should not list every team's key names.)"""
+    return not client.exists(*keys.all_fixed())
 
 
 def known_namespaces(client: redis.Redis, max_names: int = 1000, max_keys: int = 200_000) -> list[str]:
     """Namespaces found on this server (from their `{ns}:...` keys), for hints. Scans at
     most `max_keys` keys: an error path on a big shared server must stay quick."""
     found: set[str] = set()
-    for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
-        name = text(key)
-        if name.startswith("{") and "}:" in name:
-            found.add(name[1:name.index("}:")])
-        if len(found) >= max_names or seen >= max_keys:
-            break
+    try:
+        for seen, key in enumerate(client.scan_iter(match="{*}:*", count=1000)):
+            name = text(key)
+            if name.startswith("{") and "}:" in name:
+                found.add(name[1:name.index("}:")])
+            if len(found) >= max_names or seen >= max_keys:
+                break
+    except redis.exceptions.NoPermissionError:  # a role limited to its namespace: no hints
+        return []
     return sorted(found)
 
 
@@ -362,8 +365,24 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     snap.empty = (not counters and not names and not stray and not any((snap.prompts, results, snap.requeue,
                                                                        snap.dead))
                   and namespace_is_empty(r, k))
-    snap.alerts = poison + alerts(snap)
+    snap.alerts = poison + _memory_alert(r) + alerts(snap)
     return snap
+
+
+def _memory_alert(r) -> list[str]:
+    """Redis at maxmemory with noeviction refuses every write: say so first, since the
+    workers' heartbeats (their state in this report) are among the writes refused."""
+    try:
+        info = r.info("memory")
+        used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        policy = str(info.get("maxmemory_policy", ""))
+    except (redis.RedisError, TypeError, ValueError, AttributeError):
+        return []  # a cluster answers per node, or INFO is not allowed: nothing to say
+    if not limit or used < limit or policy != "noeviction":
+        return []
+    return [f"Redis is full ({used / 2**20:.1f} MiB used of maxmemory {limit / 2**20:.1f} MiB, noeviction): every "
+            f"write is refused; workers hold the groups they finished and retry publishing them (every "
+            f"{DEFAULT_RETRY_MAX_S:g}s at most) until the trainer commits or maxmemory is raised"]
 
 
 def _worker_row(name: str, deadline: float, size: int, raw_info: bytes | None, now_ms: int,
