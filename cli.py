@@ -31,6 +31,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
 from engines.profiles import PROFILES
+from workers.settings import WorkerSettings
 from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
@@ -447,6 +448,15 @@ _METRICS_HOST_OPTION = click.option(
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
+@click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
+              help="slime's --custom-generate-function-path, `package.module:fn`: `async def generate(args, sample, "
+                   "sampling_params[, evaluation])` makes each sample's engine calls (multi-turn, tools) and holds "
+                   "one --concurrency slot from its first turn to its last (env ROLLOUT_GENERATE_FUNCTION).")
+@click.option("--sample-timeout", "sample_timeout_s", default=WorkerSettings.sample_timeout_s, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one --generate-function call may take; then its group is dead-lettered.")
+@click.option("--max-context-len", type=click.IntRange(min=1),
+              help="slime's rollout_max_context_len, handed to --generate-function (prompt + all turns).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
 @_METRICS_HOST_OPTION
 @click.option("--keep-response-text", is_flag=True,
@@ -455,7 +465,8 @@ _METRICS_HOST_OPTION = click.option(
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
-           metrics_port, metrics_host, keep_response_text) -> None:
+           generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
+           keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -475,7 +486,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
-    from workers.worker import WorkerSettings, run_worker
+    from workers.worker import run_worker
 
     urls = _given_engine_urls(engine_urls)
     if metrics_port:
@@ -498,7 +509,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
-        keep_response_text=keep_response_text, sampling=sampling,
+        keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
+        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len,
     )
     try:
         asyncio.run(run_worker(settings))

@@ -54,6 +54,7 @@ from .claiming import Claimer
 from .context import DaemonPool, WorkerContext
 from .engine import EngineSet
 from .engine_health import EngineHealth
+from .generate_function import GenerateFunction
 from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
 from .liveness import Liveness
 from .rewards import BUILTIN_REWARDS, Reward
@@ -112,8 +113,9 @@ class Worker:
             self.reward.executor = self._reward_pool
         self.reward_args = reward_args(settings)
         self.engine_health = EngineHealth(self.ctx, self.engines)
+        generate_function = GenerateFunction.from_path(settings.generate_function) if settings.generate_function else None
         self.runner = GroupRunner(self.ctx, self.engines, self.engine_health, self.tokenizer, self.reward,
-                                  self.reward_args)
+                                  self.reward_args, generate_function)
         self.liveness = Liveness(self.ctx, settings.worker_id, self.runner, self.engine_health, self.info)
         self.claimer = Claimer(self.ctx, self.runner, self.engine_health, self.liveness)
         self.ready = asyncio.Event()  # set once registered
@@ -175,9 +177,10 @@ class Worker:
         reward = getattr(self.reward, "name", self.settings.reward)
         if self.settings.reward_queue:
             reward += f" (rq queue {self.settings.reward_queue})"
+        generate = f", generate function {self.settings.generate_function}" if self.settings.generate_function else ""
         return (f"worker {self.id}: namespace {self.settings.namespace}, {len(engines)} engines "
                 f"({', '.join(engines)}), capacity {self.capacity} samples, lease {self.lease_s:g}s "
-                f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}")
+                f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}{generate}")
 
     def stop(self) -> None:
         self.ctx.stopping.set()
