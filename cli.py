@@ -725,8 +725,11 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
               help="torch: engine processes.")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="torch: save the reward curve here (needs matplotlib).")
+@click.option("--task", type=click.Choice(["arithmetic", "tools"]), default="arithmetic", show_default=True,
+              help="sim: tools runs examples/calculator_tools.py in the workers (several engine calls per sample, "
+                   "calculator output between them with loss mask 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the audit) instead.")
-def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
+def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, task, as_json) -> None:
     """Run the whole pipeline locally and train on it for a few steps.
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
@@ -738,8 +741,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 
     \b
     JSON keys (stable; docs/cli.md), --engine sim: ok, error, steps (step,
-    wait_s, groups, samples, mean_reward, truncated, max_staleness, group_ids,
-    update_s, requeued), groups_trained, trained_twice, mean_reward, audit.
+    wait_s, groups, samples, mean_reward, truncated, mean_turns, tool_tokens,
+    max_staleness, group_ids, update_s, requeued), groups_trained, trained_twice,
+    mean_reward, audit.
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
@@ -755,6 +759,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
     \b
     Example:
       rollout demo --steps 10 --batch-size 16 --n-samples 8 --workers 4
+      rollout demo --task tools
       rollout demo --engine torch --json
       rollout prepare-model smollm2 --out models/smollm2
       rollout demo --engine llm --model models/smollm2 --json
@@ -763,6 +768,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
+        if task != "arithmetic" and engine != "sim":
+            raise click.UsageError("--task tools runs on the simulator (--engine sim); with other engines, "
+                                   "start the workers with --generate-function (docs/trainers.md)")
         if engine == "llm":
             if model_dir is None:
                 raise click.UsageError("--engine llm needs --model DIR (rollout prepare-model smollm2 --out DIR)")
@@ -784,7 +792,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
         else:
             from local.demo import DemoOptions, run_demo
 
-            summary = run_demo(DemoOptions(**given), echo=echo)
+            summary = run_demo(DemoOptions(task=task, **given), echo=echo)
     except RedisServerError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -5,6 +5,7 @@ junk dead-letter only their group."""
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 
 import pytest
@@ -206,3 +207,30 @@ def test_append_response_tokens_keeps_masks_log_probs_versions_and_segments_alig
     assert s.status == Sample.Status.ABORTED == Status.ABORTED
     with pytest.raises(ValueError, match="require rollout log probabilities"):
         s.append_response_tokens(None, tokens=[1])
+
+
+def test_the_calculator_example_runs_multi_turn_against_the_simulator(redis_url, queue, namespace):
+    tool_sim = start_simulator(SimConfig(seed=5, tool_call_rate=0.5, **FAST))
+    queue.push_groups([Group.fresh(f"g{i}", f"What is {i} * 3?", 4, label=str(i * 3), row=i) for i in range(6)])
+    worker = WorkerThread(WorkerSettings(
+        redis_url=redis_url, engine_urls=[tool_sim.url], namespace=namespace, heartbeat_s=0.5,
+        sampling=SamplingSettings(max_new_tokens=256), generate_function="examples.calculator_tools:generate",
+        reward="examples.calculator_tools:reward"))
+    try:
+        got = consume_all(Consumer(queue.redis, namespace), 6, 3)
+    finally:
+        worker.stop()
+        tool_sim.stop()
+    samples = [s for g in got for s in g.samples]
+    with_tool = [s for s in samples if s.metadata["tool_turns"] > 1]
+    assert with_tool and len(with_tool) < len(samples)  # some called the calculator, some answered at once
+    for s in samples:
+        text = bytes(t for t in s.response_tokens if t < 256).decode()  # 256: EOS
+        # the calculator's output, and only it, is masked out of the loss
+        masked = bytes(t for t, m in zip(s.response_tokens, s.loss_mask) if m == 0).decode()
+        assert masked == "".join(re.findall(r"<result>.*?</result>\n", text))
+        assert len(s.weight_versions) == s.metadata["tool_turns"]
+        assert s.reward in (0.0, 1.0)
+    # the simulated model copies the calculator's result: every sample that used it and answered is right
+    answered = [s for s in with_tool if s.status == Status.COMPLETED]
+    assert answered and all(s.reward == 1.0 for s in answered)
