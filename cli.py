@@ -496,6 +496,13 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
                                     top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
     except SamplingError as exc:
         raise click.ClickException(f"bad sampling settings: {exc}") from None
+    if generate_function:
+        from workers.generate_function import GenerateFunction
+
+        try:  # before the engines are asked anything: a wrong path is the first thing to hear of
+            GenerateFunction.from_path(generate_function)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--generate-function") from None
     redis_url = obj.url()
     with _stop_on_sigterm():
         try:
@@ -584,8 +591,11 @@ def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
               help="Chance an arithmetic question is answered right.")
 @click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="Fault injection: fraction of /generate answered 500/503.")
+@click.option("--tool-call-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Probability that a response to an arithmetic question, at each turn, calls the calculator "
+                   "(`<tool>A op B</tool>`; examples/calculator_tools.py).")
 def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_tokens, median_tokens, p99_tokens,
-               skill, error_rate) -> None:
+               skill, error_rate, tool_call_rate) -> None:
     """Run the SGLang-compatible simulator (no GPU needed).
 
     It answers SGLang's native HTTP API (/generate, /abort_request,
@@ -603,7 +613,8 @@ def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_to
 
     try:
         config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
-                           engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
+                           engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate,
+                           tool_call_rate=tool_call_rate)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
     _check_port_free(host, port, "--port")

@@ -9,7 +9,7 @@ It is written against slime's contract and runs unchanged under slime
 (``--custom-generate-function-path examples.calculator_tools.generate
 --custom-rm-path examples.calculator_tools.reward``) or in the queue's workers:
 
-    rollout sim --tool-call-rate 0.5 &
+    rollout sim-engine --tool-call-rate 0.5 &
     rollout worker --engine-url http://127.0.0.1:30000 \\
         --generate-function examples.calculator_tools:generate --reward examples.calculator_tools:reward
 

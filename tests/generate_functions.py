@@ -92,3 +92,30 @@ async def with_evaluation(args, sample, sampling_params, evaluation=False):
                                "rollout_max_response_len": args.rollout_max_response_len,
                                "hf_checkpoint": args.hf_checkpoint}
     return await three_turns(args, sample, sampling_params)
+
+
+async def search_r1_style(args, sample, sampling_params):
+    """As slime's examples/search-r1 writes its sample: fields set directly, slime's own
+    Sample and Status, no weight versions recorded (the worker stamps them)."""
+    from slime.utils.types import Sample as SlimeSample
+
+    assert isinstance(sample, SlimeSample), type(sample)
+    prompt = _bytes.encode(sample.prompt)
+    response, log_probs, mask = [], [], []
+    async with aiohttp.ClientSession() as session:
+        for turn in range(2):
+            output = await _post(session, args, {"input_ids": prompt + response, "return_logprob": True,
+                                                 "sampling_params": dict(sampling_params, max_new_tokens=8)})
+            pairs = output["meta_info"]["output_token_logprobs"]
+            response += [p[1] for p in pairs]
+            log_probs += [p[0] for p in pairs]
+            mask += [1] * len(pairs)
+            if turn == 0:
+                response += tool_output(1)
+                log_probs += [0.0] * len(tool_output(1))
+                mask += [0] * len(tool_output(1))
+    sample.tokens, sample.response_length = prompt + response, len(response)
+    sample.loss_mask, sample.rollout_log_probs = mask, log_probs
+    sample.status = SlimeSample.Status.COMPLETED
+    PRODUCED[sample.index] = copy.deepcopy(sample.to_dict())
+    return sample

@@ -16,6 +16,8 @@ from pipeline.controller import Controller
 from pipeline.ops.audit import audit
 from pipeline.queue import Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status
+from pipeline.trainers.slime_types import slime_types
+from tests import fake_slime
 from tests import generate_functions as fns
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from workers.engine import EngineSet
@@ -234,3 +236,32 @@ def test_the_calculator_example_runs_multi_turn_against_the_simulator(redis_url,
     # the simulated model copies the calculator's result: every sample that used it and answered is right
     answered = [s for s in with_tool if s.status == Status.COMPLETED]
     assert answered and all(s.reward == 1.0 for s in answered)
+
+
+def test_a_slime_function_gets_slimes_sample_and_unrecorded_versions_are_stamped(redis_url, queue, namespace, sim,
+                                                                                 monkeypatch):
+    fake_slime.install(monkeypatch)
+    slime_types.cache_clear()
+    http_json(sim.url + "/update_weight_version", {"new_version": "7", "abort_all_requests": True})
+    push(queue, ["What is 4 + 5?"])
+    try:
+        worker = WorkerThread(settings(redis_url, namespace, [sim.url], "search_r1_style"))
+        try:
+            [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+        finally:
+            worker.stop()
+    finally:
+        monkeypatch.undo()
+        slime_types.cache_clear()
+    for s in group.samples:
+        made = fns.PRODUCED[s.index]
+        assert s.tokens == made["tokens"] and s.loss_mask == made["loss_mask"] and 0 in s.loss_mask
+        assert s.rollout_log_probs == float32(made["rollout_log_probs"])
+        assert made["weight_versions"] == [] and s.weight_versions == ["7"]  # from the engine
+        assert s.status == Status.COMPLETED
+
+
+def test_the_generate_function_can_come_from_the_environment(run, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_GENERATE_FUNCTION", "tests.no_such:generate")
+    result = run("worker", "--engine-url", "http://127.0.0.1:1")
+    assert result.exit_code == 2 and "generate function path 'tests.no_such:generate'" in result.output

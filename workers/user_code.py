@@ -3,6 +3,8 @@ slime's spelling): rewards, generate functions."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 
@@ -16,7 +18,7 @@ def load_function(path: str, what: str) -> Any:
         raise ValueError(f"{what} path {path!r} is not a dotted path like 'package.module.func' or "
                          f"'package.module:func'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here_too(module_name)
     except ImportError as exc:
         raise ValueError(f"{what} path {path!r}: cannot import module {module_name!r}: {exc}") from exc
     obj: Any = module
@@ -28,3 +30,16 @@ def load_function(path: str, what: str) -> Any:
     if not callable(obj):
         raise ValueError(f"{what} path {path!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
+
+
+def _import_here_too(module_name: str) -> Any:
+    """Import as `python -m` would: from the working directory too (a console script's
+    path starts with its own directory, so `rollout worker` would not find ./my_rollout.py)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if here in sys.path or not (exc.name and module_name.startswith(exc.name)):
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module_name)
