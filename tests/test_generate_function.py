@@ -265,3 +265,29 @@ def test_the_generate_function_can_come_from_the_environment(run, monkeypatch):
     monkeypatch.setenv("ROLLOUT_GENERATE_FUNCTION", "tests.no_such:generate")
     result = run("worker", "--engine-url", "http://127.0.0.1:1")
     assert result.exit_code == 2 and "generate function path 'tests.no_such:generate'" in result.output
+
+
+def test_the_calculator_example_runs_against_the_torch_engine(redis_url, queue, namespace):
+    """A real model's answers (an untrained byte model: it never writes a tool call, so
+    one turn per sample): tokens, log-probs and versions as the engine gave them."""
+    torch = pytest.importorskip("torch")
+    from engines.byte_lm import ModelConfig
+    from engines.torch_engine import TorchEngineConfig, start_torch_engine
+
+    torch.set_num_threads(1)
+    queue.push_groups([Group.fresh("g0", "What is 1 + 2?", 2, label="3")])
+    with start_torch_engine(TorchEngineConfig(seed=0, model=ModelConfig(context_length=128),
+                                              max_running_requests=4)) as engine:
+        worker = WorkerThread(WorkerSettings(
+            redis_url=redis_url, engine_urls=[engine.url], namespace=namespace, heartbeat_s=0.5,
+            sampling=SamplingSettings(max_new_tokens=24), generate_function="examples.calculator_tools:generate",
+            reward="examples.calculator_tools:reward"))
+        try:
+            [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+        finally:
+            worker.stop()
+    for s in group.samples:
+        assert s.tokens[:14] == list(b"What is 1 + 2?") and 0 < s.response_length <= 24
+        assert s.metadata["tool_turns"] == 1 and s.loss_mask == [1] * s.response_length
+        assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
+        assert s.weight_versions == [s.weight_versions[0]] and s.reward == 0.0
