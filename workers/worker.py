@@ -7,7 +7,9 @@ in-flight hash, each group under the token of the claim that took it, and the st
 payloads), so `kill -9` loses nothing: the reaper gives its groups back after the lease.
 
 Per group: tokenize, call /generate for every unfinished sample (continuing aborted
-ones from their partial tokens), then either requeue (a pause interrupted it, or the
+ones from their partial tokens), or hand each to the user's generate function
+(`--generate-function`, slime's signature: it makes the engine calls, holding the
+sample's one slot across all its turns), then either requeue (a pause interrupted it, or the
 engines went down), score with the reward and publish to results, or dead-letter
 (engine or reward failures past the attempt limit; bad requests at once).
 
