@@ -97,23 +97,24 @@ async def with_evaluation(args, sample, sampling_params, evaluation=False):
 async def search_r1_style(args, sample, sampling_params):
     """As slime's examples/search-r1 writes its sample: fields set directly, slime's own
     Sample and Status, no weight versions recorded (the worker stamps them)."""
+    from slime.utils.http_utils import post
     from slime.utils.types import Sample as SlimeSample
 
     assert isinstance(sample, SlimeSample), type(sample)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     prompt = _bytes.encode(sample.prompt)
     response, log_probs, mask = [], [], []
-    async with aiohttp.ClientSession() as session:
-        for turn in range(2):
-            output = await _post(session, args, {"input_ids": prompt + response, "return_logprob": True,
-                                                 "sampling_params": dict(sampling_params, max_new_tokens=8)})
-            pairs = output["meta_info"]["output_token_logprobs"]
-            response += [p[1] for p in pairs]
-            log_probs += [p[0] for p in pairs]
-            mask += [1] * len(pairs)
-            if turn == 0:
-                response += tool_output(1)
-                log_probs += [0.0] * len(tool_output(1))
-                mask += [0] * len(tool_output(1))
+    for turn in range(2):
+        output = await post(url, {"input_ids": prompt + response, "return_logprob": True,
+                                  "sampling_params": dict(sampling_params, max_new_tokens=8)})
+        pairs = output["meta_info"]["output_token_logprobs"]
+        response += [p[1] for p in pairs]
+        log_probs += [p[0] for p in pairs]
+        mask += [1] * len(pairs)
+        if turn == 0:
+            response += tool_output(1)
+            log_probs += [0.0] * len(tool_output(1))
+            mask += [0] * len(tool_output(1))
     sample.tokens, sample.response_length = prompt + response, len(response)
     sample.loss_mask, sample.rollout_log_probs = mask, log_probs
     sample.status = SlimeSample.Status.COMPLETED

@@ -250,6 +250,7 @@ def test_a_slime_function_gets_slimes_sample_and_unrecorded_versions_are_stamped
             [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
         finally:
             worker.stop()
+        http_client_args = fake_slime.HttpUtils.client_args
     finally:
         monkeypatch.undo()
         slime_types.cache_clear()
@@ -259,6 +260,7 @@ def test_a_slime_function_gets_slimes_sample_and_unrecorded_versions_are_stamped
         assert s.rollout_log_probs == float32(made["rollout_log_probs"])
         assert made["weight_versions"] == [] and s.weight_versions == ["7"]  # from the engine
         assert s.status == Status.COMPLETED
+    assert http_client_args.rollout_num_engines == 1  # slime's post was made ready (init_http_client)
 
 
 def test_the_generate_function_can_come_from_the_environment(run, monkeypatch):

@@ -20,7 +20,7 @@ import asyncio
 import copy
 import inspect
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +45,7 @@ class GenerateFunction:
     name: str
     takes_evaluation: bool  # slime passes `evaluation=` only to functions that declare it
     slime_samples: bool  # slime is installed: hand the function slime's Sample
+    _slime_http_ready: bool = field(default=False, init=False)
 
     @classmethod
     def from_path(cls, path: str) -> GenerateFunction:
@@ -63,6 +64,8 @@ class GenerateFunction:
         """The samples one call produced (one, or several for a multi-agent function).
         `sample` is updated in place with what the function left in it, so an aborted
         call's partial output is kept even when the function returned a new object."""
+        if self.slime_samples:
+            self._init_slime_http(args)
         given = to_slime_sample(sample) if self.slime_samples else sample
         kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
         task = asyncio.ensure_future(self.fn(args, given, sampling_params, **kwargs))
@@ -72,7 +75,7 @@ class GenerateFunction:
             task.cancel()
             raise
         if not done:
-            where = _format_stack(task.get_stack(limit=TRACEBACK_FRAMES))
+            where = _format_stack(_awaiting_frames(task.get_coro())[-TRACEBACK_FRAMES:])
             task.cancel()
             raise GenerateFunctionFailed(f"generate function {self.name} did not return within {timeout_s:g}s "
                                          f"(--sample-timeout); it was at:\n{where}")
@@ -86,6 +89,19 @@ class GenerateFunction:
         if self.slime_samples and given is not sample:
             _update(sample, from_slime_sample(given))  # the partial output, whatever it returned
         return [self._checked(s) for s in self._as_list(task.result())]
+
+    def _init_slime_http(self, args: Any) -> None:
+        """slime's `post` (slime.utils.http_utils), which its examples call, needs the client
+        slime's RolloutManager makes at startup: make it once, sized by `args`."""
+        if self._slime_http_ready:
+            return
+        try:
+            from slime.utils.http_utils import init_http_client
+        except ImportError:  # a slime without it: its functions post their own way
+            init_http_client = None
+        if init_http_client is not None:
+            init_http_client(args)
+        self._slime_http_ready = True
 
     def _as_list(self, result: Any) -> list[Any]:
         if isinstance(result, (list, tuple)) and result:
@@ -120,6 +136,16 @@ def _update(sample: Sample, source: Sample) -> None:
         setattr(sample, name, getattr(source, name))
 
 
+def _awaiting_frames(coro: Any) -> list:
+    """The frames of a suspended coroutine and of each coroutine it awaits, outermost first
+    (Task.get_stack gives only the outermost)."""
+    frames = []
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        frames.append(coro.cr_frame)
+        coro = coro.cr_await
+    return frames
+
+
 def _format_stack(frames: list) -> str:
     lines = [f"  {f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" for f in frames]
     return "\n".join(lines) or "  (no frames: it was not started)"
@@ -136,7 +162,8 @@ def generate_args(settings: WorkerSettings, engine_url: str, n_samples: int, bas
         sglang_router_ip=parts.hostname, sglang_router_port=parts.port or (443 if parts.scheme == "https" else 80),
         hf_checkpoint=settings.tokenizer, n_samples_per_prompt=n_samples,
         rollout_max_response_len=sp.max_new_tokens, rollout_max_context_len=settings.max_context_len,
-        sglang_server_concurrency=settings.concurrency_per_engine, rollout_num_gpus=None,
+        sglang_server_concurrency=settings.concurrency_per_engine, rollout_num_engines=len(settings.engine_urls),
+        use_distributed_post=False,
         rollout_skip_special_tokens=False, rollout_seed=42, apply_chat_template=settings.apply_chat_template,
         custom_generate_function_path=settings.generate_function,
         # The queue continues aborted samples by calling the function again with its partial

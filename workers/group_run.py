@@ -299,6 +299,8 @@ class GroupRunner:
         finished; a failure in one sample cancels the others (the group is dead-lettered)."""
         group = run.group
         todo = [s for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)]
+        if not todo:
+            return
         tasks = [asyncio.ensure_future(self._generate_sample_in_slot(run, s, self._call_function)) for s in todo]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
