@@ -120,3 +120,14 @@ async def search_r1_style(args, sample, sampling_params):
     sample.status = SlimeSample.Status.COMPLETED
     PRODUCED[sample.index] = copy.deepcopy(sample.to_dict())
     return sample
+
+
+async def two_agents(args, sample, sampling_params):
+    """A multi-agent function: the sample, and a second agent's sample beside it."""
+    from pipeline.types import Sample
+
+    second = Sample(group_index=sample.group_index, index=sample.index + 1000, prompt=sample.prompt,
+                    label=sample.label)
+    await three_turns(args, sample, sampling_params)
+    await three_turns(args, second, sampling_params)
+    return [sample, second]

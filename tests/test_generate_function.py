@@ -102,14 +102,16 @@ def test_a_multi_turn_function_reaches_the_trainer_exactly_as_it_made_its_sample
     assert report.ok and report.committed == 4, report.summary()
 
 
-def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(redis_url, queue, namespace):
+@pytest.mark.parametrize("mask_offpolicy", [False, True])
+def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(redis_url, queue, namespace,
+                                                                             mask_offpolicy):
     fns.LONG_TURNS = True
     slow = start_simulator(SimConfig(seed=4, **SLOW))
     engines = EngineSet([slow.url])
     loop = asyncio.new_event_loop()
     controller = Controller(queue, engines)
     [gid] = push(queue, ["What is 4 + 5?"], n_samples=2)
-    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns",
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns", mask_offpolicy_prefix=mask_offpolicy,
                                    sampling=SamplingSettings(max_new_tokens=1200)))
     try:
         wait_for(fns.SECOND_CALL_SENT.is_set, what="a sample's second engine call")
@@ -138,7 +140,10 @@ def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(re
         # nothing lost: what was generated before the pause is the start of what was trained on
         assert fns.CALLS[s.index] == 2
         assert s.tokens[:len(partial["tokens"])] == partial["tokens"]
-        assert s.loss_mask[:partial["response_length"]] == partial["loss_mask"]
+        # --mask-offpolicy-prefix: what the old weights wrote is masked before the function continues
+        assert s.loss_mask[:partial["response_length"]] == \
+            ([0] * partial["response_length"] if mask_offpolicy else partial["loss_mask"])
+        assert 1 in s.loss_mask[partial["response_length"]:]
         assert s.rollout_log_probs[:partial["response_length"]] == float32(partial["rollout_log_probs"])
         assert s.weight_versions[:len(partial["weight_versions"])] == partial["weight_versions"]
         assert partial["weight_versions"][-1] == "default" and s.weight_versions[-1] == "1"
@@ -169,6 +174,19 @@ def test_a_function_that_raises_hangs_or_returns_junk_dead_letters_only_its_grou
         assert "generate_functions.py" in dead.error and "boom_or_three_turns" in dead.error, dead.error
     report = audit(queue)
     assert report.ok and report.committed == 2 and report.dead == 1, report.summary()
+
+
+def test_a_function_may_turn_one_sample_into_several(redis_url, queue, namespace, sim):
+    push(queue, ["What is 4 + 5?"])
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "two_agents"))
+    try:
+        [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+    finally:
+        worker.stop()
+    assert sorted(s.index for s in group.samples) == [0, 1, 1000, 1001]
+    for s in group.samples:
+        made = fns.PRODUCED[s.index]
+        assert s.tokens == made["tokens"] and s.loss_mask == made["loss_mask"] and isinstance(s.reward, float)
 
 
 def test_a_reward_the_function_set_is_not_scored_again(redis_url, queue, namespace, sim):
