@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import struct
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from pipeline.ops.audit import audit
 from pipeline.queue import Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status
 from pipeline.trainers.slime_types import slime_types
+from pipeline.trainers.torch_adapter import batch_to_tensors
 from tests import fake_slime
 from tests import generate_functions as fns
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
@@ -98,6 +100,15 @@ def test_a_multi_turn_function_reaches_the_trainer_exactly_as_it_made_its_sample
             assert all(s.rollout_log_probs[i] == 0.0 for i in tools)
             assert sum(s.metadata[SEGMENTS_KEY]) == s.response_length
             assert fns.CALLS[s.index] == 1
+    # the PyTorch adapter's tensors: the function's mask and log-probs at the response positions
+    tensors = batch_to_tensors(got)
+    for row, index in enumerate(tensors["sample_index"].tolist()):
+        made = fns.PRODUCED[index]
+        end, start = len(made["tokens"]), len(made["tokens"]) - made["response_length"]
+        assert tensors["tokens"][row, :end].tolist() == made["tokens"]
+        assert tensors["loss_mask"][row, start:end].tolist() == made["loss_mask"]
+        assert tensors["loss_mask"][row, :start].sum() == 0
+        assert tensors["rollout_log_probs"][row, start:end].tolist() == float32(made["rollout_log_probs"])
     report = audit(queue)
     assert report.ok and report.committed == 4, report.summary()
 
@@ -311,3 +322,31 @@ def test_the_calculator_example_runs_against_the_torch_engine(redis_url, queue, 
         assert s.metadata["tool_turns"] == 1 and s.loss_mask == [1] * s.response_length
         assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
         assert s.weight_versions == [s.weight_versions[0]] and s.reward == 0.0
+
+
+def test_the_slime_adapter_hands_slime_the_functions_samples(redis_url, queue, namespace, sim, monkeypatch):
+    from pipeline.trainers import slime_adapter
+
+    push(queue, ["What is 1 + 1?", "What is 2 + 2?"])
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "three_turns"))
+    try:
+        wait_for(lambda: queue.redis.xlen(queue.keys.results) == 2, what="both groups published")
+    finally:
+        worker.stop()
+    fake_slime.install(monkeypatch)
+    slime_types.cache_clear()
+    try:
+        out = slime_adapter.generate_rollout(SimpleNamespace(
+            rollout_batch_size=2, n_samples_per_prompt=2, rollout_redis_url=redis_url, rollout_namespace=namespace,
+            reward_key=None), 0, data_source=None)
+    finally:
+        monkeypatch.undo()
+        slime_types.cache_clear()
+    samples = [s for group in out.samples for s in group]
+    assert len(samples) == 4
+    for s in samples:
+        made = fns.PRODUCED[s.index]
+        assert isinstance(s, fake_slime.Sample) and s.status is fake_slime.Sample.Status.COMPLETED
+        assert (s.tokens, s.loss_mask, s.weight_versions) == (made["tokens"], made["loss_mask"],
+                                                              made["weight_versions"])
+        assert s.rollout_log_probs == float32(made["rollout_log_probs"]) and 0 in s.loss_mask
