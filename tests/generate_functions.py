@@ -131,3 +131,12 @@ async def two_agents(args, sample, sampling_params):
     await three_turns(args, sample, sampling_params)
     await three_turns(args, second, sampling_params)
     return [sample, second]
+
+
+async def one_long_call(args, sample, sampling_params):
+    """One engine call that runs for seconds (the hang is in the engine call)."""
+    async with aiohttp.ClientSession() as session:
+        await _post(session, args, {"input_ids": _bytes.encode(sample.prompt), "return_logprob": True,
+                                    "sampling_params": dict(sampling_params, max_new_tokens=2000,
+                                                            ignore_eos=True)})
+    return sample

@@ -350,3 +350,21 @@ def test_the_slime_adapter_hands_slime_the_functions_samples(redis_url, queue, n
         assert (s.tokens, s.loss_mask, s.weight_versions) == (made["tokens"], made["loss_mask"],
                                                               made["weight_versions"])
         assert s.rollout_log_probs == float32(made["rollout_log_probs"]) and 0 in s.loss_mask
+
+
+def test_a_function_past_its_timeout_releases_its_engine_slot(redis_url, queue, namespace):
+    # 2,000 tokens at 20 tokens/s: unreleased, the request would outlast every wait below
+    slow = start_simulator(SimConfig(seed=6, **dict(SLOW, decode_tokens_per_s=20.0)))
+    running = lambda: http_json(slow.url + "/sim/stats")["load"]["num_running_reqs"]  # noqa: E731
+    push(queue, ["What is 1 + 1?"], n_samples=1)
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "one_long_call", sample_timeout_s=2.0,
+                                   sampling=SamplingSettings(max_new_tokens=2000)))
+    try:
+        wait_for(lambda: running() == 1, what="the function's request decoding")
+        wait_for(lambda: queue.redis.xlen(queue.keys.dead) == 1, what="the group dead-lettered")
+        wait_for(lambda: running() == 0, what="the engine slot released")  # the function's request was dropped
+    finally:
+        worker.stop()
+        slow.stop()
+    [dead] = queue.read_stream(queue.keys.dead)
+    assert "did not return within 2s" in dead.error and "one_long_call" in dead.error
