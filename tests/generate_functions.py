@@ -90,7 +90,9 @@ async def with_evaluation(args, sample, sampling_params, evaluation=False):
     sample.metadata["args"] = {"router": f"{args.sglang_router_ip}:{args.sglang_router_port}",
                                "n_samples_per_prompt": args.n_samples_per_prompt,
                                "rollout_max_response_len": args.rollout_max_response_len,
-                               "hf_checkpoint": args.hf_checkpoint}
+                               "hf_checkpoint": args.hf_checkpoint,
+                               "rollout_max_context_len": args.rollout_max_context_len,
+                               "rollout_temperature": args.rollout_temperature}
     return await three_turns(args, sample, sampling_params)
 
 

@@ -212,7 +212,7 @@ def test_a_reward_the_function_set_is_not_scored_again(redis_url, queue, namespa
 
 def test_the_function_gets_slimes_args_and_evaluation_flag(redis_url, queue, namespace, sim):
     push(queue, ["What is 4 + 5?"], n_samples=3)
-    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "with_evaluation"))
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "with_evaluation", max_context_len=4096))
     try:
         [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
     finally:
@@ -221,7 +221,8 @@ def test_the_function_gets_slimes_args_and_evaluation_flag(redis_url, queue, nam
     for s in group.samples:
         assert s.metadata["evaluation"] is False
         assert s.metadata["args"] == {"router": host_port, "n_samples_per_prompt": 3,
-                                      "rollout_max_response_len": 128, "hf_checkpoint": None}
+                                      "rollout_max_response_len": 128, "hf_checkpoint": None,
+                                      "rollout_max_context_len": 4096, "rollout_temperature": 1.0}
 
 
 def test_append_response_tokens_keeps_masks_log_probs_versions_and_segments_aligned():
