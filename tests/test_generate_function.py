@@ -122,8 +122,8 @@ def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(re
     loop = asyncio.new_event_loop()
     controller = Controller(queue, engines)
     [gid] = push(queue, ["What is 4 + 5?"], n_samples=2)
-    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns", mask_offpolicy_prefix=mask_offpolicy,
-                                   sampling=SamplingSettings(max_new_tokens=1200)))
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns",
+                                   mask_offpolicy_prefix=mask_offpolicy, sampling=SamplingSettings(max_new_tokens=1200)))
     try:
         wait_for(fns.SECOND_CALL_SENT.is_set, what="a sample's second engine call")
         used = lambda: http_json(slow.url + "/sim/stats")["load"]["num_used_tokens"]  # noqa: E731

@@ -115,7 +115,8 @@ class Worker:
             self.reward.executor = self._reward_pool
         self.reward_args = reward_args(settings)
         self.engine_health = EngineHealth(self.ctx, self.engines)
-        generate_function = GenerateFunction.from_path(settings.generate_function) if settings.generate_function else None
+        generate_function = (GenerateFunction.from_path(settings.generate_function)
+                             if settings.generate_function else None)
         self.runner = GroupRunner(self.ctx, self.engines, self.engine_health, self.tokenizer, self.reward,
                                   self.reward_args, generate_function)
         self.liveness = Liveness(self.ctx, settings.worker_id, self.runner, self.engine_health, self.info)
