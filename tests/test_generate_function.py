@@ -15,6 +15,7 @@ from engines.simulator import SimConfig, start_simulator
 from pipeline.consumer import Consumer
 from pipeline.controller import Controller
 from pipeline.ops.audit import audit
+from pipeline.keys import eval_namespace
 from pipeline.queue import Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status
 from pipeline.trainers.slime_types import slime_types
@@ -369,3 +370,17 @@ def test_a_function_past_its_timeout_releases_its_engine_slot(redis_url, queue, 
         slow.stop()
     [dead] = queue.read_stream(queue.keys.dead)
     assert "did not return within 2s" in dead.error and "one_long_call" in dead.error
+
+
+def test_eval_passes_call_the_function_with_evaluation_true(redis_url, queue, namespace, sim):
+    evals = Queue(queue.redis, eval_namespace(namespace))
+    evals.push_groups([Group.fresh("e0", "What is 4 + 5?", 2, label="9")])
+    push(queue, ["What is 1 + 1?"])
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "with_evaluation"))
+    try:
+        [trained] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+        [evaluated] = consume_all(Consumer(queue.redis, evals.keys.namespace), 1, 1)
+    finally:
+        worker.stop()
+    assert [s.metadata["evaluation"] for s in evaluated.samples] == [True, True]
+    assert [s.metadata["evaluation"] for s in trained.samples] == [False, False]
