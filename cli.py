@@ -826,6 +826,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Samples in flight per engine, per worker.")
 @click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
+@click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
+              help="The workers' generate function (see `worker`), e.g. examples.calculator_tools:generate.")
 @click.option("--lease", "lease_s", type=click.FloatRange(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help=f"The namespace's worker lease in seconds (see `rollout configure`). Default: as "
                    f"configured, else {DEFAULT_LEASE_S:g}.")
@@ -833,6 +835,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
               help="Simulator: p99 output length.")
+@click.option("--sim-tool-call-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Simulator: probability of a calculator call per turn (see `sim-engine`).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
@@ -847,8 +851,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
-def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
-       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, fsync, refresh_s, duration_s) -> None:
+def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, generate_function,
+       lease_s, sim_median_tokens, sim_p99_tokens, sim_tool_call_rate, data_dir, redis_port, fsync, refresh_s,
+       duration_s) -> None:
     """Run a local stack in the foreground with a live dashboard.
 
     Starts an embedded Redis (AOF on, registered so every other `rollout`
@@ -860,6 +865,8 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     \b
     Example:
       rollout up --workers 4 --engines 2
+      rollout up --generate-function examples.calculator_tools:generate \
+        --reward examples.calculator_tools:reward --sim-tool-call-rate 0.5
       rollout push prompts.jsonl --n-samples 8      # in another terminal
       rollout consume --batch-size 16 --steps 10    # a stand-in trainer
     """
@@ -876,8 +883,9 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
         redis_port=redis_port, fsync=Fsync(fsync), refresh_s=refresh_s, duration_s=duration_s,
         lease_s=lease_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
-                     "--reward", reward],
-        sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
+                     "--reward", reward] + (["--generate-function", generate_function] if generate_function else []),
+        sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens),
+                    "tool_call_rate": sim_tool_call_rate},
     )
     try:
         run_stack(opts, _console())
