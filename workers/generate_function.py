@@ -100,7 +100,11 @@ class GenerateFunction:
         except ImportError:  # a slime without it: its functions post their own way
             init_http_client = None
         if init_http_client is not None:
-            init_http_client(args)
+            try:
+                init_http_client(args)
+            except Exception as exc:
+                raise GenerateFunctionFailed(f"slime's init_http_client, which slime's post needs, failed: "
+                                             f"{type(exc).__name__}: {exc}") from exc
         self._slime_http_ready = True
 
     def _as_list(self, result: Any) -> list[Any]:
