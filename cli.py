@@ -32,6 +32,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
 from pipeline.types import PauseMode, ReleasePolicy, choices
 from engines.profiles import PROFILES
+from workers.settings import WorkerSettings
 from local.processes import REDIS_URL_ENV
 
 DEFAULT_NAMESPACE = "rollout"
@@ -472,6 +473,15 @@ _METRICS_HOST_OPTION = click.option(
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
+@click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
+              help="slime's --custom-generate-function-path, `package.module:fn`: `async def generate(args, sample, "
+                   "sampling_params[, evaluation])` makes each sample's engine calls (multi-turn, tools) and holds "
+                   "one --concurrency slot from its first turn to its last (env ROLLOUT_GENERATE_FUNCTION).")
+@click.option("--sample-timeout", "sample_timeout_s", default=WorkerSettings.sample_timeout_s, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds one --generate-function call may take; then its group is dead-lettered.")
+@click.option("--max-context-len", type=click.IntRange(min=1),
+              help="slime's rollout_max_context_len, handed to --generate-function (prompt + all turns).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
 @_METRICS_HOST_OPTION
 @click.option("--keep-response-text", is_flag=True,
@@ -480,7 +490,8 @@ _METRICS_HOST_OPTION = click.option(
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
-           metrics_port, metrics_host, keep_response_text) -> None:
+           generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
+           keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -500,7 +511,7 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     from workers.engine import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
-    from workers.worker import WorkerConfigError, WorkerSettings, run_worker
+    from workers.worker import WorkerConfigError, run_worker
 
     urls = _given_engine_urls(engine_urls)
     if metrics_port:
@@ -510,6 +521,13 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
                                     top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
     except SamplingError as exc:
         raise click.ClickException(f"bad sampling settings: {exc}") from None
+    if generate_function:
+        from workers.generate_function import GenerateFunction
+
+        try:  # before the engines are asked anything: a wrong path is the first thing to hear of
+            GenerateFunction.from_path(generate_function)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--generate-function") from None
     redis_url = obj.url()
     with _stop_on_sigterm():
         try:
@@ -523,7 +541,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
-        keep_response_text=keep_response_text, sampling=sampling,
+        keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
+        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len,
     )
     try:
         asyncio.run(run_worker(settings))
@@ -597,8 +616,11 @@ def reward_worker(obj: Context, allowed, queue_names, burst) -> None:
               help="Chance an arithmetic question is answered right.")
 @click.option("--error-rate", default=0.0, show_default=True, type=FiniteFloat(0, 1),
               help="Fault injection: fraction of /generate answered 500/503.")
+@click.option("--tool-call-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Probability that a response to an arithmetic question, at each turn, calls the calculator "
+                   "(`<tool>A op B</tool>`; examples/calculator_tools.py).")
 def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_tokens, median_tokens, p99_tokens,
-               skill, error_rate) -> None:
+               skill, error_rate, tool_call_rate) -> None:
     """Run the SGLang-compatible simulator (no GPU needed).
 
     It answers SGLang's native HTTP API (/generate, /abort_request,
@@ -616,7 +638,8 @@ def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_to
 
     try:
         config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
-                           engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate)
+                           engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate,
+                           tool_call_rate=tool_call_rate)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
     _check_port_free(host, port, "--port")
@@ -738,8 +761,11 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
               help="torch: engine processes.")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="torch: save the reward curve here (needs matplotlib).")
+@click.option("--task", type=click.Choice(["arithmetic", "tools"]), default="arithmetic", show_default=True,
+              help="sim: tools runs examples/calculator_tools.py in the workers (several engine calls per sample, "
+                   "calculator output between them with loss mask 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the audit) instead.")
-def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, as_json) -> None:
+def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, png, task, as_json) -> None:
     """Run the whole pipeline locally and train on it for a few steps.
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
@@ -751,8 +777,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 
     \b
     JSON keys (stable; docs/cli.md), --engine sim: ok, error, steps (step,
-    wait_s, groups, samples, mean_reward, truncated, max_staleness, group_ids,
-    update_s, requeued), groups_trained, trained_twice, mean_reward, audit.
+    wait_s, groups, samples, mean_reward, truncated, mean_turns, tool_tokens,
+    max_staleness, group_ids, update_s, requeued), groups_trained, trained_twice,
+    mean_reward, audit.
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
@@ -768,6 +795,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
     \b
     Example:
       rollout demo --steps 10 --batch-size 16 --n-samples 8 --workers 4
+      rollout demo --task tools
       rollout demo --engine torch --json
       rollout prepare-model smollm2 --out models/smollm2
       rollout demo --engine llm --model models/smollm2 --json
@@ -776,6 +804,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
+        if task != "arithmetic" and engine != "sim":
+            raise click.UsageError("--task tools runs on the simulator (--engine sim); with other engines, "
+                                   "start the workers with --generate-function (docs/trainers.md)")
         if engine == "llm":
             if model_dir is None:
                 raise click.UsageError("--engine llm needs --model DIR (rollout prepare-model smollm2 --out DIR)")
@@ -797,7 +828,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
         else:
             from local.demo import DemoOptions, run_demo
 
-            summary = run_demo(DemoOptions(**given), echo=echo)
+            summary = run_demo(DemoOptions(task=task, **given), echo=echo)
     except RedisServerError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
@@ -820,6 +851,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Samples in flight per engine, per worker.")
 @click.option("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, show_default=True, type=click.IntRange(min=1))
 @click.option("--reward", default="math_boxed", show_default=True, help="Reward of the workers (see `worker`).")
+@click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
+              help="The workers' generate function (see `worker`), e.g. examples.calculator_tools:generate.")
 @click.option("--lease", "lease_s", type=Seconds(min=HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S),
               help=f"The namespace's worker lease in seconds (see `rollout configure`). Default: as "
                    f"configured, else {DEFAULT_LEASE_S:g}.")
@@ -827,6 +860,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
               help="Simulator: median output length.")
 @click.option("--sim-p99-tokens", default=640, show_default=True, type=click.IntRange(min=1),
               help="Simulator: p99 output length.")
+@click.option("--sim-tool-call-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Simulator: probability of a calculator call per turn (see `sim-engine`).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Redis data and logs. Default: $ROLLOUT_HOME/stack (~/.rollout/stack); kept across runs.")
 @click.option("--redis-port", type=click.IntRange(1, 65535),
@@ -841,8 +876,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 @click.option("--duration", "duration_s", type=Seconds(min=0),
               help="Stop by itself after this many seconds (scripted runs). Default: until Ctrl-C.")
 @click.pass_obj
-def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, lease_s,
-       sim_median_tokens, sim_p99_tokens, data_dir, redis_port, fsync, refresh_s, duration_s) -> None:
+def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tokens, reward, generate_function,
+       lease_s, sim_median_tokens, sim_p99_tokens, sim_tool_call_rate, data_dir, redis_port, fsync, refresh_s,
+       duration_s) -> None:
     """Run a local stack in the foreground with a live dashboard.
 
     Starts an embedded Redis (AOF on, registered so every other `rollout`
@@ -854,6 +890,8 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
     \b
     Example:
       rollout up --workers 4 --engines 2
+      rollout up --generate-function examples.calculator_tools:generate \
+        --reward examples.calculator_tools:reward --sim-tool-call-rate 0.5
       rollout push prompts.jsonl --n-samples 8      # in another terminal
       rollout consume --batch-size 16 --steps 10    # a stand-in trainer
     """
@@ -870,8 +908,9 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
         redis_port=redis_port, fsync=Fsync(fsync), refresh_s=refresh_s, duration_s=duration_s,
         lease_s=lease_s,
         worker_args=["--concurrency", str(concurrency), "--max-new-tokens", str(max_new_tokens),
-                     "--reward", reward],
-        sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens)},
+                     "--reward", reward] + (["--generate-function", generate_function] if generate_function else []),
+        sim_config={"length_median": float(sim_median_tokens), "length_p99": float(sim_p99_tokens),
+                    "tool_call_rate": sim_tool_call_rate},
     )
     try:
         run_stack(opts, _console())

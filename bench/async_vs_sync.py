@@ -85,7 +85,8 @@ class PipelineRollout:
     """This project as a BatchSource: redis-server, one `rollout worker` process with the
     engines' capacity, the trainer's Consumer and Controller."""
 
-    def __init__(self, settings: Settings, engine_urls: list[str], eta: int, workdir: Path):
+    def __init__(self, settings: Settings, engine_urls: list[str], eta: int, workdir: Path,
+                 worker_args: list[str] = ()):
         self.settings = settings
         self.workdir = workdir
         self.server = RedisServer(workdir / "redis", port=free_port())  # AOF, fsync always: the default
@@ -97,7 +98,7 @@ class PipelineRollout:
         self.worker = start_worker_process(
             url, NAMESPACE, engine_urls, workdir / "worker.log",
             ["--concurrency", str(settings.slots_per_engine), "--max-new-tokens", str(settings.max_new_tokens),
-             "--metrics-port", str(self.metrics_port)])
+             "--metrics-port", str(self.metrics_port), *worker_args])
         self.consumer = Consumer(self.queue.redis, NAMESPACE)
         self.engines = EngineSet(engine_urls)
         self.controller = Controller(self.queue, self.engines)

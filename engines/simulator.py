@@ -112,6 +112,9 @@ class SimConfig(EngineSettings):
     length_p99: float = 640.0
     skill: float = 0.5  # probability that an arithmetic answer is right
     skill_gain_per_version: float = 0.0  # added per numeric weight version (demo: rewards rise)
+    # Probability that a response to an arithmetic question, at each turn, ends in a
+    # calculator call `<tool>A op B</tool>` instead of the answer (examples/calculator_tools.py).
+    tool_call_rate: float = 0.0
     # Fault injection (settable at runtime through POST /sim/faults).
     error_rate: float = 0.0  # /generate answered with one of error_statuses
     error_statuses: tuple[int, ...] = (500, 503)
@@ -130,6 +133,8 @@ class SimConfig(EngineSettings):
             raise ValueError("decode_tokens_per_s must be positive")
         if self.engine_profile not in PROFILES:
             raise ValueError(f"engine_profile must be one of {', '.join(PROFILES)}, got {self.engine_profile!r}")
+        if not 0.0 <= self.tool_call_rate <= 1.0:
+            raise ValueError("tool_call_rate must be in [0, 1]")
         if not 0 < self.length_median <= self.length_p99:
             raise ValueError("need 0 < length_median <= length_p99")
         if self.context_length < 2:
@@ -196,6 +201,15 @@ def _answer_line(prompt_text: str, rng: random.Random, skill: float) -> str | No
     return f"The answer is \\boxed{{{value}}}"
 
 
+def _tool_call(prompt_text: str, rng: random.Random, rate: float) -> str | None:
+    """With probability `rate`, a calculator call for the question asked (None: answer)."""
+    matches = _ARITHMETIC.findall(prompt_text) if rate else []
+    if not matches or rng.random() >= rate:
+        return None
+    a, op, b = matches[-1]
+    return f"<tool>{a} {op} {b}</tool>"
+
+
 @dataclass
 class Plan:
     """The whole output a request will produce if nothing interrupts it."""
@@ -211,7 +225,11 @@ def _response(key: str, prompt_text: str, tokenizer: ByteTokenizer, config: SimC
     and text depend on `key` alone, its answer line also on the prompt."""
     total = max(draw_output_length(random.Random(f"{key}|length"), config.length_median, config.length_p99),
                 min_new_tokens + 1)
-    answer = _answer_line(prompt_text, random.Random(f"{key}|answer"), skill)
+    # With tool_call_rate, a calculator call instead, drawn anew at each turn (from the whole
+    # conversation so far); after a calculator result the "model" copies it: right every time.
+    answer = (_tool_call(prompt_text, random.Random(f"{key}|tool|{prompt_text}"), config.tool_call_rate)
+              or _answer_line(prompt_text, random.Random(f"{key}|answer"),
+                              1.0 if "<result>" in prompt_text else skill))
     filler = _filler(random.Random(f"{key}|text"), total - 1)
     if answer is None:
         return filler.encode("utf-8")

@@ -48,6 +48,14 @@ class DemoOptions:
     seed: int = 0
     update_weights: bool = True  # a weight update after every step (pause → load → resume)
     max_staleness: int = 1  # η: admission pacing and the check at consumption
+    task: str = "arithmetic"  # or "tools": examples/calculator_tools.py, several engine calls per sample
+
+
+#: `--task tools`: the workers' generate function and reward, and how often the simulated
+#: model calls the calculator at each turn.
+TOOLS_WORKER_ARGS = ["--generate-function", "examples.calculator_tools:generate",
+                     "--reward", "examples.calculator_tools:reward"]
+TOOL_CALL_RATE = 0.5
 
 
 def _numeric(reward) -> float | None:
@@ -66,8 +74,9 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         url = server.start()
         register_local(server)
         # The simulated model answers better with each weight version, so rewards rise.
+        tools = opts.task == "tools"
         sim = start_simulator(SimConfig(seed=opts.seed, skill=0.3, skill_gain_per_version=0.1,
-                                        decode_tokens_per_s=1000.0))
+                                        decode_tokens_per_s=1000.0, tool_call_rate=TOOL_CALL_RATE if tools else 0.0))
         queue = Queue(connect(url), NAMESPACE)
         # Keep a modest backlog so workers pause instead of racing through the dataset,
         # and bound staleness: admission is paced to (η + version + 1) · B groups.
@@ -81,13 +90,14 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         report = push_dataset(queue, DATASET, PushOptions(n_samples_per_prompt=opts.n_samples, epochs=epochs,
                                                           shuffle=True, seed=opts.seed))
         say(f"redis {url} | simulator {sim.url} | pushed {report.pushed} groups of {opts.n_samples} "
-            f"| {opts.workers} workers")
+            f"| {opts.workers} workers" + (" | task tools (examples/calculator_tools.py)" if tools else ""))
         for i in range(opts.workers):
             procs.append(start_worker_process(url, NAMESPACE, [sim.url], workdir / f"worker-{i}.log",
-                                              ["--max-new-tokens", str(opts.max_new_tokens)]))
+                                              ["--max-new-tokens", str(opts.max_new_tokens)]
+                                              + (TOOLS_WORKER_ARGS if tools else [])))
         consumer = Consumer(queue.redis, NAMESPACE)
         say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} "
-            f"{'staleness':>9} {'update s':>8} {'requeued':>8}")
+            f"{'staleness':>9} {'update s':>8} {'requeued':>8}" + (f" {'turns':>5} {'tool tok':>8}" if tools else ""))
         for step in range(opts.steps):
             batch = consumer.next_batch(opts.batch_size, timeout=opts.step_timeout_s)
             samples = [s for g in batch.groups for s in g.samples]
@@ -99,6 +109,10 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
                 "samples": len(samples),
                 "mean_reward": round(statistics.fmean(rewards), 4) if rewards else None,
                 "truncated": sum(s.status.value == "truncated" for s in samples),
+                # --task tools: engine calls per sample, and tool-output tokens (loss mask 0)
+                "mean_turns": round(statistics.fmean(s.metadata.get("tool_turns", 0) for s in samples), 3)
+                if tools and samples else None,
+                "tool_tokens": sum((s.loss_mask or []).count(0) for s in samples) if tools else None,
                 "max_staleness": max(batch.metrics.staleness, default=0),
                 "group_ids": [g.group_id for g in batch.groups],
                 "update_s": None,  # without weight updates
@@ -118,7 +132,8 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             steps.append(row)
             say(f"{step:>4} {row['wait_s']:>7.3f} {row['groups']:>6} {row['samples']:>7} "
                 f"{row['mean_reward'] if row['mean_reward'] is not None else '-':>7} {row['truncated']:>9} "
-                f"{row['max_staleness']:>9} {_or_dash(row['update_s']):>8} {_or_dash(row['requeued']):>8}")
+                f"{row['max_staleness']:>9} {_or_dash(row['update_s']):>8} {_or_dash(row['requeued']):>8}"
+                + (f" {row['mean_turns']:>5} {row['tool_tokens']:>8}" if tools else ""))
         stop_processes(procs)
         result = audit(queue)
         duplicates = len(trained) - len(set(trained))

@@ -102,6 +102,52 @@ class Sample:
         self.weight_versions, self.status = [], Status.PENDING
         self.metadata.pop(SEGMENTS_KEY, None)
 
+    def append_response_tokens(self, args: Any = None, *, tokens: list[int] | None = None,
+                               log_probs: list[float] | None = None, trainable: bool = True,
+                               meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """slime's method, for generate functions written for slime: engine tokens
+        (`trainable`, with their log-probs and the answer's `meta_info`) or tool and
+        observation tokens (loss mask 0, log-prob 0.0). An answer's meta_info adds its
+        weight version (one per engine call, as slime) and sets the status from its finish
+        reason; an engine call's tokens and the tool tokens after them are one segment
+        (`SEGMENTS_KEY`)."""
+        tokens = [int(t) for t in tokens or []]
+        log_probs = None if log_probs is None else [float(lp) for lp in log_probs]
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("trainable response tokens require rollout log probabilities")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable response tokens should not pass rollout log probabilities")
+            log_probs = [0.0] * len(tokens)
+        if text is not None:
+            self.response += text
+        previous = self.response_length
+        if tokens:
+            self.tokens += tokens
+            self.response_length += len(tokens)
+            self.loss_mask = ([1] * previous if self.loss_mask is None else self.loss_mask) + \
+                [1 if trainable else 0] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and previous:
+                    raise ValueError("cannot append trainable log probabilities to a sample with response tokens "
+                                     "but no rollout_log_probs")
+                self.rollout_log_probs = [0.0] * previous
+            self.rollout_log_probs += log_probs
+        segments = self.metadata.setdefault(SEGMENTS_KEY, [])
+        if meta_info and update_terminal_info and "finish_reason" in meta_info and "weight_version" in meta_info:
+            self.weight_versions.append(str(meta_info["weight_version"]))
+            segments.append(len(tokens))
+        elif segments:
+            segments[-1] += len(tokens)  # tool output counts with the engine call before it
+        if meta_info and update_terminal_info and "finish_reason" in meta_info:
+            finish = (meta_info["finish_reason"] or {}).get("type")
+            self.status = {"length": Status.TRUNCATED, "abort": Status.ABORTED,
+                           "stop": Status.COMPLETED}.get(finish, self.status)
+
     def get_reward_value(self, args: Any) -> Any:
         """slime's accessor: with `--reward-key`, the reward is a dict and that key wins."""
         key = getattr(args, "reward_key", None)
@@ -136,6 +182,8 @@ class Sample:
 
 
 _SAMPLE_FIELD_NAMES = frozenset(Sample.__dataclass_fields__)
+# slime's spelling, `Sample.Status.ABORTED`, for functions written against slime's Sample.
+Sample.Status = Status  # type: ignore[attr-defined]
 
 
 def parse_version(version: str | int | None) -> int | None:

@@ -134,6 +134,25 @@ def convert_samples_to_train_data(args, samples: list[Sample]) -> dict:
     return {"tokens": [s.tokens for s in samples], "rewards": [s.get_reward_value(args) for s in samples]}
 
 
+class HttpUtils:
+    """slime/utils/http_utils.py: `post` goes through the client `init_http_client(args)` made."""
+
+    client_args = None
+
+    @classmethod
+    def init_http_client(cls, args) -> None:
+        cls.client_args = args
+
+    @classmethod
+    async def post(cls, url, payload, max_retries=60, headers=None):
+        assert cls.client_args is not None, "http client not initialized; call init_http_client first"
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session, session.post(url, json=payload, headers=headers) as r:
+            r.raise_for_status()
+            return await r.json()
+
+
 def install(monkeypatch, *, version_features: bool = True) -> None:
     """Put the stand-in into sys.modules (`version_features=False`: a slime older than
     0.2.0, without RolloutFnTrainOutput)."""
@@ -141,6 +160,7 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
         "slime": {}, "slime.utils": {}, "slime.rollout": {}, "slime.rollout.filter_hub": {},
         "slime.utils.types": {"Sample": Sample},
         "slime.utils.processing_utils": {"load_tokenizer": load_tokenizer},
+        "slime.utils.http_utils": {"init_http_client": HttpUtils.init_http_client, "post": HttpUtils.post},
         "slime.rollout.base_types": ({"RolloutFnTrainOutput": RolloutFnTrainOutput,
                                       "RolloutFnEvalOutput": RolloutFnEvalOutput} if version_features else {}),
         "slime.rollout.data_source": {"DataSource": DataSource} if version_features else {},
@@ -151,6 +171,7 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
             "check_reward_nonzero_std": check_reward_nonzero_std,
             "check_reward_nonzero_std_with_fallback": check_reward_nonzero_std_with_fallback},
     }
+    monkeypatch.setattr(HttpUtils, "client_args", None)
     for name, attrs in tree.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)

@@ -54,6 +54,19 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
     assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
 
+def test_multi_turn_smallest_run_reports_sync_and_pipeline_rows():
+    steps, batch = 2, 4
+    out = run_bench("multi_turn.py", "--engines", "1", "--slots", "8", "--n-samples", "2", "--batch", str(batch),
+                    "--median", "32", "--p99", "320", "--steps", str(steps), "--warmup", "1", "--turns", "2",
+                    "--tool-median-s", "0.05", "--tool-p99-s", "0.5", "--concurrency-factors", "1")
+    assert set(out) == {"rows", "speedup", "settings"} and out["speedup"] > 0
+    assert [r["system"] for r in out["rows"]] == ["sync", "pipeline"]
+    for row in out["rows"]:
+        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and 0 < row["utilization"] <= 1
+        assert sum(row["staleness"].values()) == steps * batch
+    assert out["rows"][0]["staleness"] == {"0": steps * batch}
+
+
 def test_redis_capacity_smallest_run_reports_every_sample_length_and_fsync_mode():
     out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1", timeout=300)
     lengths = {"256", "1024", "2048"}

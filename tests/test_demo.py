@@ -33,3 +33,17 @@ def test_demo_trains_exact_batches_with_weight_updates_and_a_clean_audit(tmp_pat
     audit = summary["audit"]
     assert audit["ok"] and audit["committed"] == 24 and (audit["lost"], audit["extra"]) == (0, 0)
     assert not (tmp_path / "local-redis.json").exists()  # unregistered on the way out
+
+
+@pytest.mark.slow
+def test_demo_task_tools_runs_the_calculator_example_in_the_workers(tmp_path):
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "cli", "demo", "--task", "tools", "--steps", "2", "--batch-size", "6",
+                           "--n-samples", "3", "--workers", "1", "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    check(summary, DEMO_SIM)
+    assert summary["ok"] and summary["groups_trained"] == 12 and summary["audit"]["ok"]
+    # several engine calls per sample on average, tool output masked out of the loss
+    assert all(s["mean_turns"] > 1 and s["tool_tokens"] > 0 for s in summary["steps"])

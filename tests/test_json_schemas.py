@@ -92,7 +92,8 @@ CONSUME = {"step": int, "groups": ListOf({"group_id": str, "statuses": ListOf(st
 DEMO_SIM = {"ok": bool, "error": (str, NONE), "groups_trained": int, "trained_twice": int,
             "mean_reward": (*NUM, NONE), "audit": (AUDIT, NONE),
             "steps": ListOf({"step": int, "wait_s": NUM, "groups": int, "samples": int, "mean_reward": (*NUM, NONE),
-                             "truncated": int, "max_staleness": int, "group_ids": ListOf(str),
+                             "truncated": int, "mean_turns": (*NUM, NONE), "tool_tokens": (int, NONE),
+                             "max_staleness": int, "group_ids": ListOf(str),
                              "update_s": (*NUM, NONE), "requeued": (int, NONE)})}
 DEMO_TORCH_KEYS = {"ok", "error", "steps", "reward_first", "reward_last", "reward_window", "logprob_max_abs_diff",
                    "logprob_mean_abs_diff", "weight_versions_seen", "engine_versions_ok", "samples_continued",

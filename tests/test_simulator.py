@@ -770,3 +770,28 @@ def test_each_sample_carries_its_own_sampling_seed_through_the_queue():
     assert "sampling_seed" not in SamplingSettings().params(10)
     group.restarts += 1
     assert [group.sampling_seed(s) for s in group.samples] != seeds
+
+
+def test_the_simulated_model_calls_the_calculator_and_copies_its_result():
+    """tool_call_rate (examples/calculator_tools.py): the response ends in `<tool>A op B</tool>`;
+    once a `<result>` is in its input, it answers with it whatever its skill."""
+    tok = ByteTokenizer()
+
+    def text(sim, prompt: str) -> str:
+        status, out = call(sim.url, "/generate", {"input_ids": tok.encode(prompt),
+                                                   "sampling_params": {"max_new_tokens": 400}})
+        assert status == 200, out
+        return out["text"]
+
+    short = dict(length_median=32.0, length_p99=64.0)  # every response fits max_new_tokens
+    calling = start_simulator(SimConfig(seed=2, tool_call_rate=1.0, **short))
+    unskilled = start_simulator(SimConfig(seed=2, skill=0.0, **short))
+    try:
+        assert [text(calling, f"What is {a} * 4?").endswith(f"<tool>{a} * 4</tool>") for a in range(5)] == [True] * 5
+        assert "\\boxed{12}" not in text(unskilled, "What is 3 * 4?")  # no skill, no tool: wrong
+        assert text(unskilled, "What is 3 * 4? <tool>3 * 4</tool><result>12</result>\n").endswith("\\boxed{12}")
+    finally:
+        calling.stop()
+        unskilled.stop()
+    with pytest.raises(ValueError, match="tool_call_rate"):
+        SimConfig(tool_call_rate=1.5)

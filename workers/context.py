@@ -30,6 +30,8 @@ class WorkerCounters:
     requests: int = 0
     engine_errors: int = 0
     reward_errors: int = 0
+    function_calls: int = 0  # calls of the user's generate function
+    function_errors: int = 0  # of which raised, hung or returned no usable sample
     versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
 
 

@@ -892,6 +892,10 @@ class EngineSet:
     async def weight_versions(self) -> dict[str, str]:
         return await self._fanout("weight_version", lambda c: c.weight_version())
 
+    async def weight_version_at(self, url: str) -> str:
+        """The weight version one given URL (an engine, or a router's) reports now."""
+        return await EngineClient(url, self._get_session(), self.timeout_s).weight_version()
+
     async def flush_cache(self) -> dict[str, bool]:
         return await self._fanout("flush_cache", lambda c: c.flush_cache())
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -17,7 +18,8 @@ from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, pa
 from .context import WorkerContext
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .engine_health import EngineHealth
-from .rewards import MissingLabel, Reward, RewardError
+from .generate_function import GenerateFunction, GenerateFunctionFailed, generate_args
+from .rewards import MissingLabel, Reward, RewardError, validate_reward
 from .tokenizer import encode_prompt
 
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
@@ -53,7 +55,7 @@ class GroupRunner:
     dead-letter. One bad group never stops the others."""
 
     def __init__(self, ctx: WorkerContext, engines: EngineSet, engine_health: EngineHealth, tokenizer: Any,
-                 reward: Reward | Any, reward_args: Any):
+                 reward: Reward | Any, reward_args: Any, generate_function: GenerateFunction | None = None):
         self.ctx = ctx
         self.settings = ctx.settings
         self.engines = engines
@@ -61,6 +63,10 @@ class GroupRunner:
         self.tokenizer = tokenizer
         self.reward = reward
         self.reward_args = reward_args
+        # A user's function makes each sample's engine calls; it holds the sample's slot
+        # from its first turn to its last.
+        self.generate_function = generate_function
+        self._function_urls = itertools.cycle(engines.urls)  # the address each call is given
         self.running: dict[str, Running] = {}  # group id -> what works on it
         self.inflight_samples = 0
         self._serial = 0
@@ -206,8 +212,11 @@ class GroupRunner:
             if not group.prompt_ids:
                 group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
                                                  self.settings.apply_chat_template)
-            await asyncio.gather(*(self._generate_sample_in_slot(run, s) for s in group.samples
-                                   if s.status in (Status.PENDING, Status.ABORTED)))
+            if self.generate_function is not None:
+                await self._generate_with_function(run)
+            else:
+                await asyncio.gather(*(self._generate_sample_in_slot(run, s, self._generate_sample)
+                                       for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)))
             if any(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples):
                 return Place.REQUEUE, None
             await self._score(group)
@@ -228,9 +237,9 @@ class GroupRunner:
             group.reset()
         group.sampling = mine
 
-    async def _generate_sample_in_slot(self, run: Running, sample: Sample) -> None:
+    async def _generate_sample_in_slot(self, run: Running, sample: Sample, generate: Any) -> Any:
         try:
-            await self._generate_sample(run, sample)
+            return await generate(run, sample)
         finally:
             if run.slots > 1:  # the group's last slot goes with the group
                 run.slots -= 1
@@ -284,6 +293,91 @@ class GroupRunner:
             delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
             log.debug("group %s: engine error (%s); retry %d in %.1fs", group.group_id, error, failures, delay)
             await asyncio.sleep(delay)
+
+    # -- samples made by a user's generate function -----------------------------------
+
+    async def _generate_with_function(self, run: Running) -> None:
+        """Every unfinished sample through the function, each in its slot. A sample the
+        function turned into several (multi-agent) is replaced by them once they are all
+        finished; a failure in one sample cancels the others (the group is dead-lettered)."""
+        group = run.group
+        todo = [s for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)]
+        if not todo:
+            return
+        tasks = [asyncio.ensure_future(self._generate_sample_in_slot(run, s, self._call_function)) for s in todo]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done():
+                    task.result()  # the first GroupFailed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        produced = {id(s): t.result() for s, t in zip(todo, tasks)}
+        group.samples = [p for s in group.samples for p in produced.get(id(s), [s])]
+
+    async def _call_function(self, run: Running, sample: Sample) -> list[Sample]:
+        """What the function made of `sample`: finished samples, or `sample` itself as the
+        function left it when a pause aborted it (or the engines are down): requeued."""
+        s, group = self.settings, run.group
+        failures = group.attempts
+        while True:
+            if self.ctx.paused or self.engine_health.down is not None:
+                return [sample]  # as in _generate_sample: requeued, continued later
+            if sample.status == Status.ABORTED and sample.response_length and s.mask_offpolicy_prefix:
+                sample.loss_mask = [0] * sample.response_length  # slime's generate_and_rm does the same
+            url = next(self._function_urls)
+            args = generate_args(s, url, group.n_samples, self.reward_args)
+            known = (len(sample.weight_versions), sample.response_length)
+            self.ctx.counters.function_calls += 1
+            try:
+                produced = await self.generate_function.call(
+                    args, sample, s.sampling.params(s.sampling.max_new_tokens),
+                    evaluation=run.queue is self.ctx.eval_queue, timeout_s=s.sample_timeout_s)
+            except GenerateFunctionFailed as exc:
+                self.ctx.counters.function_errors += 1
+                raise GroupFailed(str(exc), "generate_function") from None
+            self.last_answer = time.monotonic()
+            for p in produced:
+                await self._stamp_versions(p, url, *(known if p is sample else (0, 0)))
+                if p.status == Status.PENDING:
+                    p.status = Status.COMPLETED  # a function that set no status: slime trains it as it is
+            if not any(p.status == Status.ABORTED for p in produced):
+                self.engine_health.ok()
+                return produced
+            metrics.SAMPLES_ABORTED.inc()
+            sample.status = Status.ABORTED  # what a multi-agent call left in it is continued
+            if await self.engine_health.pause_explains_abort():
+                return [sample]
+            failures += 1
+            group.attempts = max(group.attempts, failures)
+            if failures >= s.max_attempts:
+                raise GroupFailed(f"generate function {self.generate_function.name} returned an aborted sample "
+                                  f"{failures} times while nothing was paused", "engine")
+            delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
+            log.debug("group %s: aborted while nothing was paused; calling the function again in %.1fs",
+                      group.group_id, delay)
+            await asyncio.sleep(delay)
+
+    async def _stamp_versions(self, sample: Sample, url: str, known_versions: int, known_length: int) -> None:
+        """A function that recorded no weight version for what it generated gets the one
+        its engine reports now, so staleness checks see every generated segment."""
+        new = sample.weight_versions[known_versions:]
+        if sample.response_length and sample.response_length != known_length and not new:
+            try:
+                version = await self.engines.weight_version_at(url)
+            except EngineError as exc:
+                raise GroupFailed(f"cannot read the weight version of {url} for a sample whose generate function "
+                                  f"recorded none: {exc}", "engine") from None
+            sample.weight_versions.append(version)
+            new = [version]
+        for version in new:
+            self._check_version(version)
+        segments = sample.metadata.get(SEGMENTS_KEY)
+        if segments is not None and (len(segments) != len(sample.weight_versions)
+                                     or sum(segments) != sample.response_length):
+            del sample.metadata[SEGMENTS_KEY]  # the function's own bookkeeping: which call made what is unknown
 
     async def _request(self, rid: str, tokens: list[int], params: dict) -> GenerateResult:
         self.ctx.counters.requests += 1
@@ -359,11 +453,24 @@ class GroupRunner:
                         "`rollout resume --weight-version`)", self.ctx.id, version, self.ctx.queue_version)
 
     async def _score(self, group: Group) -> None:
+        # slime's rule: a sample whose generate function set its reward is not scored again.
+        # A group reward scores the whole group unless every sample has one (slime's --group-rm).
+        for s in group.samples:
+            if s.reward is not None:
+                try:  # set by the generate function: held to the rules a reward's value is
+                    s.reward = validate_reward(s.reward, getattr(self.reward_args, "reward_key", None),
+                                               name=f"set by the generate function on sample {s.index}")
+                except RewardError as exc:
+                    raise GroupFailed(str(exc), "reward") from None
+        unscored = [s for s in group.samples if s.reward is None]
+        if not unscored:
+            return
+        to_score = group.samples if getattr(self.reward, "group", False) else unscored
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                rewards = await asyncio.wait_for(self.reward.score(self.reward_args, group.samples),
+                rewards = await asyncio.wait_for(self.reward.score(self.reward_args, to_score),
                                                  self.settings.reward_timeout_s)
-                for s, r in zip(group.samples, rewards):
+                for s, r in zip(to_score, rewards):
                     s.reward = r
                 return
             except MissingLabel as exc:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 import itertools
 import logging
@@ -63,6 +62,8 @@ import aiohttp
 
 from pipeline.trainers.slime_types import slime_types, to_slime_sample
 from pipeline.types import Sample
+
+from .user_code import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -325,29 +326,12 @@ def load_reward(path: str, group: bool = False) -> RewardFn:
         fn = BUILTIN_REWARDS[path]
         return _per_sample_as_group(fn) if group else fn
 
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
+    if ":" not in path and "." not in path:
         raise ValueError(
             f"reward path {path!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
             "nor a dotted path like 'package.module.func' or 'package.module:func'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward path {path!r}: cannot import module {module_name!r}: {exc}") from exc
-
-    obj: Any = module
-    for part in attr.split("."):  # 'module:Class.method' is allowed
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ValueError(f"reward path {path!r}: module {module_name!r} has no attribute {attr!r}") from exc
-    if not callable(obj):
-        raise ValueError(f"reward path {path!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    return obj
+    return load_function(path, "reward")
 
 
 # --------------------------------------------------------------------------- validation

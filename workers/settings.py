@@ -35,6 +35,11 @@ class WorkerSettings:
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
     request_timeout_s: float = 600.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
+    # slime's --custom-generate-function-path ("package.module:fn"): it makes the engine calls
+    # of each sample (multi-turn, tools); None: one /generate per sample, made here.
+    generate_function: str | None = None
+    sample_timeout_s: float = 1800.0  # one generate-function call running longer dead-letters its group
+    max_context_len: int | None = None  # slime's rollout_max_context_len, for generate functions
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on

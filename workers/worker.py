@@ -7,7 +7,9 @@ in-flight hash, each group under the token of the claim that took it, and the st
 payloads), so `kill -9` loses nothing: the reaper gives its groups back after the lease.
 
 Per group: tokenize, call /generate for every unfinished sample (continuing aborted
-ones from their partial tokens), then either requeue (a pause interrupted it, or the
+ones from their partial tokens), or hand each to the user's generate function
+(`--generate-function`, slime's signature: it makes the engine calls, holding the
+sample's one slot across all its turns), then either requeue (a pause interrupted it, or the
 engines went down), score with the reward and publish to results, or dead-letter
 (engine or reward failures past the attempt limit; bad requests at once).
 
@@ -55,6 +57,7 @@ from .claiming import Claimer
 from .context import WorkerContext
 from .engine import EngineSet
 from .engine_health import EngineHealth
+from .generate_function import GenerateFunction
 from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
 from .liveness import Liveness
 from .rewards import BUILTIN_REWARDS, Reward, RewardThreads
@@ -119,8 +122,10 @@ class Worker:
             self.reward.threads = RewardThreads(settings.reward_threads)
         self.reward_args = reward_args(settings)
         self.engine_health = EngineHealth(self.ctx, self.engines)
+        generate_function = (GenerateFunction.from_path(settings.generate_function)
+                             if settings.generate_function else None)
         self.runner = GroupRunner(self.ctx, self.engines, self.engine_health, self.tokenizer, self.reward,
-                                  self.reward_args)
+                                  self.reward_args, generate_function)
         self.liveness = Liveness(self.ctx, settings.worker_id, self.runner, self.engine_health, self.info)
         self.claimer = Claimer(self.ctx, self.runner, self.engine_health, self.liveness)
         self.ready = asyncio.Event()  # set once registered
@@ -188,9 +193,10 @@ class Worker:
         reward = getattr(self.reward, "name", self.settings.reward)
         if self.settings.reward_queue:
             reward += f" (rq queue {self.settings.reward_queue})"
+        generate = f", generate function {self.settings.generate_function}" if self.settings.generate_function else ""
         return (f"worker {self.id}: namespace {self.settings.namespace}, {len(engines)} engines "
                 f"({', '.join(engines)}), capacity {self.capacity} samples, lease {self.lease_s:g}s "
-                f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}")
+                f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}{generate}")
 
     def stop(self) -> None:
         self.ctx.stopping.set()
