@@ -26,6 +26,7 @@ class WorkerCounters:
     reincarnations: int = 0  # times this process was reaped and registered anew
     requests: int = 0
     engine_errors: int = 0
+    preempted: int = 0  # aborts by a pause, a weight update or an abort_all: continued, not failures
     reward_errors: int = 0
     versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
 
