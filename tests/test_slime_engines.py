@@ -110,15 +110,22 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
                            rollout_max_response_len=MAX_NEW, rollout_batch_timeout=120)
     read_at: list[tuple[int, list]] = []  # (slime's version when the rollout was read, its groups)
     try:
-        source = sa.RedisDataSource(args)
+        source = sa.RedisDataSource(args)  # RolloutManager.__init__
         version = 1
         slime_update_weights(urls, version, checkpoint)  # train_async: actor_model.update_weights() first
-        for rollout_id in range(rollouts):
+
+        def generate(rollout_id: int) -> None:  # RolloutManager.generate
             out = sa.generate_rollout(args, rollout_id, source)
             read_at.append((version, out.samples))
             slime_abort_until_idle(urls)  # slime's default rollout ends each rollout so
+
+        generate(0)
+        for rollout_id in range(rollouts):
+            if rollout_id + 1 < rollouts:
+                generate(rollout_id + 1)  # the next rollout starts before this one trains
+            # (train rollout_id; no --save-interval: no save)
             version += 1
-            slime_update_weights(urls, version, checkpoint)
+            slime_update_weights(urls, version, checkpoint)  # --update-weights-interval 1
         source.commit_pending()
         counters = worker.worker.ctx.counters
         assert counters.engine_errors == 0 and counters.groups_dead == 0 and counters.preempted > 0, counters
