@@ -107,8 +107,10 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
                                          concurrency_per_engine=4, mask_offpolicy_prefix=True))
     args = SimpleNamespace(rollout_batch_size=batch, n_samples_per_prompt=2, reward_key=None,
                            rollout_redis_url=redis_url, rollout_namespace=namespace,
-                           rollout_max_response_len=MAX_NEW, rollout_batch_timeout=120)
+                           rollout_max_response_len=MAX_NEW, rollout_batch_timeout=120,
+                           rollout_external_engine_addrs=[u.removeprefix("http://") for u in urls])
     read_at: list[tuple[int, list]] = []  # (slime's version when the rollout was read, its groups)
+    lags = []
     try:
         source = sa.RedisDataSource(args)  # RolloutManager.__init__
         version = 1
@@ -117,6 +119,8 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
         def generate(rollout_id: int) -> None:  # RolloutManager.generate
             out = sa.generate_rollout(args, rollout_id, source)
             read_at.append((version, out.samples))
+            lags.append(out.metrics["rollout/queue/engine_version_lag"])
+            assert out.metrics["rollout/queue/foreign_engine_workers"] == 0
             slime_abort_until_idle(urls)  # slime's default rollout ends each rollout so
 
         generate(0)
@@ -146,5 +150,62 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
                                        zip(s.weight_versions, segments) for _ in range(n)]
                 continued += len(segments) > 1
     assert continued > 0  # some samples were preempted mid-generation and continued
+    assert max(lags) <= 2, lags  # the engines slime updates are the ones the samples came from
     report = audit(queue)
     assert report.ok, report
+
+
+def slime_args(redis_url: str, namespace: str, engines: list[str], **kw) -> SimpleNamespace:
+    return SimpleNamespace(rollout_batch_size=1, n_samples_per_prompt=2, reward_key=None, rollout_redis_url=redis_url,
+                           rollout_namespace=namespace, rollout_max_response_len=MAX_NEW, rollout_batch_timeout=60,
+                           rollout_external_engine_addrs=engines, **kw)
+
+
+@pytest.fixture
+def two_sims():
+    sims = [start_simulator(SimConfig(seed=5 + i, **SIM)) for i in range(2)]
+    try:
+        yield [s.url for s in sims]
+    finally:
+        for s in sims:
+            s.stop()
+
+
+def test_workers_on_engines_slime_does_not_update_are_refused_at_start(two_sims, redis_url, queue, namespace,
+                                                                        monkeypatch):
+    fake_slime.install(monkeypatch)
+    slime_types.slime_types.cache_clear()
+    ours, slimes = two_sims
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[ours], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+    try:
+        with pytest.raises(sa.SlimeConfigError, match=f"worker {worker.worker.ctx.id} on {ours}.*slime updates "
+                                                      f"{slimes}.*--engine-url"):
+            sa.RedisDataSource(slime_args(redis_url, namespace, [slimes.removeprefix("http://")]))
+        # On slime's engines (here the same simulator under another name), it starts.
+        sa.RedisDataSource(slime_args(redis_url, namespace, [ours.replace("127.0.0.1", "localhost")]))
+    finally:
+        worker.stop()
+
+
+def test_a_batch_far_behind_slimes_weight_version_is_reported(two_sims, redis_url, queue, namespace, monkeypatch,
+                                                             caplog):
+    """Workers that generated on engines slime never updated: their samples carry
+    "default" while slime's engines are at version 20 (slime's router list is the check's
+    only knowledge of them, and the workers are gone: only versions can tell)."""
+    fake_slime.install(monkeypatch)
+    slime_types.slime_types.cache_clear()
+    ours, slimes = two_sims
+    queue.push_groups([Group.fresh("g0", "lower: 1 plus 1", 2, label="2", row=0)])
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[ours], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+    try:
+        wait_for(lambda: queue.redis.xlen(queue.keys.results) == 1, what="the group generated")
+    finally:
+        worker.stop()
+    http_call(slimes, "/update_weight_version", {"new_version": "20"})
+    source = sa.RedisDataSource(slime_args(redis_url, namespace, [slimes.removeprefix("http://")],
+                                           rollout_max_staleness=2))
+    out = sa.generate_rollout(source.args, 0, source)
+    assert out.metrics["rollout/queue/engine_version_lag"] == 20
+    assert "generated with weight version 0, slime's engines are at 20" in caplog.text

@@ -15,7 +15,9 @@ What keeps slime from training on the wrong data (docs/trainers.md):
 * a batch is committed when the checkpoint that includes its step is saved
   (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
   first, in order;
-* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py).
+* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py);
+* workers on engines slime does not update are refused at start, and batches whose weight
+  versions lag slime's engines are reported (pipeline/trainers/slime_engines.py).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from .slime_checks import (
     sampling_mismatches,
     uses_our_rollout,
 )
+from .slime_engines import EngineCheck
 from .slime_metrics import slime_metrics
 from .slime_types import (
     MIN_DATA_SOURCE,
@@ -180,6 +183,8 @@ class RedisDataSource:
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
         self._configure()
+        self.engine_check = EngineCheck(args, self.queue, self.settings.max_staleness)
+        self.engine_check.start()
         self._pending: deque[_Delivery] = deque()  # delivered, not committed, oldest first
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
         self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
@@ -303,7 +308,7 @@ class RedisDataSource:
         self.client.hset(self.queue.keys.slime_rollouts, mapping={it.entry.entry_id: rollout_id for it in items})
         for it in items:
             self._track(it)
-        self.last_metrics = slime_metrics(metrics, version)
+        self.last_metrics = {**slime_metrics(metrics, version), **self.engine_check.rollout(batch.groups)}
         return [it.slime_group for it in items]
 
     def _refuse_mismatched(self, batch: Batch) -> None:
