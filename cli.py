@@ -1247,7 +1247,7 @@ def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -
     name = name or file.stem
     tag = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     try:
-        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts)
+        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts).pushed
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{name}: pushed {pushed} eval groups of {n_samples} to {eval_namespace(obj.namespace)}")

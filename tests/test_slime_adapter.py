@@ -544,6 +544,36 @@ def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue,
     assert train_books.ok and train_books.pushed == 40, train_books.summary()
 
 
+def test_eval_always_returns_with_failures_named_and_again_after_a_resume(fake_slime_installed, queue, redis_url,
+                                                                         namespace, sim, tmp_path, caplog):
+    """Issue 27: one eval group dead-lettered (a row without a label, under a reward that
+    needs one) does not hold the pass: the finished groups come back, the dead one is
+    named. slime resumed from an older checkpoint re-runs the eval of a rollout id whose
+    pass was read and committed: it is pushed again and read, not waited on forever."""
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(3))
+                         + '{"input": "What is unlabeled?"}\n')
+    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=64,
+                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=2, label_key="label",
+                     rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        first = sa.generate_rollout(args, 0, None, evaluation=True)
+        sa.reset_default_sources()  # the trainer dies; slime resumes and evaluates rollout 0 again
+        again = sa.generate_rollout(args, 0, None, evaluation=True)
+    finally:
+        worker.stop()
+    for out in (first, again):
+        assert len(out.data["math"]["samples"]) == 6  # the three labeled prompts, two samples each
+        assert out.metrics == {"eval/math/failed_groups": 1}
+    assert "1 of 4 groups could not be evaluated (math@rollout0:0:3: dead-lettered:" in caplog.text
+    assert "math@rollout0~1:0:3: dead-lettered:" in caplog.text  # the re-run is a pass of its own
+
+
 # -- rewards (items 2, 9) -------------------------------------------------------------------------
 
 

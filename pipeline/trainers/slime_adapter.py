@@ -39,7 +39,7 @@ from pipeline.consumer import (
     Consumer,
 )
 from pipeline.control import configure, read_control, set_weight_version
-from .eval import pass_name, push_eval, read_eval
+from .eval import push_eval, read_eval
 from pipeline.filters import BUILTIN_FILTERS, load_object
 from pipeline.producer import PushOptions
 from pipeline.queue import StreamEntry
@@ -475,27 +475,32 @@ def eval_datasets(args: Any) -> list[tuple[str, str]]:
 
 def evaluate(args: Any, rollout_id: int, source: RedisDataSource) -> Any:
     """An eval pass at `rollout_id` through `<ns>.eval`: push every eval dataset (once per
-    rollout id), wait for its groups, return slime's RolloutFnEvalOutput. Training groups
-    are neither read nor committed; workers serve the eval prompts first."""
+    rollout id; again when that pass was read already, as after a resume), wait for its
+    groups, return slime's RolloutFnEvalOutput. It always returns: groups that were
+    dead-lettered (or out past --rollout-batch-timeout) are left out, named in the log and
+    counted in `eval/<name>/failed_groups`. Training groups are neither read nor committed;
+    workers serve the eval prompts first."""
     datasets = eval_datasets(args)
     if not datasets:
         raise SlimeConfigError("evaluation needs eval datasets: --eval-prompt-data NAME PATH (or --eval-config)")
     n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
-    passes = {}
+    passes = []
     for name, path in datasets:
         opts = PushOptions(input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", "input"),
                            label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
                            metadata_key=getattr(args, "metadata_key", "metadata"), n_samples_per_prompt=n)
-        tag = f"rollout{rollout_id}"
-        passes[pass_name(name, tag)] = push_eval(source.client, source.settings.namespace, path, name, tag, opts)
+        passes.append(push_eval(source.client, source.settings.namespace, path, name, f"rollout{rollout_id}", opts))
     results = read_eval(source.client, source.settings.namespace, passes, timeout=source.settings.timeout)
     reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
     types = source.types
-    data = {}
+    data, metrics = {}, {}
     for name, _ in datasets:
-        result = results.get(name)
-        samples = result.samples if result else []
-        data[name] = {"rewards": result.rewards(reward_key) if result else [],
-                      "truncated": result.truncated() if result else [],
-                      "samples": [to_slime_sample(s, types) for s in samples]}
-    return types.eval_output(data=data)
+        result = results[name]
+        data[name] = {"rewards": result.rewards(reward_key), "truncated": result.truncated(),
+                      "samples": [to_slime_sample(s, types) for s in result.samples]}
+        metrics[f"eval/{name}/failed_groups"] = len(result.failed)
+        if result.failed:
+            named = "; ".join(f"{gid}: {why}" for gid, why in sorted(result.failed.items())[:5])
+            log.error("eval %s at rollout %d: %d of %d groups could not be evaluated (%s)", name, rollout_id,
+                      len(result.failed), len(result.failed) + len(result.groups), named)
+    return types.eval_output(data=data, metrics=metrics)
