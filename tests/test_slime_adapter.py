@@ -544,6 +544,30 @@ def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue,
     assert train_books.ok and train_books.pushed == 40, train_books.summary()
 
 
+def test_staleness_budget_restarts_with_a_trainer_that_goes_back_in_rollout_ids(fake_slime_installed, queue,
+                                                                                 redis_url, namespace, sim):
+    """Issue 27: the budget counted the namespace's lifetime commits against slime's
+    rollout id, so a new run in a used namespace (or a resume from an older checkpoint)
+    found it spent for good. It restarts at each trainer's first rollout."""
+    from pipeline.control import read_control
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(12)])
+    args = make_args(redis_url, namespace, rollout_max_staleness=1, rollout_max_response_len=64,
+                     rollout_batch_timeout=20)
+    queue.redis.hset(queue.keys.stats, "committed", 1000)  # a long earlier run in this namespace
+    source = sa.RedisDataSource(args)  # a new run: rollout ids from 0 again
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        for rollout_id in range(4):  # admission goes on (the lifetime count kept it blocked until version 500)
+            source.read_rollout(rollout_id, 2)
+        assert read_control(queue.redis, queue.keys).budget_base == 1000
+    finally:
+        worker.stop()
+
+
 def test_eval_always_returns_with_failures_named_and_again_after_a_resume(fake_slime_installed, queue, redis_url,
                                                                          namespace, sim, tmp_path, caplog):
     """Issue 27: one eval group dead-lettered (a row without a label, under a reward that

@@ -188,6 +188,7 @@ class RedisDataSource:
         self._pending: deque[_Delivery] = deque()  # delivered, not committed, oldest first
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
         self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
+        self._budget_restarted: int | None = None  # the first rollout read, where the staleness budget restarted
         self.last_metrics: dict[str, Any] = {}
 
     def _configure(self) -> None:
@@ -287,9 +288,13 @@ class RedisDataSource:
         if n <= 0:
             raise ValueError(f"a rollout needs a positive number of groups, got {n}")
         started = time.monotonic()
-        if read_control(self.client, self.queue.keys).weight_version != rollout_id:
-            # slime updates the weights once per rollout: its rollout id is the version, also
-            # backwards when it resumes from an earlier checkpoint than the queue last saw.
+        if self._budget_restarted is None:
+            # This trainer's first rollout: resumed from an older checkpoint than the queue
+            # last saw, or a new run in a used namespace. The budget counts from here.
+            set_weight_version(self.client, self.queue.keys, rollout_id, restart_budget=True)
+            self._budget_restarted = rollout_id
+        elif read_control(self.client, self.queue.keys).weight_version != rollout_id:
+            # slime updates the weights once per rollout: its rollout id is the version.
             set_weight_version(self.client, self.queue.keys, rollout_id)
         if not self.checkpoints:
             self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
