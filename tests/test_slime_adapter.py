@@ -98,6 +98,11 @@ def committed(queue) -> int:
     return queue.stats().get("committed", 0)
 
 
+def read_records(queue) -> int:
+    """Entries the adapter recorded as read and not committed (not the checkpoint records)."""
+    return sum(1 for k in queue.redis.hkeys(queue.keys.slime_rollouts) if not k.startswith(sa.CHECKPOINT_FIELD.encode()))
+
+
 # -- types (item 6) -------------------------------------------------------------------------
 
 
@@ -242,8 +247,8 @@ def test_commits_follow_checkpoints_in_train_async_order(queue, redis_url, names
     sa.generate_rollout(args, 2, source)
     source.save(1)
     assert committed(queue) == 4
-    assert queue.redis.hlen(queue.keys.slime_rollouts) == 2  # rollout 2's entries, until committed
-    assert source.commit_pending() == 2 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert read_records(queue) == 2  # rollout 2's entries, until committed
+    assert source.commit_pending() == 2 and read_records(queue) == 0
     assert audit(queue).ok, audit(queue).summary()
 
 
@@ -262,6 +267,24 @@ def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namesp
     assert committed(queue) == 4
     assert rows_of(sa.generate_rollout(args, 2, restarted).samples) == [4, 5]
     restarted.save(2)
+    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
+
+
+def test_load_trusts_only_the_run_that_saved_the_checkpoint(queue, redis_url, namespace):
+    """Issue 27: a run read rollouts 0 and 1 and died without a checkpoint. Another run
+    in the namespace resumes from its own checkpoint 5: the dead run's reads are in no
+    checkpoint of it, so they are trained (delivered again), not committed by load(5)."""
+    publish_results(queue, list(range(6)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+    dead = sa.RedisDataSource(args)
+    dead.load(-1)
+    assert [rows_of(sa.generate_rollout(args, r, dead).samples) for r in range(2)] == [[0, 1], [2, 3]]
+    dead.close()
+    other = sa.RedisDataSource(args)
+    other.load(5)
+    assert committed(queue) == 0
+    assert [rows_of(sa.generate_rollout(args, r, other).samples) for r in (6, 7, 8)] == [[0, 1], [2, 3], [4, 5]]
+    other.save(8)
     assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
 
 
@@ -456,7 +479,7 @@ def test_given_back_group_too_stale_is_restarted(queue, redis_url, namespace):
     source = sa.RedisDataSource(make_args(redis_url, namespace))
     groups = source.read_rollout(0, 2)
     source.add_samples([groups[1]])
-    assert queue.redis.hlen(queue.keys.slime_rollouts) == 1  # g1's entry: given back, not trained
+    assert read_records(queue) == 1  # g1's entry: given back, not trained
     with pytest.raises(TimeoutError):
         source.settings.timeout = 0.2
         source.read_rollout(1, 2)  # admitted at version 0, now 1 behind: all restarted from their prompts
@@ -489,7 +512,7 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
     assert sorted(int(r) for r in lines[0::2]) == sorted(r for r in range(rollouts) for _ in range(batch))
     assert len(rows) == len(set(rows)) == batch * rollouts
     assert committed(queue) == batch * rollouts
-    assert queue.redis.xlen(queue.keys.results) == 4 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert queue.redis.xlen(queue.keys.results) == 4 and read_records(queue) == 0
     assert audit(queue).ok, audit(queue).summary()
 
 

@@ -74,6 +74,8 @@ WAIT_LOG_EVERY_S = 60.0  # while waiting for a batch, say why this often
 #: Rollouts after which a batch is committed when slime saves no checkpoints: by rollout
 #: r + 2 its step has run under train.py and train_async.py alike.
 COMMIT_AFTER_ROLLOUTS = 2
+#: slime_rollouts field naming the run that saved a checkpoint: "checkpoint <rollout id>" -> run id.
+CHECKPOINT_FIELD = "checkpoint "
 
 
 # -- settings ------------------------------------------------------------------------
@@ -158,6 +160,12 @@ class _Delivery:
     metrics: BatchMetrics = field(default_factory=BatchMetrics)
 
 
+def _read_record(value: str) -> tuple[str | None, int]:
+    """(run, rollout id) of a slime_rollouts record; a bare rollout id (older adapter): run None."""
+    run, _, rollout = value.rpartition(" ")
+    return run or None, int(rollout)
+
+
 def _index_key(group: list) -> tuple:
     index = group[0].index if group else None
     return (index is None, index if index is not None else 0)
@@ -188,6 +196,7 @@ class RedisDataSource:
         self._pending: deque[_Delivery] = deque()  # delivered, not committed, oldest first
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
         self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
+        self.run_id = uuid.uuid4().hex[:12]  # names this trainer's reads and saves in slime_rollouts
         self._budget_restarted: int | None = None  # the first rollout read, where the staleness budget restarted
         self.last_metrics: dict[str, Any] = {}
 
@@ -254,20 +263,31 @@ class RedisDataSource:
     def save(self, rollout_id: int) -> None:
         """slime saved the checkpoint of every step up to `rollout_id` (it calls this after
         the model's save): the batches of those rollouts are committed now, not before,
-        so a run resumed from this checkpoint neither skips nor repeats one."""
+        so a run resumed from this checkpoint neither skips nor repeats one. Which run
+        saved it is recorded first, for `load`."""
+        self.client.hset(self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}", self.run_id)
         self._commit_through(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
         """slime resumes after the checkpoint of `rollout_id` (it calls `load(start - 1)`):
         the next rollout is `rollout_id + 1`. Batches of rollouts up to `rollout_id` still
         uncommitted (the trainer died between saving the model and save() here) are in
-        that checkpoint: committed now. The later ones come back first, in order, from the
-        Consumer's new session."""
+        that checkpoint: committed now, if the run that saved it read them (another run's
+        reads, e.g. of a dead run in a used namespace, are in no checkpoint of this one).
+        The rest come back first, in order, from the Consumer's new session."""
         self._next_rollout = 0 if rollout_id is None else rollout_id + 1
         if self.consumer.session is not None or rollout_id is None or rollout_id < 0:
             return
-        recorded = self.client.hgetall(self.queue.keys.slime_rollouts)
-        trained = {eid.decode() for eid, r in recorded.items() if int(r) <= rollout_id}
+        records = {k.decode(): v.decode() for k, v in self.client.hgetall(self.queue.keys.slime_rollouts).items()}
+        reads = {eid: _read_record(value) for eid, value in records.items() if not eid.startswith(CHECKPOINT_FIELD)}
+        saver = records.get(f"{CHECKPOINT_FIELD}{rollout_id}")
+        if saver is None:  # died between the model's save and save(): the run that read that rollout saved it
+            saver = next((run for run, r in reads.values() if r == rollout_id), None)
+        trained = {eid for eid, (run, r) in reads.items() if r <= rollout_id and run in (saver, None)}
+        ignored = sum(1 for run, r in reads.values() if r <= rollout_id and run not in (saver, None))
+        if ignored:
+            log.warning("load(%d): %d groups read by another run than the one that saved this checkpoint are "
+                        "not in it: they are trained again", rollout_id, ignored)
         committed = self.consumer.commit_trained(trained, f"slime checkpoint {rollout_id}")
         if trained:
             self.client.hdel(self.queue.keys.slime_rollouts, *trained)
@@ -310,7 +330,8 @@ class RedisDataSource:
         self._pending.append(_Delivery(rollout_id, items, version, metrics))
         # Durable, for load(): which rollout read each entry, so a checkpoint that includes
         # that rollout commits it even when this process died before save() reached it.
-        self.client.hset(self.queue.keys.slime_rollouts, mapping={it.entry.entry_id: rollout_id for it in items})
+        self.client.hset(self.queue.keys.slime_rollouts,
+                         mapping={it.entry.entry_id: f"{self.run_id} {rollout_id}" for it in items})
         for it in items:
             self._track(it)
         self.last_metrics = {**slime_metrics(metrics, version), **self.engine_check.rollout(batch.groups)}
