@@ -252,6 +252,40 @@ def test_commits_follow_checkpoints_in_train_async_order(queue, redis_url, names
     assert audit(queue).ok, audit(queue).summary()
 
 
+def test_async_save_commits_a_checkpoint_once_megatron_has_finished_writing_it(queue, redis_url, namespace):
+    """Issue 27: with --async-save, slime's save_model finalizes the previous checkpoint
+    before it starts writing this one, and writes the last one synchronously: save(k)
+    commits the batches of the previous save, and the last save its own."""
+    publish_results(queue, list(range(8)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1, async_save=True, num_rollout=4)
+    source = sa.RedisDataSource(args)
+    source.load(-1)
+    done = []
+    for rollout_id in range(4):
+        sa.generate_rollout(args, rollout_id, source)
+        source.save(rollout_id)
+        done.append(committed(queue))
+    assert done == [0, 2, 4, 8] and audit(queue).ok, audit(queue).summary()
+
+
+def test_without_checkpoints_the_user_chooses_when_batches_are_committed(queue, redis_url, namespace):
+    """Issue 27: without --save-interval a batch is committed two rollouts later (its step
+    has run under train.py and train_async.py alike), so a run's last two batches stay
+    for the next run; with rollout_commit_on_read each batch is committed as it is read."""
+    publish_results(queue, list(range(12)))
+    default = sa.RedisDataSource(make_args(redis_url, namespace))
+    for rollout_id in range(3):
+        default.read_rollout(rollout_id, 2)
+    assert committed(queue) == 2 and default.pending_batches == 2
+    default.close()
+    args = make_args(redis_url, namespace, rollout_commit_on_read=True, rollout_consumer="second")
+    on_read = sa.RedisDataSource(args)
+    on_read.read_rollout(0, 2)  # the first session's batches come first
+    assert on_read.pending_batches == 0 and committed(queue) == 4
+    with pytest.raises(SlimeConfigError, match="rollout_commit_on_read is for runs without checkpoints"):
+        sa.RedisDataSource(make_args(redis_url, namespace, rollout_commit_on_read=True, save="/c", save_interval=1))
+
+
 def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namespace):
     """The trainer died after saving the model of rollout 1 and before save(1) reached the
     queue: on load(1) the batches of rollouts 0 and 1 are committed, rollout 2's comes back."""

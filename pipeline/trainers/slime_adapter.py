@@ -93,6 +93,10 @@ class QueueSettings:
     filter_path: str | None = None  # slime's --dynamic-sampling-filter-path
     fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
     max_staleness: int | None = None  # η, configured on the namespace at start when given
+    #: Without checkpoints: commit each batch as slime reads it (at most once: a crash in
+    #: that step loses its groups) instead of two rollouts later (the last two batches of
+    #: a run are then never committed, and the next run trains them again).
+    commit_on_read: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> QueueSettings:
@@ -116,6 +120,7 @@ class QueueSettings:
             filter_path=getattr(args, "dynamic_sampling_filter_path", None),
             fallback_wait_s=DEFAULT_FALLBACK_WAIT_S if fallback is None else float(fallback),
             max_staleness=getattr(args, "rollout_max_staleness", None),
+            commit_on_read=bool(getattr(args, "rollout_commit_on_read", False)),
         )
 
 
@@ -190,6 +195,9 @@ class RedisDataSource:
                                  fallback_wait_s=self.settings.fallback_wait_s)
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
+        if self.checkpoints and self.settings.commit_on_read:
+            raise SlimeConfigError("rollout_commit_on_read is for runs without checkpoints: with --save-interval, "
+                                   "batches are committed when the checkpoint that trained them is saved; remove it")
         self._configure()
         self.engine_check = EngineCheck(args, self.queue, self.settings.max_staleness)
         self.engine_check.start()
@@ -197,6 +205,7 @@ class RedisDataSource:
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
         self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
         self.run_id = uuid.uuid4().hex[:12]  # names this trainer's reads and saves in slime_rollouts
+        self._last_save: int | None = None  # the rollout id of the last save(); with --async-save, not durable yet
         self._budget_restarted: int | None = None  # the first rollout read, where the staleness budget restarted
         self.last_metrics: dict[str, Any] = {}
 
@@ -214,7 +223,10 @@ class RedisDataSource:
         elif control.version_clock != VersionClock.QUEUE:
             control = configure(self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
         if self.checkpoints and batch:
-            check_backlog((int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch, control.max_ready)
+            # With --async-save a checkpoint is durable (and its batches committed) one save later.
+            intervals = 2 if getattr(self.args, "async_save", False) else 1
+            check_backlog((intervals * int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch,
+                          control.max_ready)
 
     # -- slime's DataSource interface ----------------------------------------------------
 
@@ -266,6 +278,17 @@ class RedisDataSource:
         so a run resumed from this checkpoint neither skips nor repeats one. Which run
         saved it is recorded first, for `load`."""
         self.client.hset(self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}", self.run_id)
+        num_rollout = getattr(self.args, "num_rollout", None)
+        # train_async.py saves synchronously (force_sync) with --release-train and at the last rollout.
+        forced = bool(getattr(self.args, "release_train", False)) or rollout_id == (num_rollout or 0) - 1
+        if getattr(self.args, "async_save", False) and not forced:
+            # --async-save: Megatron is still writing this checkpoint; slime's save_model
+            # finalized the previous one before starting it, so that one is durable.
+            durable, self._last_save = self._last_save, rollout_id
+            if durable is not None:
+                self._commit_through(durable)
+            return
+        self._last_save = rollout_id
         self._commit_through(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
@@ -334,6 +357,8 @@ class RedisDataSource:
                          mapping={it.entry.entry_id: f"{self.run_id} {rollout_id}" for it in items})
         for it in items:
             self._track(it)
+        if self.settings.commit_on_read:
+            self._commit_through(rollout_id)
         self.last_metrics = {**slime_metrics(metrics, version), **self.engine_check.rollout(batch.groups)}
         return [it.slime_group for it in items]
 
