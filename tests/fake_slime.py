@@ -134,6 +134,14 @@ def convert_samples_to_train_data(args, samples: list[Sample]) -> dict:
     return {"tokens": [s.tokens for s in samples], "rewards": [s.get_reward_value(args) for s in samples]}
 
 
+_current_rollout_id: int | None = None
+
+
+def set_current_rollout_id(rollout_id: int | None) -> None:
+    """slime.rollout.sample_hooks.set_current_rollout_id (RolloutManager.generate calls it)."""
+    sys.modules["slime.rollout.sample_hooks"]._current_rollout_id = rollout_id
+
+
 def install(monkeypatch, *, version_features: bool = True) -> None:
     """Put the stand-in into sys.modules (`version_features=False`: a slime older than
     0.2.0, without RolloutFnTrainOutput)."""
@@ -144,6 +152,7 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
         "slime.rollout.base_types": ({"RolloutFnTrainOutput": RolloutFnTrainOutput,
                                       "RolloutFnEvalOutput": RolloutFnEvalOutput} if version_features else {}),
         "slime.rollout.data_source": {"DataSource": DataSource} if version_features else {},
+        "slime.rollout.sample_hooks": {"_current_rollout_id": None, "set_current_rollout_id": set_current_rollout_id},
         "slime.rollout.filter_hub.base_types": {
             "DynamicFilterOutput": DynamicFilterOutput,
             "should_drop_dynamic_filter_output": should_drop_dynamic_filter_output},

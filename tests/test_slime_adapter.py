@@ -286,6 +286,26 @@ def test_without_checkpoints_the_user_chooses_when_batches_are_committed(queue, 
         sa.RedisDataSource(make_args(redis_url, namespace, rollout_commit_on_read=True, save="/c", save_interval=1))
 
 
+def test_a_refill_within_a_rollout_keeps_batches_keyed_by_slimes_rollout_id(fake_slime_installed, queue,
+                                                                           redis_url, namespace):
+    """Issue 27: slime's rollout calls get_samples again within one rollout when its own
+    filter drops a group: the batches follow slime's rollout id, not the call count, so
+    save(k) commits what rollouts up to k read and no later one."""
+    publish_results(queue, list(range(8)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+    source = sa.RedisDataSource(args)
+    source.load(-1)
+    fake_slime.set_current_rollout_id(0)
+    source.get_samples(2)
+    source.get_samples(2)  # a refill within rollout 0
+    fake_slime.set_current_rollout_id(1)
+    source.get_samples(2)
+    source.save(0)
+    assert committed(queue) == 4 and source.pending_batches == 1
+    source.save(1)
+    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
+
+
 def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namespace):
     """The trainer died after saving the model of rollout 1 and before save(1) reached the
     queue: on load(1) the batches of rollouts 0 and 1 are committed, rollout 2's comes back."""

@@ -58,6 +58,7 @@ from .slime_types import (
     MIN_DATA_SOURCE,
     MIN_ROLLOUT_FUNCTION,
     SlimeTypes,
+    current_rollout_id,
     from_slime_sample,
     require,
     slime_types,
@@ -239,8 +240,15 @@ class RedisDataSource:
                 f"get_samples({num_samples}) but --rollout-batch-size is {batch}: each call must be one step's "
                 f"batch, trained whole (slime calls it again within a step when its own filter drops groups; the "
                 f"queue's Consumer applies --dynamic-sampling-filter-path first, so slime's keeps them all)")
-        rollout_id = self._next_rollout
-        self._next_rollout += 1
+        # slime's own rollout id when it says (its filter may drop a group and call again
+        # within one rollout: those groups belong to the same rollout, not the next).
+        current = current_rollout_id()
+        rollout_id = self._next_rollout if current is None else current
+        if self._pending and self._pending[-1].rollout_id == rollout_id:
+            log.warning("get_samples called again within rollout %d (slime's filter dropped groups): the groups "
+                        "read now are committed with that rollout, and any slime does not train are lost to it; "
+                        "filter in the queue (--dynamic-sampling-filter-path is applied by its Consumer)", rollout_id)
+        self._next_rollout = rollout_id + 1
         return self.read_rollout(rollout_id, num_samples)
 
     def add_samples(self, samples: list[list[Any]]) -> None:
