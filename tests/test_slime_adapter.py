@@ -4,6 +4,7 @@ with the stand-in types (slime not installed) and with the stand-in `slime` pack
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -424,6 +425,38 @@ def test_over_sampling_with_slimes_rollout_is_refused(redis_url, namespace):
         source.get_samples(6)
 
 
+@pytest.mark.parametrize("flag, value, advice", [
+    ("custom_rm_path", "my.rm", "rollout worker --reward my.rm"),
+    ("rm_type", "math", "--reward slime.rollout.rm_hub.async_rm --rm-type math"),
+    ("group_rm", True, "--group-rm"),
+    ("custom_generate_function_path", "my.gen", "rollout worker --generate-function my.gen"),
+    ("rollout_sample_hook_path", ["my.hook"], "--generate-function or --reward"),
+    ("rollout_sample_filter_path", "my.filter", "--dynamic-sampling-filter-path"),
+    ("rollout_all_samples_process_path", "my.process", "--reward"),
+    ("buffer_filter_path", "my.buffer", "--dynamic-sampling-filter-path"),
+    ("mask_offpolicy_in_partial_rollout", True, "rollout worker --mask-offpolicy-prefix"),
+    ("over_sampling_batch_size", 6, "reads exactly --rollout-batch-size 2"),
+])
+def test_slime_flags_the_queues_rollout_would_ignore_are_refused_with_what_to_do(redis_url, namespace, flag,
+                                                                                 value, advice):
+    """Issue 27: accepted and silently ignored under the queue's rollout function."""
+    cli_flag = "--" + flag.replace("_", "-")
+    with pytest.raises(SlimeConfigError, match=f"{cli_flag}: .*{re.escape(advice)}"):
+        sa.RedisDataSource(make_args(redis_url, namespace, **{flag: value}))
+    # slime's defaults pass
+    sa.RedisDataSource(make_args(redis_url, namespace, rollout_sample_hook_path=[], group_rm=False,
+                                 over_sampling_batch_size=2, partial_rollout=True))
+
+
+def test_offpolicy_masking_by_slimes_rollout_over_the_data_source_is_refused(redis_url, namespace):
+    """slime's rollout masks the previous off-policy output of samples it continues; over
+    RedisDataSource every sample is finished, and every loss mask came out zero."""
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     partial_rollout=True, mask_offpolicy_in_partial_rollout=True, hf_checkpoint="bytes")
+    with pytest.raises(SlimeConfigError, match="would zero every loss mask.*--mask-offpolicy-prefix"):
+        sa.RedisDataSource(args)
+
+
 def test_fully_async_rollout_is_refused(redis_url, namespace):
     args = make_args(redis_url, namespace,
                      rollout_function_path="slime.rollout.fully_async_rollout.generate_rollout_fully_async")
@@ -724,3 +757,18 @@ def test_a_slime_custom_reward_gets_slimes_sample_and_args(fake_slime_installed)
     samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
     assert asyncio.run(reward.score(reward_args(settings), samples)) == [1.0, 0.0]
     assert not Reward.from_path("f1").slime_samples  # built-ins take ours
+
+
+def test_slimes_async_rm_with_an_rm_type_scores_without_calling_itself(fake_slime_installed):
+    """Issue 27: the documented port of slime's rewards, `--reward slime.rollout.rm_hub.async_rm
+    --rm-type math`, named async_rm as args.custom_rm_path, which async_rm dispatches to
+    first: it called itself until RecursionError."""
+    import asyncio
+
+    from workers.rewards import Reward
+    from workers.worker import WorkerSettings, reward_args
+
+    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="math",
+                              reward="slime.rollout.rm_hub.async_rm")
+    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
+    assert asyncio.run(Reward.from_path(settings.reward).score(reward_args(settings), samples)) == [1, 0]

@@ -48,6 +48,7 @@ from .slime_checks import (
     SlimeConfigError,
     check_backlog,
     check_data_source_use,
+    check_ignored_flags,
     check_top_p,
     sampling_mismatches,
     uses_our_rollout,
@@ -188,6 +189,7 @@ class RedisDataSource:
                                          "pipeline.trainers.slime_adapter")
         check_top_p(args)
         check_data_source_use(args)
+        check_ignored_flags(args)
         self.settings = QueueSettings.from_args(args)
         self._own_client = client is None
         self.client = client or connect(self.settings.redis_url)
