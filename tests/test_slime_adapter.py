@@ -428,7 +428,7 @@ def test_over_sampling_with_slimes_rollout_is_refused(redis_url, namespace):
 @pytest.mark.parametrize("flag, value, advice", [
     ("custom_rm_path", "my.rm", "rollout worker --reward my.rm"),
     ("rm_type", "math", "--reward slime.rollout.rm_hub.async_rm --rm-type math"),
-    ("group_rm", True, "--group-rm"),
+    ("group_rm", True, "--group-reward"),
     ("custom_generate_function_path", "my.gen", "rollout worker --generate-function my.gen"),
     ("rollout_sample_hook_path", ["my.hook"], "--generate-function or --reward"),
     ("rollout_sample_filter_path", "my.filter", "--dynamic-sampling-filter-path"),

@@ -72,7 +72,7 @@ _NOT_UNDER_OUR_ROLLOUT = (
      "the workers score: start them with `rollout worker --reward {value}` (the same function)"),
     ("rm_type", "--rm-type",
      "the workers score: start them with `rollout worker --reward slime.rollout.rm_hub.async_rm --rm-type {value}`"),
-    ("group_rm", "--group-rm", "the workers score: start them with `rollout worker --reward <path> --group-rm`"),
+    ("group_rm", "--group-rm", "the workers score: start them with `rollout worker --reward <path> --group-reward`"),
     ("custom_generate_function_path", "--custom-generate-function-path",
      "the workers generate: start them with `rollout worker --generate-function {value}`"),
     ("rollout_sample_hook_path", "--rollout-sample-hook-path",
