@@ -603,6 +603,39 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
     assert audit(queue).ok, audit(queue).summary()
 
 
+@pytest.mark.slow
+def test_a_trainer_resumed_from_an_older_checkpoint_with_evals_and_a_staleness_bound_finishes(
+        queue, redis_url, namespace, tmp_path, sim):
+    """Issue 27: slime's loop with a live worker, η = 1 and an eval every 2 rollouts is
+    killed at rollout 6 and resumed from checkpoint 1 (an older one): the queue's
+    version goes back from 6 to 2 (the budget restarts), the evals of rollouts 3 and 5
+    run again (their passes were read already), and the run finishes."""
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(40)])
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(3)))
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    env = dict(os.environ, REDIS_URL=redis_url, NAMESPACE=namespace, LEDGER_DIR=str(ledger), NUM_ROLLOUT="8",
+               BATCH="2", SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_FILE=str(eval_file), MAX_STALENESS="1",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        for extra in ({"KILL_AT": "6:trained"}, {"RESUME_FROM": "1"}):
+            done = subprocess.run([sys.executable, "-m", "tests.slime_loop"], env=dict(env, **extra),
+                                  capture_output=True, text=True, timeout=240, check=False)
+            assert done.returncode == (-signal.SIGKILL if "KILL_AT" in extra else 0), done.stderr[-3000:]
+    finally:
+        worker.stop()
+    evals = [line.split() for line in (ledger / "evals").read_text().splitlines()]
+    assert [e[0] for e in evals] == ["0", "1", "3", "5", "3", "5", "7"]
+    assert all(e[1:] == ["6", "0"] for e in evals)  # every pass: 3 prompts x 2 samples, none failed
+    assert audit(queue).ok, audit(queue).summary()
+
+
 # -- evaluation (item 8) ----------------------------------------------------------------------
 
 
