@@ -359,6 +359,9 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--top-k", default=-1, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string; repeat for several.")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
+@click.option("--skip-special-tokens/--keep-special-tokens", default=True, show_default=True,
+              help="Response text without special tokens (SGLang's default); slime's "
+                   "--rollout-skip-special-tokens is off by default: --keep-special-tokens matches it.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
 @click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
@@ -380,7 +383,7 @@ _METRICS_HOST_OPTION = click.option(
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
-           stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
+           stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
            metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
@@ -408,7 +411,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
         _check_port_free(metrics_host, metrics_port, "--metrics-port")
     try:
         sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
+                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                    skip_special_tokens=skip_special_tokens)
     except SamplingError as exc:
         raise click.ClickException(f"bad sampling settings: {exc}") from None
     redis_url = obj.url()

@@ -409,6 +409,27 @@ def test_staleness_follows_slime_for_20_rollouts(fake_slime_installed, queue, re
 # -- what slime must not train on (items 3, 5, 9) ---------------------------------------------------
 
 
+@pytest.mark.parametrize("slime, recorded, flag", [
+    ({"rollout_stop": ["</answer>"]}, {}, "--stop '</answer>'"),
+    ({"rollout_stop_token_ids": [7, 9]}, {"stop_token_ids": (9,)}, "--stop-token-id 7 --stop-token-id 9"),
+    ({"rollout_skip_special_tokens": False}, {"skip_special_tokens": True}, "--keep-special-tokens"),
+])
+def test_stop_strings_stop_ids_and_special_tokens_are_compared_with_slimes(queue, redis_url, namespace, slime,
+                                                                             recorded, flag):
+    """Issue 27: stop strings, stop token ids and skip_special_tokens shape what a sample
+    is (where it ends, the text its reward reads), and were not compared."""
+    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, **recorded))
+    with pytest.raises(sa.SamplingMismatch, match=f"start the workers with {re.escape(flag)}"):
+        sa.generate_rollout(make_args(redis_url, namespace, **slime), 0, None)
+
+
+def test_stop_settings_that_match_are_accepted_in_any_order(queue, redis_url, namespace):
+    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, ("b", "a"), (9, 7), False))
+    args = make_args(redis_url, namespace, rollout_stop=["a", "b"], rollout_stop_token_ids=[7, 9],
+                     rollout_skip_special_tokens=False)
+    assert len(sa.generate_rollout(args, 0, None).samples) == 2
+
+
 def test_top_p_other_than_one_is_refused(redis_url, namespace):
     with pytest.raises(SlimeConfigError, match="--rollout-top-p 0.9.*rollout_top_p_token_ids"):
         sa.RedisDataSource(make_args(redis_url, namespace, rollout_top_p=0.9))

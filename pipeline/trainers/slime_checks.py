@@ -131,23 +131,49 @@ def check_backlog(pending_groups: int, max_ready: int) -> None:
 
 def slime_sampling(args: Any) -> dict[str, Any]:
     """slime's sampling settings that a group's must equal (None: not set in slime)."""
+    def listed(name: str) -> tuple | None:
+        if not hasattr(args, name):
+            return None
+        return tuple(getattr(args, name) or ())
+
     return {
         "temperature": getattr(args, "rollout_temperature", 1.0),
         "top_p": getattr(args, "rollout_top_p", 1.0),
         "top_k": getattr(args, "rollout_top_k", -1),
         "max_new_tokens": getattr(args, "rollout_max_response_len", None),
+        "stop": listed("rollout_stop"),
+        "stop_token_ids": listed("rollout_stop_token_ids"),
+        "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", None),
     }
 
 
 _FLAGS = {"temperature": ("--rollout-temperature", "--temperature"), "top_p": ("--rollout-top-p", "--top-p"),
           "top_k": ("--rollout-top-k", "--top-k"),
-          "max_new_tokens": ("--rollout-max-response-len", "--max-new-tokens")}
+          "max_new_tokens": ("--rollout-max-response-len", "--max-new-tokens"),
+          "stop": ("--rollout-stop", "--stop"), "stop_token_ids": ("--rollout-stop-token-ids", "--stop-token-id"),
+          "skip_special_tokens": ("--rollout-skip-special-tokens", "--skip-special-tokens/--keep-special-tokens")}
 
 
 def _differs(ours: Any, theirs: Any) -> bool:
+    if ours is None:  # recorded by a worker that did not say: nothing to compare
+        return False
+    if isinstance(ours, tuple) or isinstance(theirs, tuple):  # stop lists: the order does not matter
+        return sorted(ours) != sorted(theirs)
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return bool(ours) != bool(theirs)
     if isinstance(ours, float) or isinstance(theirs, float):
         return not math.isclose(float(ours), float(theirs), rel_tol=1e-6, abs_tol=1e-9)
     return ours != theirs
+
+
+def _worker_flag(name: str, value: Any) -> str:
+    """The `rollout worker` flags that sample with `value`."""
+    flag = _FLAGS[name][1]
+    if name == "skip_special_tokens":
+        return "--skip-special-tokens" if value else "--keep-special-tokens"
+    if isinstance(value, tuple):
+        return " ".join(f"{flag} {v!r}" if isinstance(v, str) else f"{flag} {v}" for v in value) or f"no {flag}"
+    return f"{flag} {value}"
 
 
 def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str]]:
@@ -166,9 +192,9 @@ def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str
         for name, theirs in wanted.items():
             ours = getattr(record, name)
             if theirs is not None and _differs(ours, theirs):
-                slime_flag, worker_flag = _FLAGS[name]
+                slime_flag = _FLAGS[name][0]
                 why = (f"group {group.group_id} was sampled by worker {group.worker} with {name} {ours}, slime "
-                       f"trains with {slime_flag} {theirs}: start the workers with {worker_flag} {theirs}")
+                       f"trains with {slime_flag} {theirs}: start the workers with {_worker_flag(name, theirs)}")
                 out.append((group, why))
                 break
     return out
