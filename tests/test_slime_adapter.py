@@ -526,6 +526,18 @@ def test_slime_dynamic_filter_gets_slime_samples(fake_slime_installed, queue, re
     assert out.metrics["rollout/queue/dropped"] == 2 and out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
 
 
+def test_keep_when_insufficient_groups_are_kept_at_once_as_slime_does(fake_slime_installed, queue, redis_url,
+                                                                       namespace):
+    """Issue 27: slime keeps them as soon as what it read cannot fill the batch; the
+    adapter waited 30 s per batch (here the batch would have timed out first)."""
+    path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
+    publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])
+    publish_results(queue, [3])
+    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=path, rollout_batch_timeout=5)
+    out = sa.generate_rollout(args, 0, None)
+    assert rows_of(out.samples) == [0, 3] and out.metrics["rollout/queue/kept_when_insufficient"] == 1
+
+
 def test_keep_when_insufficient_fills_a_batch_that_cannot_fill(fake_slime_installed, queue, redis_url, namespace):
     path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
     publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])

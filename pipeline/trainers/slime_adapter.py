@@ -32,7 +32,6 @@ from typing import Any
 
 from pipeline.connection import connect
 from pipeline.consumer import (
-    DEFAULT_FALLBACK_WAIT_S,
     Batch,
     BatchMetrics,
     BatchTimeout,
@@ -76,6 +75,9 @@ WAIT_LOG_EVERY_S = 60.0  # while waiting for a batch, say why this often
 #: Rollouts after which a batch is committed when slime saves no checkpoints: by rollout
 #: r + 2 its step has run under train.py and train_async.py alike.
 COMMIT_AFTER_ROLLOUTS = 2
+#: slime keeps keep_when_insufficient groups as soon as the groups it read cannot fill the
+#: batch: the Consumer keeps them once the results stream has nothing more to screen.
+SLIME_FALLBACK_WAIT_S = 0.0
 #: slime_rollouts field naming the run that saved a checkpoint: "checkpoint <rollout id>" -> run id.
 CHECKPOINT_FIELD = "checkpoint "
 
@@ -93,7 +95,7 @@ class QueueSettings:
     consumer: str = "trainer"
     timeout: float | None = None  # give up on a batch after this long (None: keep waiting)
     filter_path: str | None = None  # slime's --dynamic-sampling-filter-path
-    fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
+    fallback_wait_s: float = SLIME_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
     max_staleness: int | None = None  # η, configured on the namespace at start when given
     #: Without checkpoints: commit each batch as slime reads it (at most once: a crash in
     #: that step loses its groups) instead of two rollouts later (the last two batches of
@@ -120,7 +122,7 @@ class QueueSettings:
             consumer=getattr(args, "rollout_consumer", None) or "trainer",
             timeout=getattr(args, "rollout_batch_timeout", None),
             filter_path=getattr(args, "dynamic_sampling_filter_path", None),
-            fallback_wait_s=DEFAULT_FALLBACK_WAIT_S if fallback is None else float(fallback),
+            fallback_wait_s=SLIME_FALLBACK_WAIT_S if fallback is None else float(fallback),
             max_staleness=getattr(args, "rollout_max_staleness", None),
             commit_on_read=bool(getattr(args, "rollout_commit_on_read", False)),
         )
