@@ -526,6 +526,21 @@ def test_slime_dynamic_filter_gets_slime_samples(fake_slime_installed, queue, re
     assert out.metrics["rollout/queue/dropped"] == 2 and out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
 
 
+def text_filter(args, samples):
+    """A slime filter that reads the response text."""
+    assert all(s.response for s in samples), [s.response for s in samples]
+    return True
+
+
+def test_a_slime_filter_sees_the_response_text(fake_slime_installed, queue, redis_url, namespace):
+    """Issue 27: results carry tokens, not text; a filter reading Sample.response saw ""."""
+    publish_results(queue, [0, 1])
+    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.text_filter",
+                     hf_checkpoint="bytes", rollout_batch_timeout=5)
+    out = sa.generate_rollout(args, 0, None)
+    assert rows_of(out.samples) == [0, 1] and all(s.response for g in out.samples for s in g)
+
+
 def test_keep_when_insufficient_groups_are_kept_at_once_as_slime_does(fake_slime_installed, queue, redis_url,
                                                                        namespace):
     """Issue 27: slime keeps them as soon as what it read cannot fill the batch; the
@@ -712,6 +727,7 @@ def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue,
     assert all(r in (0.0, 1.0) for r in math["rewards"]) and math["truncated"] == [
         s.status is FakeSlimeSample.Status.TRUNCATED for s in math["samples"]]
     assert {s.label for s in math["samples"]} == {str(i + 3) for i in range(5)}
+    assert all(s.response for s in math["samples"])  # eval samples keep their text
     trained = [g[0].prompt for g in train.samples + after.samples]
     assert all(p.startswith("What is") and "+ 2?" in p for p in trained)  # training groups only
     eval_queue = Queue(queue.redis, eval_namespace(namespace))

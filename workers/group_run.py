@@ -170,7 +170,9 @@ class GroupRunner:
     async def _publish(self, run: Running, place: Place, failure: GroupFailed | None) -> None:
         group = run.group
         try:
-            payload = encode_group(group, self.settings.keep_response_text or place != Place.RESULTS)
+            # Eval results keep their text (slime logs and scores eval samples from it).
+            keep_text = self.settings.keep_response_text or place != Place.RESULTS or run.queue is not self.ctx.queue
+            payload = encode_group(group, keep_text)
         except EncodeError as exc:
             # What was generated breaks the schema: it must not reach the trainer.
             log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",

@@ -135,15 +135,17 @@ def saves_checkpoints(args: Any) -> bool:
             and getattr(args, "save_interval", None) is not None)
 
 
-def _slime_filter(path: str | None) -> Any:
-    """slime's filters call slime's Sample methods (`get_reward_value`): hand them
-    slime Samples. Built-in names go to the Consumer as they are."""
+def _slime_filter(path: str | None, fill_responses: Any) -> Any:
+    """slime's filters call slime's Sample methods (`get_reward_value`) and may read
+    `Sample.response`: hand them slime Samples, with the response text filled in
+    (`fill_responses`). Built-in names go to the Consumer as they are."""
     if path is None or path in BUILTIN_FILTERS:
         return path
     fn = load_object(path)
 
     def call(args: Any, samples: list[Sample]) -> Any:
         types = slime_types()
+        fill_responses(samples)
         return fn(args, [to_slime_sample(s, types) for s in samples])
 
     call.__name__ = getattr(fn, "__name__", "slime_filter")
@@ -196,7 +198,8 @@ class RedisDataSource:
         self._own_client = client is None
         self.client = client or connect(self.settings.redis_url)
         self.consumer = Consumer(self.client, self.settings.namespace, consumer=self.settings.consumer,
-                                 filter=_slime_filter(self.settings.filter_path), filter_args=args,
+                                 filter=_slime_filter(self.settings.filter_path, self._fill_texts),
+                                 filter_args=args,
                                  fallback_wait_s=self.settings.fallback_wait_s)
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
@@ -392,23 +395,26 @@ class RedisDataSource:
         more = f" (and {len(bad) - 1} more groups)" if len(bad) > 1 else ""
         raise SamplingMismatch(f"{bad[0][1]}{more}; those groups went back to the prompt list")
 
+    def _fill_texts(self, samples: list[Sample]) -> None:
+        """Response texts for the filter and eval: decoded with slime's tokenizer when
+        there is one (else they stay as the workers published them)."""
+        missing = [s for s in samples if s.response_length and not s.response]
+        if missing and self.tokenizer is not None:
+            skip = bool(getattr(self.args, "rollout_skip_special_tokens", False))
+            for s in missing:
+                s.response = self.tokenizer.decode(s.response_tokens, skip_special_tokens=skip)
+
     def _fill_responses(self, groups: list[Group]) -> None:
         """Results carry tokens, not text (unless workers keep it), and slime re-scores a
         group from `Sample.response` (--group-rm with its own rollout): decode the text
         with slime's tokenizer, as the engine did (skip_special_tokens as slime asks)."""
-        missing = [s for g in groups for s in g.samples if s.response_length and not s.response]
-        if not missing:
-            return
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            if not uses_our_rollout(self.args):
-                raise SlimeConfigError(
-                    "results carry no response text and there is no tokenizer to decode it (slime's rollout scores "
-                    "Sample.response): set --hf-checkpoint, or start the workers with --keep-response-text")
-            return
-        skip = bool(getattr(self.args, "rollout_skip_special_tokens", False))
-        for s in missing:
-            s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=skip)
+        samples = [s for g in groups for s in g.samples]
+        if self.tokenizer is None and not uses_our_rollout(self.args) and any(
+                s.response_length and not s.response for s in samples):
+            raise SlimeConfigError(
+                "results carry no response text and there is no tokenizer to decode it (slime's rollout scores "
+                "Sample.response): set --hf-checkpoint, or start the workers with --keep-response-text")
+        self._fill_texts(samples)
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -559,6 +565,7 @@ def evaluate(args: Any, rollout_id: int, source: RedisDataSource) -> Any:
     data, metrics = {}, {}
     for name, _ in datasets:
         result = results[name]
+        source._fill_texts(result.samples)  # the workers keep eval texts; a tokenizer fills older ones
         data[name] = {"rewards": result.rewards(reward_key), "truncated": result.truncated(),
                       "samples": [to_slime_sample(s, types) for s in result.samples]}
         metrics[f"eval/{name}/failed_groups"] = len(result.failed)
