@@ -112,11 +112,13 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
     read_at: list[tuple[int, list]] = []  # (slime's version when the rollout was read, its groups)
     lags = []
     try:
-        source = sa.RedisDataSource(args)  # RolloutManager.__init__
+        source = sa.RedisDataSource(args)  # RolloutManager.__init__: load_function(args.data_source_path)(args)
+        source.load(-1)  # placement_group.create_training_models: rollout_manager.load(start_rollout_id - 1)
         version = 1
         slime_update_weights(urls, version, checkpoint)  # train_async: actor_model.update_weights() first
 
         def generate(rollout_id: int) -> None:  # RolloutManager.generate
+            fake_slime.set_current_rollout_id(rollout_id)
             out = sa.generate_rollout(args, rollout_id, source)
             read_at.append((version, out.samples))
             lags.append(out.metrics["rollout/queue/engine_version_lag"])
