@@ -383,8 +383,8 @@ _METRICS_HOST_OPTION = click.option(
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
-           stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
-           metrics_port, metrics_host, keep_response_text) -> None:
+           stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
+           mask_offpolicy_prefix, metrics_port, metrics_host, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that

@@ -101,7 +101,8 @@ def committed(queue) -> int:
 
 def read_records(queue) -> int:
     """Entries the adapter recorded as read and not committed (not the checkpoint records)."""
-    return sum(1 for k in queue.redis.hkeys(queue.keys.slime_rollouts) if not k.startswith(sa.CHECKPOINT_FIELD.encode()))
+    checkpoint = sa.CHECKPOINT_FIELD.encode()
+    return sum(1 for k in queue.redis.hkeys(queue.keys.slime_rollouts) if not k.startswith(checkpoint))
 
 
 # -- types (item 6) -------------------------------------------------------------------------
