@@ -459,6 +459,9 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--top-k", default=-1, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string; repeat for several.")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token id; repeat.")
+@click.option("--skip-special-tokens/--keep-special-tokens", default=True, show_default=True,
+              help="Response text without special tokens (SGLang's default); slime's "
+                   "--rollout-skip-special-tokens is off by default: --keep-special-tokens matches it.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
 @click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
@@ -489,8 +492,8 @@ _METRICS_HOST_OPTION = click.option(
 @click.pass_obj
 def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
-           stop_token_ids, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s, mask_offpolicy_prefix,
-           generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
+           stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
+           mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
            keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
@@ -518,7 +521,8 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
         _check_port_free(metrics_host, metrics_port, "--metrics-port")
     try:
         sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids))
+                                    top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                    skip_special_tokens=skip_special_tokens)
     except SamplingError as exc:
         raise click.ClickException(f"bad sampling settings: {exc}") from None
     if generate_function:
@@ -1447,7 +1451,7 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     \b
     JSON keys (stable; docs/cli.md): paused, weight_version, max_staleness,
     batch_size, max_ready, lease_s, max_claims, release_policy, version_clock,
-    admitted, committed, staleness_limit.
+    admitted, committed, budget_base, staleness_limit.
 
     \b
     Example:
@@ -1521,7 +1525,7 @@ def eval_push(obj: Context, file: Path, name, n_samples, input_key, label_key) -
     name = name or file.stem
     tag = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     try:
-        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts)
+        pushed = push_eval(obj.queue().redis, obj.namespace, file, name, tag, opts).pushed
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{name}: pushed {pushed} eval groups of {n_samples} to {eval_namespace(obj.namespace)}")

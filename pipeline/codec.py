@@ -194,22 +194,32 @@ def _encode_group(group: Group, with_response_text: bool) -> bytes:
     }
     if group.sampling is not None:  # optional: groups without it decode as before
         r = group.sampling
-        fields["smp"] = [r.temperature, r.top_p, r.top_k, r.max_new_tokens]
+        fields["smp"] = [r.temperature, r.top_p, r.top_k, r.max_new_tokens, list(r.stop), list(r.stop_token_ids),
+                         r.skip_special_tokens]
     return msgpack.packb(fields, use_bin_type=True)
 
 
 def _decode_sampling(value: Any) -> SamplingRecord | None:
-    """The optional `smp` field: [temperature, top_p, top_k, max_new_tokens]."""
+    """The optional `smp` field: [temperature, top_p, top_k, max_new_tokens, stop strings,
+    stop token ids, skip_special_tokens] (the first four alone from older workers)."""
     if value is _MISSING or value is None:
         return None
-    if type(value) is not list or len(value) != 4:
-        raise DecodeError("group: field 'smp' should be a list of 4 sampling settings")
-    temperature, top_p, top_k, max_new_tokens = value
+    if type(value) is not list or len(value) not in (4, 7):
+        raise DecodeError("group: field 'smp' should be a list of 4 or 7 sampling settings")
+    temperature, top_p, top_k, max_new_tokens = value[:4]
+    stop, stop_token_ids, skip = value[4:] if len(value) == 7 else ([], [], None)
+    if type(stop) is not list or not all(type(s) is str for s in stop):
+        raise DecodeError("group: field 'smp' stop should be a list of strings")
+    if type(stop_token_ids) is not list or not all(type(t) is int for t in stop_token_ids):
+        raise DecodeError("group: field 'smp' stop token ids should be a list of integers")
+    if skip is not None and type(skip) is not bool:
+        raise DecodeError("group: field 'smp' skip_special_tokens should be a boolean")
     if type(temperature) not in (int, float) or type(top_p) not in (int, float):
         raise DecodeError("group: field 'smp' temperature and top_p should be numbers")
     if type(top_k) is not int or type(max_new_tokens) is not int:
         raise DecodeError("group: field 'smp' top_k and max_new_tokens should be integers")
-    return SamplingRecord(float(temperature), float(top_p), top_k, max_new_tokens)
+    return SamplingRecord(float(temperature), float(top_p), top_k, max_new_tokens, tuple(stop), tuple(stop_token_ids),
+                          skip)
 
 
 _NONE = type(None)

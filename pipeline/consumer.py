@@ -370,7 +370,10 @@ class Consumer:
                 control = self.call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)
                 self._screen(delivered, control, metrics, deadline)
-            if len(self._held) < n and self._fallback and time.monotonic() - started >= self.fallback_wait_s:
+            # With no wait (slime's rule: kept at once when what was read cannot fill the
+            # batch), once a read finds nothing more to screen.
+            waited = time.monotonic() - started >= self.fallback_wait_s
+            if len(self._held) < n and self._fallback and waited and (self.fallback_wait_s > 0 or not delivered):
                 take = self._fallback[:n - len(self._held)]
                 self._fallback = self._fallback[len(take):]
                 log.info("batch of %d: the filter kept %d groups in %.0fs; keeping %d it rejected but marked "

@@ -48,10 +48,12 @@ class ControlState:
     max_claims: int = DEFAULT_MAX_CLAIMS
     release_policy: ReleasePolicy = ReleasePolicy.CONTINUE
     version_clock: VersionClock = VersionClock.ENGINE  # what a group's age is measured with
-    # Groups counting against the staleness budget: committed, plus admitted (first
-    # claimed) and not settled yet. Dropped and dead groups give their slot back.
+    # Groups counting against the staleness budget: committed since version 0 (the
+    # lifetime count less `budget_base`), plus admitted (first claimed) and not settled
+    # yet. Dropped and dead groups give their slot back.
     admitted: int = 0
     committed: int = 0
+    budget_base: int = 0  # stats.committed at the clock's version 0 (set_weight_version(restart_budget=True))
 
     @property
     def staleness_limit(self) -> int | None:
@@ -71,7 +73,7 @@ class ControlState:
 
 
 _FIELDS = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "lease_ms", "max_claims",
-           "release_policy", "version_clock")
+           "release_policy", "version_clock", "budget_base")
 
 
 _warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
@@ -106,7 +108,7 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
         # A full Redis (maxmemory, noeviction) refuses anything queued in MULTI, reads
         # too; the three reads one by one still tell status and the workers what is going on.
         replies = read(transaction=False)
-    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock), committed, live = replies
+    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock, base), committed, live = replies
     committed = _number(committed, "stats.committed", keys) or 0
     lease_ms = _number(lease_ms, "lease_ms", keys)
     try:
@@ -131,8 +133,9 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
         max_claims=DEFAULT_MAX_CLAIMS if claims is None else claims,
         release_policy=release_policy,
         version_clock=version_clock,
-        admitted=committed + live,  # as lua/claim.lua counts it
+        admitted=committed - (_number(base, "budget_base", keys) or 0) + live,  # as lua/claim.lua counts it
         committed=committed,
+        budget_base=_number(base, "budget_base", keys) or 0,
     )
 
 
@@ -186,6 +189,19 @@ def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
     _announce(client, keys, read_control(client, keys))
 
 
-def set_weight_version(client: redis.Redis, keys: Keys, version: int) -> None:
-    client.hset(keys.control, "weight_version", version)
+def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart_budget: bool = False) -> None:
+    """Set the trainer's weight version. `restart_budget`: a trainer (re)starts at
+    `version`, e.g. resumed from an older checkpoint or a new run in a used namespace: the
+    staleness budget counts as if `version` batches had been committed since version 0,
+    not the namespace's lifetime count (which would block admission for good)."""
+    if not restart_budget:
+        client.hset(keys.control, "weight_version", version)
+    else:
+        def rebase(pipe: redis.client.Pipeline) -> None:
+            committed = _number(pipe.hget(keys.stats, "committed"), "stats.committed", keys) or 0
+            batch = _number(pipe.hget(keys.control, "batch_size"), "batch_size", keys) or 0
+            pipe.multi()
+            pipe.hset(keys.control, mapping={"weight_version": version, "budget_base": committed - version * batch})
+
+        client.transaction(rebase, keys.stats, keys.control)
     _announce(client, keys, read_control(client, keys))

@@ -93,7 +93,8 @@ class Keys:
         return self._key("reaped")
 
     @property
-    def slime_rollouts(self) -> str:  # HASH results entry id -> slime rollout id it was read in, until committed
+    def slime_rollouts(self) -> str:  # HASH entry id -> "<run> <slime rollout id>" it was read in, until committed;
+        # and "checkpoint <rollout id>" -> the run that saved that checkpoint
         return self._key("slime_rollouts")
 
     @property

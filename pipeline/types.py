@@ -208,6 +208,9 @@ class SamplingRecord:
     top_p: float
     top_k: int
     max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool | None = None  # None: recorded by a worker that did not say
 
 
 @dataclass

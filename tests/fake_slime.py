@@ -153,6 +153,24 @@ class HttpUtils:
             return await r.json()
 
 
+async def async_rm(args, sample, **kwargs):
+    """slime.rollout.rm_hub.async_rm's dispatch: args.custom_rm_path first, then rm_type."""
+    if args.custom_rm_path is not None:
+        module, _, name = args.custom_rm_path.rpartition(".")
+        return await getattr(sys.modules[module], name)(args, sample, **kwargs)
+    if args.rm_type == "math":
+        return 1 if sample.response.strip() == str(sample.label).strip() else 0
+    raise NotImplementedError(f"Rule-based RM for {args.rm_type} is not implemented.")
+
+
+_current_rollout_id: int | None = None
+
+
+def set_current_rollout_id(rollout_id: int | None) -> None:
+    """slime.rollout.sample_hooks.set_current_rollout_id (RolloutManager.generate calls it)."""
+    sys.modules["slime.rollout.sample_hooks"]._current_rollout_id = rollout_id
+
+
 def install(monkeypatch, *, version_features: bool = True) -> None:
     """Put the stand-in into sys.modules (`version_features=False`: a slime older than
     0.2.0, without RolloutFnTrainOutput)."""
@@ -164,6 +182,8 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
         "slime.rollout.base_types": ({"RolloutFnTrainOutput": RolloutFnTrainOutput,
                                       "RolloutFnEvalOutput": RolloutFnEvalOutput} if version_features else {}),
         "slime.rollout.data_source": {"DataSource": DataSource} if version_features else {},
+        "slime.rollout.rm_hub": {"async_rm": async_rm},
+        "slime.rollout.sample_hooks": {"_current_rollout_id": None, "set_current_rollout_id": set_current_rollout_id},
         "slime.rollout.filter_hub.base_types": {
             "DynamicFilterOutput": DynamicFilterOutput,
             "should_drop_dynamic_filter_output": should_drop_dynamic_filter_output},

@@ -294,6 +294,11 @@ def test_sampling_settings_round_trip_and_are_optional():
     group = full_group()
     group.sampling = SamplingRecord(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=512)
     assert decode_group(encode_group(group)).sampling == group.sampling
+    group.sampling = SamplingRecord(0.6, 0.95, 20, 512, ("</answer>",), (151643,), False)
+    assert decode_group(encode_group(group)).sampling == group.sampling
+    m = raw(group)
+    m["smp"] = m["smp"][:4]  # a worker before stop strings were recorded
+    assert decode_group(pack(m)).sampling == SamplingRecord(0.6, 0.95, 20, 512)
     group.sampling = None
     m = raw(group)
     assert "smp" not in m  # a group without them is encoded as before this field existed
@@ -303,6 +308,8 @@ def test_sampling_settings_round_trip_and_are_optional():
 @pytest.mark.parametrize("value, expect", [
     ([1.0, 1.0, -1], "list of 4"), ("x", "list of 4"), ([True, 1.0, -1, 8], "numbers"),
     ([1.0, "1", -1, 8], "numbers"), ([1.0, 1.0, 1.5, 8], "integers"), ([1.0, 1.0, -1, None], "integers"),
+    ([1.0, 1.0, -1, 8, [1], [], True], "list of strings"), ([1.0, 1.0, -1, 8, [], ["x"], True], "integers"),
+    ([1.0, 1.0, -1, 8, [], [], 1], "boolean"),
 ])
 def test_bad_sampling_settings(value, expect):
     assert expect in _bad(lambda m: m.update(smp=value))

@@ -4,6 +4,7 @@ with the stand-in types (slime not installed) and with the stand-in `slime` pack
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,6 +97,12 @@ def rows_of(groups: list[list]) -> list[int]:
 
 def committed(queue) -> int:
     return queue.stats().get("committed", 0)
+
+
+def read_records(queue) -> int:
+    """Entries the adapter recorded as read and not committed (not the checkpoint records)."""
+    checkpoint = sa.CHECKPOINT_FIELD.encode()
+    return sum(1 for k in queue.redis.hkeys(queue.keys.slime_rollouts) if not k.startswith(checkpoint))
 
 
 # -- types (item 6) -------------------------------------------------------------------------
@@ -242,9 +249,63 @@ def test_commits_follow_checkpoints_in_train_async_order(queue, redis_url, names
     sa.generate_rollout(args, 2, source)
     source.save(1)
     assert committed(queue) == 4
-    assert queue.redis.hlen(queue.keys.slime_rollouts) == 2  # rollout 2's entries, until committed
-    assert source.commit_pending() == 2 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert read_records(queue) == 2  # rollout 2's entries, until committed
+    assert source.commit_pending() == 2 and read_records(queue) == 0
     assert audit(queue).ok, audit(queue).summary()
+
+
+def test_async_save_commits_a_checkpoint_once_megatron_has_finished_writing_it(queue, redis_url, namespace):
+    """Issue 27: with --async-save, slime's save_model finalizes the previous checkpoint
+    before it starts writing this one, and writes the last one synchronously: save(k)
+    commits the batches of the previous save, and the last save its own."""
+    publish_results(queue, list(range(8)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1, async_save=True, num_rollout=4)
+    source = sa.RedisDataSource(args)
+    source.load(-1)
+    done = []
+    for rollout_id in range(4):
+        sa.generate_rollout(args, rollout_id, source)
+        source.save(rollout_id)
+        done.append(committed(queue))
+    assert done == [0, 2, 4, 8] and audit(queue).ok, audit(queue).summary()
+
+
+def test_without_checkpoints_the_user_chooses_when_batches_are_committed(queue, redis_url, namespace):
+    """Issue 27: without --save-interval a batch is committed two rollouts later (its step
+    has run under train.py and train_async.py alike), so a run's last two batches stay
+    for the next run; with rollout_commit_on_read each batch is committed as it is read."""
+    publish_results(queue, list(range(12)))
+    default = sa.RedisDataSource(make_args(redis_url, namespace))
+    for rollout_id in range(3):
+        default.read_rollout(rollout_id, 2)
+    assert committed(queue) == 2 and default.pending_batches == 2
+    default.close()
+    args = make_args(redis_url, namespace, rollout_commit_on_read=True, rollout_consumer="second")
+    on_read = sa.RedisDataSource(args)
+    on_read.read_rollout(0, 2)  # the first session's batches come first
+    assert on_read.pending_batches == 0 and committed(queue) == 4
+    with pytest.raises(SlimeConfigError, match="rollout_commit_on_read is for runs without checkpoints"):
+        sa.RedisDataSource(make_args(redis_url, namespace, rollout_commit_on_read=True, save="/c", save_interval=1))
+
+
+def test_a_refill_within_a_rollout_keeps_batches_keyed_by_slimes_rollout_id(fake_slime_installed, queue,
+                                                                           redis_url, namespace):
+    """Issue 27: slime's rollout calls get_samples again within one rollout when its own
+    filter drops a group: the batches follow slime's rollout id, not the call count, so
+    save(k) commits what rollouts up to k read and no later one."""
+    publish_results(queue, list(range(8)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+    source = sa.RedisDataSource(args)
+    source.load(-1)
+    fake_slime.set_current_rollout_id(0)
+    source.get_samples(2)
+    source.get_samples(2)  # a refill within rollout 0
+    fake_slime.set_current_rollout_id(1)
+    source.get_samples(2)
+    source.save(0)
+    assert committed(queue) == 4 and source.pending_batches == 1
+    source.save(1)
+    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
 
 
 def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namespace):
@@ -262,6 +323,24 @@ def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namesp
     assert committed(queue) == 4
     assert rows_of(sa.generate_rollout(args, 2, restarted).samples) == [4, 5]
     restarted.save(2)
+    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
+
+
+def test_load_trusts_only_the_run_that_saved_the_checkpoint(queue, redis_url, namespace):
+    """Issue 27: a run read rollouts 0 and 1 and died without a checkpoint. Another run
+    in the namespace resumes from its own checkpoint 5: the dead run's reads are in no
+    checkpoint of it, so they are trained (delivered again), not committed by load(5)."""
+    publish_results(queue, list(range(6)))
+    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+    dead = sa.RedisDataSource(args)
+    dead.load(-1)
+    assert [rows_of(sa.generate_rollout(args, r, dead).samples) for r in range(2)] == [[0, 1], [2, 3]]
+    dead.close()
+    other = sa.RedisDataSource(args)
+    other.load(5)
+    assert committed(queue) == 0
+    assert [rows_of(sa.generate_rollout(args, r, other).samples) for r in (6, 7, 8)] == [[0, 1], [2, 3], [4, 5]]
+    other.save(8)
     assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
 
 
@@ -331,6 +410,27 @@ def test_staleness_follows_slime_for_20_rollouts(fake_slime_installed, queue, re
 # -- what slime must not train on (items 3, 5, 9) ---------------------------------------------------
 
 
+@pytest.mark.parametrize("slime, recorded, flag", [
+    ({"rollout_stop": ["</answer>"]}, {}, "--stop '</answer>'"),
+    ({"rollout_stop_token_ids": [7, 9]}, {"stop_token_ids": (9,)}, "--stop-token-id 7 --stop-token-id 9"),
+    ({"rollout_skip_special_tokens": False}, {"skip_special_tokens": True}, "--keep-special-tokens"),
+])
+def test_stop_strings_stop_ids_and_special_tokens_are_compared_with_slimes(queue, redis_url, namespace, slime,
+                                                                             recorded, flag):
+    """Issue 27: stop strings, stop token ids and skip_special_tokens shape what a sample
+    is (where it ends, the text its reward reads), and were not compared."""
+    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, **recorded))
+    with pytest.raises(sa.SamplingMismatch, match=f"start the workers with {re.escape(flag)}"):
+        sa.generate_rollout(make_args(redis_url, namespace, **slime), 0, None)
+
+
+def test_stop_settings_that_match_are_accepted_in_any_order(queue, redis_url, namespace):
+    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, ("b", "a"), (9, 7), False))
+    args = make_args(redis_url, namespace, rollout_stop=["a", "b"], rollout_stop_token_ids=[7, 9],
+                     rollout_skip_special_tokens=False)
+    assert len(sa.generate_rollout(args, 0, None).samples) == 2
+
+
 def test_top_p_other_than_one_is_refused(redis_url, namespace):
     with pytest.raises(SlimeConfigError, match="--rollout-top-p 0.9.*rollout_top_p_token_ids"):
         sa.RedisDataSource(make_args(redis_url, namespace, rollout_top_p=0.9))
@@ -345,6 +445,38 @@ def test_over_sampling_with_slimes_rollout_is_refused(redis_url, namespace):
     source = sa.RedisDataSource(args)
     with pytest.raises(SlimeConfigError, match="get_samples\\(6\\) but --rollout-batch-size is 2"):
         source.get_samples(6)
+
+
+@pytest.mark.parametrize("flag, value, advice", [
+    ("custom_rm_path", "my.rm", "rollout worker --reward my.rm"),
+    ("rm_type", "math", "--reward slime.rollout.rm_hub.async_rm --rm-type math"),
+    ("group_rm", True, "--group-reward"),
+    ("custom_generate_function_path", "my.gen", "rollout worker --generate-function my.gen"),
+    ("rollout_sample_hook_path", ["my.hook"], "--generate-function or --reward"),
+    ("rollout_sample_filter_path", "my.filter", "--dynamic-sampling-filter-path"),
+    ("rollout_all_samples_process_path", "my.process", "--reward"),
+    ("buffer_filter_path", "my.buffer", "--dynamic-sampling-filter-path"),
+    ("mask_offpolicy_in_partial_rollout", True, "rollout worker --mask-offpolicy-prefix"),
+    ("over_sampling_batch_size", 6, "reads exactly --rollout-batch-size 2"),
+])
+def test_slime_flags_the_queues_rollout_would_ignore_are_refused_with_what_to_do(redis_url, namespace, flag,
+                                                                                 value, advice):
+    """Issue 27: accepted and silently ignored under the queue's rollout function."""
+    cli_flag = "--" + flag.replace("_", "-")
+    with pytest.raises(SlimeConfigError, match=f"{cli_flag}: .*{re.escape(advice)}"):
+        sa.RedisDataSource(make_args(redis_url, namespace, **{flag: value}))
+    # slime's defaults pass
+    sa.RedisDataSource(make_args(redis_url, namespace, rollout_sample_hook_path=[], group_rm=False,
+                                 over_sampling_batch_size=2, partial_rollout=True))
+
+
+def test_offpolicy_masking_by_slimes_rollout_over_the_data_source_is_refused(redis_url, namespace):
+    """slime's rollout masks the previous off-policy output of samples it continues; over
+    RedisDataSource every sample is finished, and every loss mask came out zero."""
+    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     partial_rollout=True, mask_offpolicy_in_partial_rollout=True, hf_checkpoint="bytes")
+    with pytest.raises(SlimeConfigError, match="would zero every loss mask.*--mask-offpolicy-prefix"):
+        sa.RedisDataSource(args)
 
 
 def test_fully_async_rollout_is_refused(redis_url, namespace):
@@ -393,6 +525,33 @@ def test_slime_dynamic_filter_gets_slime_samples(fake_slime_installed, queue, re
     assert rows_of(out.samples) == [2, 3]
     assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2
     assert out.metrics["rollout/queue/dropped"] == 2 and out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
+
+
+def text_filter(args, samples):
+    """A slime filter that reads the response text."""
+    assert all(s.response for s in samples), [s.response for s in samples]
+    return True
+
+
+def test_a_slime_filter_sees_the_response_text(fake_slime_installed, queue, redis_url, namespace):
+    """Issue 27: results carry tokens, not text; a filter reading Sample.response saw ""."""
+    publish_results(queue, [0, 1])
+    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.text_filter",
+                     hf_checkpoint="bytes", rollout_batch_timeout=5)
+    out = sa.generate_rollout(args, 0, None)
+    assert rows_of(out.samples) == [0, 1] and all(s.response for g in out.samples for s in g)
+
+
+def test_keep_when_insufficient_groups_are_kept_at_once_as_slime_does(fake_slime_installed, queue, redis_url,
+                                                                       namespace):
+    """Issue 27: slime keeps them as soon as what it read cannot fill the batch; the
+    adapter waited 30 s per batch (here the batch would have timed out first)."""
+    path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
+    publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])
+    publish_results(queue, [3])
+    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=path, rollout_batch_timeout=5)
+    out = sa.generate_rollout(args, 0, None)
+    assert rows_of(out.samples) == [0, 3] and out.metrics["rollout/queue/kept_when_insufficient"] == 1
 
 
 def test_keep_when_insufficient_fills_a_batch_that_cannot_fill(fake_slime_installed, queue, redis_url, namespace):
@@ -456,7 +615,7 @@ def test_given_back_group_too_stale_is_restarted(queue, redis_url, namespace):
     source = sa.RedisDataSource(make_args(redis_url, namespace))
     groups = source.read_rollout(0, 2)
     source.add_samples([groups[1]])
-    assert queue.redis.hlen(queue.keys.slime_rollouts) == 1  # g1's entry: given back, not trained
+    assert read_records(queue) == 1  # g1's entry: given back, not trained
     with pytest.raises(TimeoutError):
         source.settings.timeout = 0.2
         source.read_rollout(1, 2)  # admitted at version 0, now 1 behind: all restarted from their prompts
@@ -489,7 +648,40 @@ def test_every_group_trained_exactly_once_across_kills(queue, redis_url, namespa
     assert sorted(int(r) for r in lines[0::2]) == sorted(r for r in range(rollouts) for _ in range(batch))
     assert len(rows) == len(set(rows)) == batch * rollouts
     assert committed(queue) == batch * rollouts
-    assert queue.redis.xlen(queue.keys.results) == 4 and queue.redis.hlen(queue.keys.slime_rollouts) == 0
+    assert queue.redis.xlen(queue.keys.results) == 4 and read_records(queue) == 0
+    assert audit(queue).ok, audit(queue).summary()
+
+
+@pytest.mark.slow
+def test_a_trainer_resumed_from_an_older_checkpoint_with_evals_and_a_staleness_bound_finishes(
+        queue, redis_url, namespace, tmp_path, sim):
+    """Issue 27: slime's loop with a live worker, η = 1 and an eval every 2 rollouts is
+    killed at rollout 6 and resumed from checkpoint 1 (an older one): the queue's
+    version goes back from 6 to 2 (the budget restarts), the evals of rollouts 3 and 5
+    run again (their passes were read already), and the run finishes."""
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(40)])
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(3)))
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    env = dict(os.environ, REDIS_URL=redis_url, NAMESPACE=namespace, LEDGER_DIR=str(ledger), NUM_ROLLOUT="8",
+               BATCH="2", SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_FILE=str(eval_file), MAX_STALENESS="1",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        for extra in ({"KILL_AT": "6:trained"}, {"RESUME_FROM": "1"}):
+            done = subprocess.run([sys.executable, "-m", "tests.slime_loop"], env=dict(env, **extra),
+                                  capture_output=True, text=True, timeout=240, check=False)
+            assert done.returncode == (-signal.SIGKILL if "KILL_AT" in extra else 0), done.stderr[-3000:]
+    finally:
+        worker.stop()
+    evals = [line.split() for line in (ledger / "evals").read_text().splitlines()]
+    assert [e[0] for e in evals] == ["0", "1", "3", "5", "3", "5", "7"]
+    assert all(e[1:] == ["6", "0"] for e in evals)  # every pass: 3 prompts x 2 samples, none failed
     assert audit(queue).ok, audit(queue).summary()
 
 
@@ -536,12 +728,67 @@ def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue,
     assert all(r in (0.0, 1.0) for r in math["rewards"]) and math["truncated"] == [
         s.status is FakeSlimeSample.Status.TRUNCATED for s in math["samples"]]
     assert {s.label for s in math["samples"]} == {str(i + 3) for i in range(5)}
+    assert all(s.response for s in math["samples"])  # eval samples keep their text
     trained = [g[0].prompt for g in train.samples + after.samples]
     assert all(p.startswith("What is") and "+ 2?" in p for p in trained)  # training groups only
     eval_queue = Queue(queue.redis, eval_namespace(namespace))
     eval_books, train_books = audit(eval_queue), audit(queue)
     assert eval_books.ok and eval_books.committed == 5, eval_books.summary()
     assert train_books.ok and train_books.pushed == 40, train_books.summary()
+
+
+def test_staleness_budget_restarts_with_a_trainer_that_goes_back_in_rollout_ids(fake_slime_installed, queue,
+                                                                                 redis_url, namespace, sim):
+    """Issue 27: the budget counted the namespace's lifetime commits against slime's
+    rollout id, so a new run in a used namespace (or a resume from an older checkpoint)
+    found it spent for good. It restarts at each trainer's first rollout."""
+    from pipeline.control import read_control
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(12)])
+    args = make_args(redis_url, namespace, rollout_max_staleness=1, rollout_max_response_len=64,
+                     rollout_batch_timeout=20)
+    queue.redis.hset(queue.keys.stats, "committed", 1000)  # a long earlier run in this namespace
+    source = sa.RedisDataSource(args)  # a new run: rollout ids from 0 again
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        for rollout_id in range(4):  # admission goes on (the lifetime count kept it blocked until version 500)
+            source.read_rollout(rollout_id, 2)
+        assert read_control(queue.redis, queue.keys).budget_base == 1000
+    finally:
+        worker.stop()
+
+
+def test_eval_always_returns_with_failures_named_and_again_after_a_resume(fake_slime_installed, queue, redis_url,
+                                                                         namespace, sim, tmp_path, caplog):
+    """Issue 27: one eval group dead-lettered (a row without a label, under a reward that
+    needs one) does not hold the pass: the finished groups come back, the dead one is
+    named. slime resumed from an older checkpoint re-runs the eval of a rollout id whose
+    pass was read and committed: it is pushed again and read, not waited on forever."""
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    eval_file = tmp_path / "math.jsonl"
+    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(3))
+                         + '{"input": "What is unlabeled?"}\n')
+    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=64,
+                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=2, label_key="label",
+                     rollout_batch_timeout=60)
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
+    try:
+        first = sa.generate_rollout(args, 0, None, evaluation=True)
+        sa.reset_default_sources()  # the trainer dies; slime resumes and evaluates rollout 0 again
+        again = sa.generate_rollout(args, 0, None, evaluation=True)
+    finally:
+        worker.stop()
+    for out in (first, again):
+        assert len(out.data["math"]["samples"]) == 6  # the three labeled prompts, two samples each
+        assert out.metrics == {"eval/math/failed_groups": 1}
+    assert "1 of 4 groups could not be evaluated (math@rollout0:0:3: dead-lettered:" in caplog.text
+    assert "math@rollout0~1:0:3: dead-lettered:" in caplog.text  # the re-run is a pass of its own
 
 
 # -- rewards (items 2, 9) -------------------------------------------------------------------------
@@ -593,3 +840,18 @@ def test_a_slime_custom_reward_gets_slimes_sample_and_args(fake_slime_installed)
     samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
     assert asyncio.run(reward.score(reward_args(settings), samples)) == [1.0, 0.0]
     assert not Reward.from_path("f1").slime_samples  # built-ins take ours
+
+
+def test_slimes_async_rm_with_an_rm_type_scores_without_calling_itself(fake_slime_installed):
+    """Issue 27: the documented port of slime's rewards, `--reward slime.rollout.rm_hub.async_rm
+    --rm-type math`, named async_rm as args.custom_rm_path, which async_rm dispatches to
+    first: it called itself until RecursionError."""
+    import asyncio
+
+    from workers.rewards import Reward
+    from workers.worker import WorkerSettings, reward_args
+
+    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="math",
+                              reward="slime.rollout.rm_hub.async_rm")
+    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
+    assert asyncio.run(Reward.from_path(settings.reward).score(reward_args(settings), samples)) == [1, 0]

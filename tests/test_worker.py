@@ -259,7 +259,7 @@ def test_a_group_continued_with_other_sampling_settings_starts_over(redis_url, n
                              sampling=SamplingSettings(max_new_tokens=128, temperature=0.7)))
     group = Group.fresh("g", "What is 1 + 1?", 2, label="2")
     worker.runner._stamp_sampling(group)
-    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)
+    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128, skip_special_tokens=True)
     group.prompt_ids = [1, 2]
     for s in group.samples:
         s.tokens, s.response_length, s.status, s.weight_versions = [1, 2, 3], 1, Status.ABORTED, ["0"]
@@ -268,4 +268,4 @@ def test_a_group_continued_with_other_sampling_settings_starts_over(redis_url, n
     group.sampling = SamplingRecord(1.0, 1.0, -1, 128)
     worker.runner._stamp_sampling(group)
     assert [s.tokens for s in group.samples] == [[], []] and group.prompt_ids == []
-    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128)
+    assert group.sampling == SamplingRecord(0.7, 1.0, -1, 128, skip_special_tokens=True)

@@ -29,6 +29,7 @@ class WorkerCounters:
     reincarnations: int = 0  # times this process was reaped and registered anew
     requests: int = 0
     engine_errors: int = 0
+    preempted: int = 0  # aborts by a pause, a weight update or an abort_all: continued, not failures
     reward_errors: int = 0
     function_calls: int = 0  # calls of the user's generate function
     function_errors: int = 0  # of which raised, hung or returned no usable sample

@@ -25,6 +25,9 @@ from .tokenizer import encode_prompt
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+#: Wait before continuing a preempted sample (jittered): long enough for slime's idle
+#: check after an abort_all to find the engine idle.
+PREEMPTED_RETRY_S = 0.5
 
 
 class GroupFailed(Exception):
@@ -176,7 +179,9 @@ class GroupRunner:
     async def _publish(self, run: Running, place: Place, failure: GroupFailed | None) -> None:
         group = run.group
         try:
-            payload = encode_group(group, self.settings.keep_response_text or place != Place.RESULTS)
+            # Eval results keep their text (slime logs and scores eval samples from it).
+            keep_text = self.settings.keep_response_text or place != Place.RESULTS or run.queue is not self.ctx.queue
+            payload = encode_group(group, keep_text)
         except EncodeError as exc:
             # What was generated breaks the schema: it must not reach the trainer.
             log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",
@@ -252,6 +257,7 @@ class GroupRunner:
             sample.tokens = list(group.prompt_ids)
         failures = group.attempts  # carried over from earlier claims of this group
         attempt = 0
+        stalled = 0  # abort answers in a row with no tokens and no weight change
         while True:
             remaining = s.sampling.max_new_tokens - sample.response_length
             if remaining <= 0:
@@ -267,6 +273,7 @@ class GroupRunner:
             # duplicate.
             rid = f"{self.ctx.id}/{run.serial}/{sample.index}/{attempt}"
             try:
+                version_before = sample.weight_versions[-1] if sample.weight_versions else None
                 result = await self._request(rid, sample.tokens, s.sampling.params(remaining))
                 self._append(sample, result)
                 if result.finish_type != "abort":
@@ -274,7 +281,14 @@ class GroupRunner:
                     return
                 if await self.engine_health.pause_explains_abort():
                     return  # requeued with its partial output; continues after the resume
-                error = EngineError(f"engine aborted request {rid} while nothing was paused "
+                progressed = bool(result.output_ids) or (version_before is not None
+                                                         and result.weight_version != version_before)
+                stalled = 0 if progressed else stalled + 1
+                if progressed or stalled == 1:
+                    await self._preempted(sample, progressed)
+                    continue
+                error = EngineError(f"engine aborted request {rid} while nothing was paused, {stalled} times in a "
+                                    f"row with no token and no weight change "
                                     f"({(result.finish_reason or {}).get('message', 'no message')})")
             except EngineRequestError as exc:
                 metrics.ENGINE_ERRORS.labels("bad_request").inc()
@@ -378,6 +392,21 @@ class GroupRunner:
         if segments is not None and (len(segments) != len(sample.weight_versions)
                                      or sum(segments) != sample.response_length):
             del sample.metadata[SEGMENTS_KEY]  # the function's own bookkeeping: which call made what is unknown
+
+    async def _preempted(self, sample: Sample, progressed: bool) -> None:
+        """An abort that is not the engine's fault: a pause (slime's weight updates pause
+        the engines with mode abort, unannounced), an `abort_all` (slime ends each of its
+        rollouts so), or a request aborted while it waited in the engine's queue (once).
+        The sample keeps its tokens and continues, stamped with the versions that made
+        them, counted against nothing. Told apart from a faulty engine by what it made:
+        tokens or a new weight version since the last abort (`stalled` in the caller)."""
+        self.ctx.counters.preempted += 1
+        if progressed:
+            self.engine_health.ok()
+        # A beat before continuing: slime reads /v1/loads right after its abort_all and
+        # aborts again until the engine is idle. A paused engine holds the next request
+        # until /continue_generation anyway.
+        await asyncio.sleep(PREEMPTED_RETRY_S * random.uniform(0.8, 1.2))
 
     async def _request(self, rid: str, tokens: list[int], params: dict) -> GenerateResult:
         self.ctx.counters.requests += 1

@@ -40,6 +40,7 @@ class SamplingSettings:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True  # SGLang's default; slime's --rollout-skip-special-tokens defaults to False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,7 +65,8 @@ class SamplingSettings:
 
     def record(self) -> SamplingRecord:
         """What a group stores of these settings (a trainer checks them against its own)."""
-        return SamplingRecord(float(self.temperature), float(self.top_p), self.top_k, self.max_new_tokens)
+        return SamplingRecord(float(self.temperature), float(self.top_p), self.top_k, self.max_new_tokens,
+                              tuple(self.stop), tuple(self.stop_token_ids), self.skip_special_tokens)
 
     def params(self, max_new_tokens: int, sampling_seed: int | None = None) -> dict[str, Any]:
         """The sampling_params of one request; `sampling_seed`: the sample's
@@ -77,6 +79,7 @@ class SamplingSettings:
             # As slime: keep stop tokens in the output so tokens and text line up.
             "no_stop_trim": True,
             "spaces_between_special_tokens": False,
+            "skip_special_tokens": self.skip_special_tokens,
         }
         if self.stop:
             p["stop"] = self.stop

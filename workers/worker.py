@@ -60,7 +60,7 @@ from .engine_health import EngineHealth
 from .generate_function import GenerateFunction
 from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
 from .liveness import Liveness
-from .rewards import BUILTIN_REWARDS, Reward, RewardThreads
+from .rewards import Reward, RewardThreads
 from .sampling import SamplingSettings  # noqa: F401 - re-exported: callers build WorkerSettings from here
 from .settings import WorkerSettings
 from .tokenizer import ByteTokenizer, load_tokenizer
@@ -270,9 +270,12 @@ def reward_args(settings: WorkerSettings) -> SimpleNamespace:
     """The `args` a reward gets: the worker's settings, also under slime's names (a slime
     reward reads args.rm_type, args.rm_url, args.rollout_max_response_len, ...)."""
     sp = settings.sampling
+    # custom_rm_path stays None: the worker calls its reward itself, and slime's
+    # dispatchers (rm_hub.async_rm) call args.custom_rm_path first, so naming the reward
+    # there makes `--reward slime.rollout.rm_hub.async_rm --rm-type math` call itself forever.
     return SimpleNamespace(
         rm_url=settings.rm_url, reward_key=settings.reward_key, rm_type=settings.rm_type,
-        group_rm=settings.group_reward, custom_rm_path=None if settings.reward in BUILTIN_REWARDS else settings.reward,
+        group_rm=settings.group_reward, custom_rm_path=None,
         rollout_temperature=sp.temperature, rollout_top_p=sp.top_p, rollout_top_k=sp.top_k,
         rollout_max_response_len=sp.max_new_tokens, rollout_stop=sp.stop or None,
         rollout_stop_token_ids=sp.stop_token_ids or None, **asdict(sp))

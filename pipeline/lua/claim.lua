@@ -16,7 +16,7 @@
 local worker, token = ARGV[1], ARGV[2]
 local now = now_ms()
 local ctl = redis.call('HMGET', KEYS[5], 'paused', 'max_ready', 'max_staleness', 'batch_size',
-                       'weight_version', 'max_claims')
+                       'weight_version', 'max_claims', 'budget_base')
 local version = tonumber(ctl[5]) or 0
 local deadline = redis.call('ZSCORE', KEYS[4], worker)
 if not deadline then return {'unregistered', version} end
@@ -51,9 +51,12 @@ local limit = nil
 if tonumber(ctl[3]) and tonumber(ctl[4]) then
   limit = staleness_limit(tonumber(ctl[3]), version, tonumber(ctl[4]))
 end
--- Against the budget: groups committed so far plus groups admitted and not yet settled.
--- A dropped or dead group gives its slot back, so dynamic sampling cannot stall admission.
-local admitted = tonumber(redis.call('HGET', KEYS[8], 'committed') or '0') + redis.call('HLEN', KEYS[7])
+-- Against the budget: groups committed since the clock's version 0 (budget_base: the
+-- committed count there, set when a trainer starts or goes back in versions) plus groups
+-- admitted and not yet settled. A dropped or dead group gives its slot back, so dynamic
+-- sampling cannot stall admission.
+local admitted = tonumber(redis.call('HGET', KEYS[8], 'committed') or '0') - (tonumber(ctl[7]) or 0)
+                 + redis.call('HLEN', KEYS[7])
 local max_claims = tonumber(ctl[6]) or tonumber(ARGV[5])
 
 -- "w1 (reaped), w2 (handed back)": the workers that held a group, from its history.

@@ -15,7 +15,9 @@ What keeps slime from training on the wrong data (docs/trainers.md):
 * a batch is committed when the checkpoint that includes its step is saved
   (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
   first, in order;
-* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py).
+* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py);
+* workers on engines slime does not update are refused at start, and batches whose weight
+  versions lag slime's engines are reported (pipeline/trainers/slime_engines.py).
 """
 from __future__ import annotations
 
@@ -30,14 +32,13 @@ from typing import Any
 
 from pipeline.connection import connect
 from pipeline.consumer import (
-    DEFAULT_FALLBACK_WAIT_S,
     Batch,
     BatchMetrics,
     BatchTimeout,
     Consumer,
 )
 from pipeline.control import configure, read_control, set_weight_version
-from .eval import pass_name, push_eval, read_eval
+from .eval import push_eval, read_eval
 from pipeline.filters import BUILTIN_FILTERS, load_object
 from pipeline.producer import PushOptions
 from pipeline.queue import StreamEntry
@@ -46,15 +47,18 @@ from .slime_checks import (
     SlimeConfigError,
     check_backlog,
     check_data_source_use,
+    check_ignored_flags,
     check_top_p,
     sampling_mismatches,
     uses_our_rollout,
 )
+from .slime_engines import EngineCheck
 from .slime_metrics import slime_metrics
 from .slime_types import (
     MIN_DATA_SOURCE,
     MIN_ROLLOUT_FUNCTION,
     SlimeTypes,
+    current_rollout_id,
     from_slime_sample,
     require,
     slime_types,
@@ -71,6 +75,11 @@ WAIT_LOG_EVERY_S = 60.0  # while waiting for a batch, say why this often
 #: Rollouts after which a batch is committed when slime saves no checkpoints: by rollout
 #: r + 2 its step has run under train.py and train_async.py alike.
 COMMIT_AFTER_ROLLOUTS = 2
+#: slime keeps keep_when_insufficient groups as soon as the groups it read cannot fill the
+#: batch: the Consumer keeps them once the results stream has nothing more to screen.
+SLIME_FALLBACK_WAIT_S = 0.0
+#: slime_rollouts field naming the run that saved a checkpoint: "checkpoint <rollout id>" -> run id.
+CHECKPOINT_FIELD = "checkpoint "
 
 
 # -- settings ------------------------------------------------------------------------
@@ -86,8 +95,12 @@ class QueueSettings:
     consumer: str = "trainer"
     timeout: float | None = None  # give up on a batch after this long (None: keep waiting)
     filter_path: str | None = None  # slime's --dynamic-sampling-filter-path
-    fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
+    fallback_wait_s: float = SLIME_FALLBACK_WAIT_S  # before keeping keep_when_insufficient groups
     max_staleness: int | None = None  # η, configured on the namespace at start when given
+    #: Without checkpoints: commit each batch as slime reads it (at most once: a crash in
+    #: that step loses its groups) instead of two rollouts later (the last two batches of
+    #: a run are then never committed, and the next run trains them again).
+    commit_on_read: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> QueueSettings:
@@ -109,8 +122,9 @@ class QueueSettings:
             consumer=getattr(args, "rollout_consumer", None) or "trainer",
             timeout=getattr(args, "rollout_batch_timeout", None),
             filter_path=getattr(args, "dynamic_sampling_filter_path", None),
-            fallback_wait_s=DEFAULT_FALLBACK_WAIT_S if fallback is None else float(fallback),
+            fallback_wait_s=SLIME_FALLBACK_WAIT_S if fallback is None else float(fallback),
             max_staleness=getattr(args, "rollout_max_staleness", None),
+            commit_on_read=bool(getattr(args, "rollout_commit_on_read", False)),
         )
 
 
@@ -121,15 +135,17 @@ def saves_checkpoints(args: Any) -> bool:
             and getattr(args, "save_interval", None) is not None)
 
 
-def _slime_filter(path: str | None) -> Any:
-    """slime's filters call slime's Sample methods (`get_reward_value`): hand them
-    slime Samples. Built-in names go to the Consumer as they are."""
+def _slime_filter(path: str | None, fill_responses: Any) -> Any:
+    """slime's filters call slime's Sample methods (`get_reward_value`) and may read
+    `Sample.response`: hand them slime Samples, with the response text filled in
+    (`fill_responses`). Built-in names go to the Consumer as they are."""
     if path is None or path in BUILTIN_FILTERS:
         return path
     fn = load_object(path)
 
     def call(args: Any, samples: list[Sample]) -> Any:
         types = slime_types()
+        fill_responses(samples)
         return fn(args, [to_slime_sample(s, types) for s in samples])
 
     call.__name__ = getattr(fn, "__name__", "slime_filter")
@@ -155,6 +171,12 @@ class _Delivery:
     metrics: BatchMetrics = field(default_factory=BatchMetrics)
 
 
+def _read_record(value: str) -> tuple[str | None, int]:
+    """(run, rollout id) of a slime_rollouts record; a bare rollout id (older adapter): run None."""
+    run, _, rollout = value.rpartition(" ")
+    return run or None, int(rollout)
+
+
 def _index_key(group: list) -> tuple:
     index = group[0].index if group else None
     return (index is None, index if index is not None else 0)
@@ -171,18 +193,28 @@ class RedisDataSource:
                                          "pipeline.trainers.slime_adapter")
         check_top_p(args)
         check_data_source_use(args)
+        check_ignored_flags(args)
         self.settings = QueueSettings.from_args(args)
         self._own_client = client is None
         self.client = client or connect(self.settings.redis_url)
         self.consumer = Consumer(self.client, self.settings.namespace, consumer=self.settings.consumer,
-                                 filter=_slime_filter(self.settings.filter_path), filter_args=args,
+                                 filter=_slime_filter(self.settings.filter_path, self._fill_texts),
+                                 filter_args=args,
                                  fallback_wait_s=self.settings.fallback_wait_s)
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
+        if self.checkpoints and self.settings.commit_on_read:
+            raise SlimeConfigError("rollout_commit_on_read is for runs without checkpoints: with --save-interval, "
+                                   "batches are committed when the checkpoint that trained them is saved; remove it")
         self._configure()
+        self.engine_check = EngineCheck(args, self.queue, self.settings.max_staleness)
+        self.engine_check.start()
         self._pending: deque[_Delivery] = deque()  # delivered, not committed, oldest first
         self._origin: dict[int, _Item] = {}  # id(a delivered slime sample) -> its group's item
         self._next_rollout = 0  # the rollout id of the next get_samples (set by load)
+        self.run_id = uuid.uuid4().hex[:12]  # names this trainer's reads and saves in slime_rollouts
+        self._last_save: int | None = None  # the rollout id of the last save(); with --async-save, not durable yet
+        self._budget_restarted: int | None = None  # the first rollout read, where the staleness budget restarted
         self.last_metrics: dict[str, Any] = {}
 
     def _configure(self) -> None:
@@ -200,7 +232,10 @@ class RedisDataSource:
         elif control.version_clock != VersionClock.QUEUE:
             control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
         if self.checkpoints and batch:
-            check_backlog((int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch, control.max_ready)
+            # With --async-save a checkpoint is durable (and its batches committed) one save later.
+            intervals = 2 if getattr(self.args, "async_save", False) else 1
+            check_backlog((intervals * int(self.args.save_interval) + COMMIT_AFTER_ROLLOUTS) * batch,
+                          control.max_ready)
 
     # -- slime's DataSource interface ----------------------------------------------------
 
@@ -213,8 +248,15 @@ class RedisDataSource:
                 f"get_samples({num_samples}) but --rollout-batch-size is {batch}: each call must be one step's "
                 f"batch, trained whole (slime calls it again within a step when its own filter drops groups; the "
                 f"queue's Consumer applies --dynamic-sampling-filter-path first, so slime's keeps them all)")
-        rollout_id = self._next_rollout
-        self._next_rollout += 1
+        # slime's own rollout id when it says (its filter may drop a group and call again
+        # within one rollout: those groups belong to the same rollout, not the next).
+        current = current_rollout_id()
+        rollout_id = self._next_rollout if current is None else current
+        if self._pending and self._pending[-1].rollout_id == rollout_id:
+            log.warning("get_samples called again within rollout %d (slime's filter dropped groups): the groups "
+                        "read now are committed with that rollout, and any slime does not train are lost to it; "
+                        "filter in the queue (--dynamic-sampling-filter-path is applied by its Consumer)", rollout_id)
+        self._next_rollout = rollout_id + 1
         return self.read_rollout(rollout_id, num_samples)
 
     def add_samples(self, samples: list[list[Any]]) -> None:
@@ -250,20 +292,43 @@ class RedisDataSource:
     def save(self, rollout_id: int) -> None:
         """slime saved the checkpoint of every step up to `rollout_id` (it calls this after
         the model's save): the batches of those rollouts are committed now, not before,
-        so a run resumed from this checkpoint neither skips nor repeats one."""
+        so a run resumed from this checkpoint neither skips nor repeats one. Which run
+        saved it is recorded first, for `load`."""
+        self.client.hset(self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}", self.run_id)
+        num_rollout = getattr(self.args, "num_rollout", None)
+        # train_async.py saves synchronously (force_sync) with --release-train and at the last rollout.
+        forced = bool(getattr(self.args, "release_train", False)) or rollout_id == (num_rollout or 0) - 1
+        if getattr(self.args, "async_save", False) and not forced:
+            # --async-save: Megatron is still writing this checkpoint; slime's save_model
+            # finalized the previous one before starting it, so that one is durable.
+            durable, self._last_save = self._last_save, rollout_id
+            if durable is not None:
+                self._commit_through(durable)
+            return
+        self._last_save = rollout_id
         self._commit_through(rollout_id)
 
     def load(self, rollout_id: int | None = None) -> None:
         """slime resumes after the checkpoint of `rollout_id` (it calls `load(start - 1)`):
         the next rollout is `rollout_id + 1`. Batches of rollouts up to `rollout_id` still
         uncommitted (the trainer died between saving the model and save() here) are in
-        that checkpoint: committed now. The later ones come back first, in order, from the
-        Consumer's new session."""
+        that checkpoint: committed now, if the run that saved it read them (another run's
+        reads, e.g. of a dead run in a used namespace, are in no checkpoint of this one).
+        The rest come back first, in order, from the Consumer's new session."""
         self._next_rollout = 0 if rollout_id is None else rollout_id + 1
         if self.consumer.session is not None or rollout_id is None or rollout_id < 0:
             return
         recorded = self.consumer.call(self.client.hgetall, self.queue.keys.slime_rollouts)
-        trained = {eid.decode() for eid, r in recorded.items() if int(r) <= rollout_id}
+        records = {k.decode(): v.decode() for k, v in recorded.items()}
+        reads = {eid: _read_record(value) for eid, value in records.items() if not eid.startswith(CHECKPOINT_FIELD)}
+        saver = records.get(f"{CHECKPOINT_FIELD}{rollout_id}")
+        if saver is None:  # died between the model's save and save(): the run that read that rollout saved it
+            saver = next((run for run, r in reads.values() if r == rollout_id), None)
+        trained = {eid for eid, (run, r) in reads.items() if r <= rollout_id and run in (saver, None)}
+        ignored = sum(1 for run, r in reads.values() if r <= rollout_id and run not in (saver, None))
+        if ignored:
+            log.warning("load(%d): %d groups read by another run than the one that saved this checkpoint are "
+                        "not in it: they are trained again", rollout_id, ignored)
         committed = self.consumer.commit_trained(trained, f"slime checkpoint {rollout_id}")
         if trained:
             self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts, *trained)
@@ -284,9 +349,13 @@ class RedisDataSource:
         if n <= 0:
             raise ValueError(f"a rollout needs a positive number of groups, got {n}")
         started = time.monotonic()
-        if self.consumer.call(read_control, self.client, self.queue.keys).weight_version != rollout_id:
-            # slime updates the weights once per rollout: its rollout id is the version, also
-            # backwards when it resumes from an earlier checkpoint than the queue last saw.
+        if self._budget_restarted is None:
+            # This trainer's first rollout: resumed from an older checkpoint than the queue
+            # last saw, or a new run in a used namespace. The budget counts from here.
+            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id, restart_budget=True)
+            self._budget_restarted = rollout_id
+        elif self.consumer.call(read_control, self.client, self.queue.keys).weight_version != rollout_id:
+            # slime updates the weights once per rollout: its rollout id is the version.
             self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id)
         if not self.checkpoints:
             self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
@@ -303,10 +372,12 @@ class RedisDataSource:
         # Durable, for load(): which rollout read each entry, so a checkpoint that includes
         # that rollout commits it even when this process died before save() reached it.
         self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts,
-                           mapping={it.entry.entry_id: rollout_id for it in items})
+                           mapping={it.entry.entry_id: f"{self.run_id} {rollout_id}" for it in items})
         for it in items:
             self._track(it)
-        self.last_metrics = slime_metrics(metrics, version)
+        if self.settings.commit_on_read:
+            self._commit_through(rollout_id)
+        self.last_metrics = {**slime_metrics(metrics, version), **self.engine_check.rollout(batch.groups)}
         return [it.slime_group for it in items]
 
     def _refuse_mismatched(self, batch: Batch) -> None:
@@ -327,23 +398,26 @@ class RedisDataSource:
         more = f" (and {len(bad) - 1} more groups)" if len(bad) > 1 else ""
         raise SamplingMismatch(f"{bad[0][1]}{more}; those groups went back to the prompt list")
 
+    def _fill_texts(self, samples: list[Sample]) -> None:
+        """Response texts for the filter and eval: decoded with slime's tokenizer when
+        there is one (else they stay as the workers published them)."""
+        missing = [s for s in samples if s.response_length and not s.response]
+        if missing and self.tokenizer is not None:
+            skip = bool(getattr(self.args, "rollout_skip_special_tokens", False))
+            for s in missing:
+                s.response = self.tokenizer.decode(s.response_tokens, skip_special_tokens=skip)
+
     def _fill_responses(self, groups: list[Group]) -> None:
         """Results carry tokens, not text (unless workers keep it), and slime re-scores a
         group from `Sample.response` (--group-rm with its own rollout): decode the text
         with slime's tokenizer, as the engine did (skip_special_tokens as slime asks)."""
-        missing = [s for g in groups for s in g.samples if s.response_length and not s.response]
-        if not missing:
-            return
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            if not uses_our_rollout(self.args):
-                raise SlimeConfigError(
-                    "results carry no response text and there is no tokenizer to decode it (slime's rollout scores "
-                    "Sample.response): set --hf-checkpoint, or start the workers with --keep-response-text")
-            return
-        skip = bool(getattr(self.args, "rollout_skip_special_tokens", False))
-        for s in missing:
-            s.response = tokenizer.decode(s.response_tokens, skip_special_tokens=skip)
+        samples = [s for g in groups for s in g.samples]
+        if self.tokenizer is None and not uses_our_rollout(self.args) and any(
+                s.response_length and not s.response for s in samples):
+            raise SlimeConfigError(
+                "results carry no response text and there is no tokenizer to decode it (slime's rollout scores "
+                "Sample.response): set --hf-checkpoint, or start the workers with --keep-response-text")
+        self._fill_texts(samples)
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -474,27 +548,33 @@ def eval_datasets(args: Any) -> list[tuple[str, str]]:
 
 def evaluate(args: Any, rollout_id: int, source: RedisDataSource) -> Any:
     """An eval pass at `rollout_id` through `<ns>.eval`: push every eval dataset (once per
-    rollout id), wait for its groups, return slime's RolloutFnEvalOutput. Training groups
-    are neither read nor committed; workers serve the eval prompts first."""
+    rollout id; again when that pass was read already, as after a resume), wait for its
+    groups, return slime's RolloutFnEvalOutput. It always returns: groups that were
+    dead-lettered (or out past --rollout-batch-timeout) are left out, named in the log and
+    counted in `eval/<name>/failed_groups`. Training groups are neither read nor committed;
+    workers serve the eval prompts first."""
     datasets = eval_datasets(args)
     if not datasets:
         raise SlimeConfigError("evaluation needs eval datasets: --eval-prompt-data NAME PATH (or --eval-config)")
     n = int(getattr(args, "n_samples_per_eval_prompt", 1) or 1)
-    passes = {}
+    passes = []
     for name, path in datasets:
         opts = PushOptions(input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", "input"),
                            label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
                            metadata_key=getattr(args, "metadata_key", "metadata"), n_samples_per_prompt=n)
-        tag = f"rollout{rollout_id}"
-        passes[pass_name(name, tag)] = push_eval(source.client, source.settings.namespace, path, name, tag, opts)
+        passes.append(push_eval(source.client, source.settings.namespace, path, name, f"rollout{rollout_id}", opts))
     results = read_eval(source.client, source.settings.namespace, passes, timeout=source.settings.timeout)
     reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
     types = source.types
-    data = {}
+    data, metrics = {}, {}
     for name, _ in datasets:
-        result = results.get(name)
-        samples = result.samples if result else []
-        data[name] = {"rewards": result.rewards(reward_key) if result else [],
-                      "truncated": result.truncated() if result else [],
-                      "samples": [to_slime_sample(s, types) for s in samples]}
-    return types.eval_output(data=data)
+        result = results[name]
+        source._fill_texts(result.samples)  # the workers keep eval texts; a tokenizer fills older ones
+        data[name] = {"rewards": result.rewards(reward_key), "truncated": result.truncated(),
+                      "samples": [to_slime_sample(s, types) for s in result.samples]}
+        metrics[f"eval/{name}/failed_groups"] = len(result.failed)
+        if result.failed:
+            named = "; ".join(f"{gid}: {why}" for gid, why in sorted(result.failed.items())[:5])
+            log.error("eval %s at rollout %d: %d of %d groups could not be evaluated (%s)", name, rollout_id,
+                      len(result.failed), len(result.failed) + len(result.groups), named)
+    return types.eval_output(data=data, metrics=metrics)

@@ -65,6 +65,59 @@ def check_data_source_use(args: Any) -> None:
             f"--rollout-function-path {OUR_ROLLOUT}")
 
 
+#: slime flags its own rollout applies and the queue's does not: (attribute, flag, what to do instead).
+#: Rewards and generation run in the workers (`rollout worker --reward`, `--generate-function`).
+_NOT_UNDER_OUR_ROLLOUT = (
+    ("custom_rm_path", "--custom-rm-path",
+     "the workers score: start them with `rollout worker --reward {value}` (the same function)"),
+    ("rm_type", "--rm-type",
+     "the workers score: start them with `rollout worker --reward slime.rollout.rm_hub.async_rm --rm-type {value}`"),
+    ("group_rm", "--group-rm", "the workers score: start them with `rollout worker --reward <path> --group-reward`"),
+    ("custom_generate_function_path", "--custom-generate-function-path",
+     "the workers generate: start them with `rollout worker --generate-function {value}`"),
+    ("rollout_sample_hook_path", "--rollout-sample-hook-path",
+     "slime's rollout is not run: do the hook's work in the workers' --generate-function or --reward"),
+    ("rollout_sample_filter_path", "--rollout-sample-filter-path",
+     "filter groups in the queue with --dynamic-sampling-filter-path (its Consumer applies it)"),
+    ("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
+     "slime's rollout is not run: process samples in the workers' --reward or a --dynamic-sampling-filter-path"),
+    ("buffer_filter_path", "--buffer-filter-path",
+     "the queue has no buffer filter: the results stream is read oldest first; drop groups with "
+     "--dynamic-sampling-filter-path"),
+    ("mask_offpolicy_in_partial_rollout", "--mask-offpolicy-in-partial-rollout",
+     "the workers continue partial samples and know each token's version: start them with "
+     "`rollout worker --mask-offpolicy-prefix` and drop this flag"),
+)
+
+
+def _is_set(value: Any) -> bool:
+    return value not in (None, False, "", [], ())
+
+
+def check_ignored_flags(args: Any) -> None:
+    """Refuse at start what slime would accept and the queue would silently not do.
+    Under the queue's rollout function slime's own rollout never runs, so its rollout
+    flags do nothing; over RedisDataSource slime's rollout runs on finished groups, whose
+    off-policy masking it would get wrong (every loss mask zeroed)."""
+    if uses_our_rollout(args):
+        refused = [(flag, todo.format(value=getattr(args, attr))) for attr, flag, todo in _NOT_UNDER_OUR_ROLLOUT
+                   if _is_set(getattr(args, attr, None))]
+        over, batch = getattr(args, "over_sampling_batch_size", None), getattr(args, "rollout_batch_size", None)
+        if over is not None and batch is not None and over != batch:
+            refused.append(("--over-sampling-batch-size", f"the queue reads exactly --rollout-batch-size {batch} "
+                            f"groups; the workers generate ahead on their own (max_ready) and the Consumer "
+                            f"replaces filtered groups: drop the flag"))
+    elif _is_set(getattr(args, "mask_offpolicy_in_partial_rollout", None)):
+        refused = [("--mask-offpolicy-in-partial-rollout", "over RedisDataSource slime's rollout gets finished "
+                    "groups and would zero every loss mask: start the workers with `rollout worker "
+                    "--mask-offpolicy-prefix` and drop this flag")]
+    else:
+        return
+    if refused:
+        lines = "; ".join(f"{flag}: {todo}" for flag, todo in refused)
+        raise SlimeConfigError(f"slime flags the rollout queue would ignore ({lines})")
+
+
 def check_backlog(pending_groups: int, max_ready: int) -> None:
     """Commits follow checkpoints, so up to `pending_groups` stay in the results stream
     between two saves; they count toward max_ready, at which workers stop claiming."""
@@ -78,23 +131,49 @@ def check_backlog(pending_groups: int, max_ready: int) -> None:
 
 def slime_sampling(args: Any) -> dict[str, Any]:
     """slime's sampling settings that a group's must equal (None: not set in slime)."""
+    def listed(name: str) -> tuple | None:
+        if not hasattr(args, name):
+            return None
+        return tuple(getattr(args, name) or ())
+
     return {
         "temperature": getattr(args, "rollout_temperature", 1.0),
         "top_p": getattr(args, "rollout_top_p", 1.0),
         "top_k": getattr(args, "rollout_top_k", -1),
         "max_new_tokens": getattr(args, "rollout_max_response_len", None),
+        "stop": listed("rollout_stop"),
+        "stop_token_ids": listed("rollout_stop_token_ids"),
+        "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", None),
     }
 
 
 _FLAGS = {"temperature": ("--rollout-temperature", "--temperature"), "top_p": ("--rollout-top-p", "--top-p"),
           "top_k": ("--rollout-top-k", "--top-k"),
-          "max_new_tokens": ("--rollout-max-response-len", "--max-new-tokens")}
+          "max_new_tokens": ("--rollout-max-response-len", "--max-new-tokens"),
+          "stop": ("--rollout-stop", "--stop"), "stop_token_ids": ("--rollout-stop-token-ids", "--stop-token-id"),
+          "skip_special_tokens": ("--rollout-skip-special-tokens", "--skip-special-tokens/--keep-special-tokens")}
 
 
 def _differs(ours: Any, theirs: Any) -> bool:
+    if ours is None:  # recorded by a worker that did not say: nothing to compare
+        return False
+    if isinstance(ours, tuple) or isinstance(theirs, tuple):  # stop lists: the order does not matter
+        return sorted(ours) != sorted(theirs)
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return bool(ours) != bool(theirs)
     if isinstance(ours, float) or isinstance(theirs, float):
         return not math.isclose(float(ours), float(theirs), rel_tol=1e-6, abs_tol=1e-9)
     return ours != theirs
+
+
+def _worker_flag(name: str, value: Any) -> str:
+    """The `rollout worker` flags that sample with `value`."""
+    flag = _FLAGS[name][1]
+    if name == "skip_special_tokens":
+        return "--skip-special-tokens" if value else "--keep-special-tokens"
+    if isinstance(value, tuple):
+        return " ".join(f"{flag} {v!r}" if isinstance(v, str) else f"{flag} {v}" for v in value) or f"no {flag}"
+    return f"{flag} {value}"
 
 
 def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str]]:
@@ -113,9 +192,9 @@ def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str
         for name, theirs in wanted.items():
             ours = getattr(record, name)
             if theirs is not None and _differs(ours, theirs):
-                slime_flag, worker_flag = _FLAGS[name]
+                slime_flag = _FLAGS[name][0]
                 why = (f"group {group.group_id} was sampled by worker {group.worker} with {name} {ours}, slime "
-                       f"trains with {slime_flag} {theirs}: start the workers with {worker_flag} {theirs}")
+                       f"trains with {slime_flag} {theirs}: start the workers with {_worker_flag(name, theirs)}")
                 out.append((group, why))
                 break
     return out

@@ -126,3 +126,16 @@ def to_slime_sample(sample: Sample, types: SlimeTypes | None = None) -> Any:
 def from_slime_sample(sample: Any) -> Sample:
     """Our Sample from slime's (or from ours): the fields both share."""
     return Sample.from_dict(sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample)))
+
+
+def current_rollout_id() -> int | None:
+    """slime's rollout id of the rollout under way (`RolloutManager.generate` sets it with
+    `slime.rollout.sample_hooks.set_current_rollout_id`), None without slime or before it."""
+    if not slime_types().real:
+        return None
+    try:
+        hooks = importlib.import_module("slime.rollout.sample_hooks")
+    except ImportError:
+        return None
+    value = getattr(hooks, "_current_rollout_id", None)
+    return value if isinstance(value, int) else None
