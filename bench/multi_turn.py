@@ -157,7 +157,8 @@ async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, 
             "utilization": round(trainer.window.utilization, 4),
             "free_slots": round(trainer.window.free_slots, 4),
             "engines_paused": round(trainer.window.paused, 4),
-            "staleness": dict(sorted(trainer.staleness.items())), "restarted": trainer.restarted,
+            # lag of each trained group's oldest token (rl_loop.version_lags)
+            "staleness": dict(sorted(trainer.staleness_oldest.items())), "restarted": trainer.restarted,
             "window_s": round(window, 2)}
 
 
@@ -191,7 +192,8 @@ def print_table(result: dict) -> None:
           f"{s['turns']} turns per sample, output per turn median {s['median_tokens']:g} p99 {s['p99_tokens']:g}; "
           f"tool latency log-normal median {s['tool_median_s']:g}s p99 {s['tool_p99_s']:g}s, "
           f"{s['tool_tokens']} tool tokens; B = {s['batch_groups']} x {s['n_samples']}; "
-          f"{s['steps']} steps after {s['warmup_steps']}")
+          f"{s['steps']} steps after {s['warmup_steps']}; engine profile {s['engine_profile']}, pause mode "
+          f"{s['pause_mode']}, weight update {s['weight_update']}")
     print()
     print("| row | turns | samples in flight per engine | samples/s | trained tokens/s | x sync | trainer idle "
           "| engine utilization (slots free, time paused) | staleness (lag: groups) | restarted |")
