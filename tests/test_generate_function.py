@@ -384,3 +384,30 @@ def test_eval_passes_call_the_function_with_evaluation_true(redis_url, queue, na
         worker.stop()
     assert [s.metadata["evaluation"] for s in evaluated.samples] == [True, True]
     assert [s.metadata["evaluation"] for s in trained.samples] == [False, False]
+
+
+def test_an_unannounced_abort_all_mid_sample_is_a_preemption_and_the_function_continues(redis_url, queue,
+                                                                                         namespace):
+    """slime ends each rollout with abort_all, without telling the queue: the aborted
+    sample made progress, so the function is called again with it (no pause, no requeue)."""
+    fns.LONG_TURNS = True
+    slow = start_simulator(SimConfig(seed=7, **SLOW))
+    push(queue, ["What is 4 + 5?"], n_samples=1)
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns",
+                                   sampling=SamplingSettings(max_new_tokens=1200)))
+    try:
+        wait_for(fns.SECOND_CALL_SENT.is_set, what="the second engine call")
+        used = lambda: http_json(slow.url + "/sim/stats")["load"]["num_used_tokens"]  # noqa: E731
+        start = used()
+        wait_for(lambda: used() > start + 10, what="the second call generating")
+        http_json(slow.url + "/abort_request", {"abort_all": True})
+        [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+        assert worker.worker.counters.preempted >= 1
+    finally:
+        worker.stop()
+        slow.stop()
+    [s] = group.samples
+    partial = fns.ABORTED[s.index]
+    assert fns.CALLS[s.index] == 2 and s.tokens[:len(partial["tokens"])] == partial["tokens"]
+    assert s.tokens == fns.PRODUCED[s.index]["tokens"] and queue.stats().get("requeue", 0) == 0
+    assert queue.redis.xlen(queue.keys.dead) == 0

@@ -336,6 +336,7 @@ class GroupRunner:
         function left it when a pause aborted it (or the engines are down): requeued."""
         s, group = self.settings, run.group
         failures = group.attempts
+        stalled = 0  # aborted returns in a row with no new token and no new weight version
         while True:
             if self.ctx.paused or self.engine_health.down is not None:
                 return [sample]  # as in _generate_sample: requeued, continued later
@@ -364,11 +365,19 @@ class GroupRunner:
             sample.status = Status.ABORTED  # what a multi-agent call left in it is continued
             if await self.engine_health.pause_explains_abort():
                 return [sample]
+            # Unannounced (slime's updaters, an abort_all): a preemption when the engine made
+            # something since the last call, as in _generate_sample; called again with the sample.
+            progressed = (sample.response_length, len(sample.weight_versions)) != (known[1], known[0])
+            stalled = 0 if progressed else stalled + 1
+            if progressed or stalled == 1:
+                await self._preempted(sample, progressed)
+                continue
             failures += 1
             group.attempts = max(group.attempts, failures)
             if failures >= s.max_attempts:
                 raise GroupFailed(f"generate function {self.generate_function.name} returned an aborted sample "
-                                  f"{failures} times while nothing was paused", "engine")
+                                  f"{failures} times while nothing was paused, with no new token and no new "
+                                  f"weight version", "engine")
             delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
             log.debug("group %s: aborted while nothing was paused; calling the function again in %.1fs",
                       group.group_id, delay)
