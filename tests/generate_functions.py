@@ -24,6 +24,7 @@ _bytes = ByteTokenizer()
 
 def reset() -> None:
     PRODUCED.clear(), ABORTED.clear(), CALLS.clear()
+    ACTIVE.update(now=0, max=0)
     SECOND_CALL_SENT.clear()
 
 
@@ -61,6 +62,8 @@ async def three_turns(args, sample, sampling_params):
                 return sample
             turns = sample.metadata["turns"] = turns + 1
             if turns < TURNS:
+                if sample.metadata.get("tool_pause"):
+                    await asyncio.sleep(0.05)  # the tool's own latency
                 sample.append_response_tokens(args, tokens=tool_output(turns), trainable=False)
     sample.status = type(sample.status)("completed")
     PRODUCED[sample.index] = copy.deepcopy(sample.to_dict())
@@ -142,3 +145,17 @@ async def one_long_call(args, sample, sampling_params):
                                     "sampling_params": dict(sampling_params, max_new_tokens=2000,
                                                             ignore_eos=True)})
     return sample
+
+
+ACTIVE = {"now": 0, "max": 0}  # calls of counting_turns running at once
+
+
+async def counting_turns(args, sample, sampling_params):
+    """three_turns with a tool that takes a moment between turns, counting calls in flight."""
+    ACTIVE["now"] += 1
+    ACTIVE["max"] = max(ACTIVE["max"], ACTIVE["now"])
+    try:
+        sample.metadata["tool_pause"] = True
+        return await three_turns(args, sample, sampling_params)
+    finally:
+        ACTIVE["now"] -= 1

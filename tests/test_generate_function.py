@@ -411,3 +411,16 @@ def test_an_unannounced_abort_all_mid_sample_is_a_preemption_and_the_function_co
     assert fns.CALLS[s.index] == 2 and s.tokens[:len(partial["tokens"])] == partial["tokens"]
     assert s.tokens == fns.PRODUCED[s.index]["tokens"] and queue.stats().get("requeue", 0) == 0
     assert queue.redis.xlen(queue.keys.dead) == 0
+
+
+def test_a_multi_turn_sample_holds_one_slot_across_its_turns(redis_url, queue, namespace, sim):
+    """--concurrency counts samples: with 2 slots, never more than 2 calls run at once,
+    tool time included, whatever number of engine requests each makes."""
+    push(queue, [f"What is {i} + 1?" for i in range(6)], n_samples=1)
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "counting_turns", concurrency_per_engine=2))
+    try:
+        consume_all(Consumer(queue.redis, namespace), 6, 3)
+    finally:
+        worker.stop()
+    assert 1 <= fns.ACTIVE["max"] <= 2
+    assert http_json(sim.url + "/sim/stats")["stats"]["submitted"] == 6 * fns.TURNS
