@@ -87,7 +87,7 @@ def test_a_task_that_dies_without_publishing_is_reconciled(redis_url, queue, nam
 
     def broken(self, worker, group_id, *args, **kwargs):
         if group_id == "g0":
-            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+            raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")  # a bug: not transient
         return real(self, worker, group_id, *args, **kwargs)
 
     monkeypatch.setattr(Queue, "publish", broken)
