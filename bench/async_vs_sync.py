@@ -18,10 +18,9 @@ then sweeps at η = 2 against sync: the tail (p99/median = 1, 3, 10, 30 at the s
 length), the engine profile (r = t(full batch) / t(1): flat, calibrated, heavy), the
 pause mode (abort, in_place) and the weight-update cost (nccl 0.05 s, disk 5 s, real
 seconds scaled like the engines). Every row runs once per seed (at least 5 by default)
-and reports the median and range; the rows of one seed see the same prompts, and the
-sync and in-memory rows the same per-sample lengths (the simulator draws a response
-from the sample's seed, Group.sampling_seed; the pipeline's worker does not send it yet,
-so its lengths are other draws from the same distribution).
+and reports the median and range; the rows of one seed see the same prompts and the
+same per-sample lengths (the simulator draws a whole response from the sample's seed,
+Group.sampling_seed, which every system sends; a stale restart draws a new one).
 
 The headline is trained tokens per second (samples/s beside it: asynchrony trains
 shorter samples). Staleness of trained groups on two clocks: the version its oldest

@@ -16,7 +16,7 @@ too. The engine runs steps back to back; each decodes one token for every runnin
 request and prefills a chunk of new prompts, and takes t1·(1 + c·b + d·KV + p·prefill)
 with t1 = 1/`decode_tokens_per_s` and the coefficients of `engine_profile` (`flat`:
 c = d = 0 and a fixed `prefill_s` per request). When the cache fills, running
-requests are retracted as SGLang retracts them (counted in `total_retractions`). No
+requests are retracted as SGLang retracts them (counted in `num_retractions`). No
 task runs per request: one timer per engine, and the step clock is read lazily.
 
 Lengths: with a `sampling_seed` the whole response (length, text, log-probs) follows

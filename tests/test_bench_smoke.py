@@ -108,3 +108,31 @@ def test_pause_smallest_run_times_every_metric():
         for metric in ("quiesce_s", "engines_pause_s", "first_claim_s", "state_paused_s", "heartbeat_paused_s"):
             assert m[metric]["missing"] == 0 and m[metric]["median"] > 0, (mode, metric, m[metric])
     assert out["audit"]["summary"].endswith(": OK")
+
+
+def test_async_vs_sync_sweeps_compare_each_setting_with_its_own_sync_row():
+    """Every sweep row has a sync row at the same settings (one shared by pause modes,
+    which do not change sync), and the base settings are not run twice."""
+    sys.path.insert(0, str(ROOT))
+    from bench.async_vs_sync import baseline_key, build_arms
+    from bench.rl_loop import Settings
+
+    base = Settings()
+    arms = build_arms(base, [0, 2], [1, 10], ["flat", "h100-llama8b", "heavy"], ["abort", "in_place"],
+                      ["nccl", "disk"])
+    names = [(a.sweep, a.system, a.settings.engine_profile, a.settings.pause_mode, a.settings.weight_update)
+             for a in arms]
+    assert names == [
+        ("main", "sync", "h100-llama8b", "abort", "nccl"), ("main", "in-memory", "h100-llama8b", "abort", "nccl"),
+        ("main", "pipeline", "h100-llama8b", "abort", "nccl"), ("main", "pipeline", "h100-llama8b", "abort", "nccl"),
+        ("tail", "sync", "h100-llama8b", "abort", "nccl"), ("tail", "pipeline", "h100-llama8b", "abort", "nccl"),
+        ("profile", "sync", "flat", "abort", "nccl"), ("profile", "pipeline", "flat", "abort", "nccl"),
+        ("profile", "sync", "heavy", "abort", "nccl"), ("profile", "pipeline", "heavy", "abort", "nccl"),
+        ("pause", "pipeline", "h100-llama8b", "in_place", "nccl"),
+        ("update", "sync", "h100-llama8b", "abort", "disk"), ("update", "pipeline", "h100-llama8b", "abort", "disk"),
+    ]
+    assert [a.eta for a in arms[2:4]] == [0, 2] and arms[4].settings.tail_ratio == pytest.approx(1.0)
+    syncs = {baseline_key(a.settings) for a in arms if a.system == "sync"}
+    assert all(baseline_key(a.settings) in syncs for a in arms)
+    slowdowns = [a.settings.slowdown for a in arms[6:10:2]] + [base.slowdown]
+    assert slowdowns[0] == 1.0 < slowdowns[2] < slowdowns[1]  # flat < calibrated < heavy

@@ -755,7 +755,7 @@ def test_a_full_kv_cache_makes_requests_wait_and_retracts_running_ones():
     assert all(status == 200 for status, _ in results)
     assert [out["output_ids"] for _, out in results] == expected
     assert stats["kv_waits"] >= 1 and stats["retractions"] >= 1
-    assert sum(out["meta_info"]["total_retractions"] for _, out in results) == stats["retractions"]
+    assert sum(out["meta_info"]["num_retractions"] for _, out in results) == stats["retractions"]
 
 
 def test_each_sample_carries_its_own_sampling_seed_through_the_queue():

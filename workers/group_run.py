@@ -274,7 +274,9 @@ class GroupRunner:
             rid = f"{self.ctx.id}/{run.serial}/{sample.index}/{attempt}"
             try:
                 version_before = sample.weight_versions[-1] if sample.weight_versions else None
-                result = await self._request(rid, sample.tokens, s.sampling.params(remaining))
+                # The sample's own seed: a continued request draws from the same stream.
+                params = s.sampling.params(remaining, group.sampling_seed(sample))
+                result = await self._request(rid, sample.tokens, params)
                 self._append(sample, result)
                 if result.finish_type != "abort":
                     self.engine_health.ok()
