@@ -86,8 +86,9 @@ ROW_KINDS = {
                                      "holds a value that cannot be stored"),
     "too_many_bytes": BadRow(json.dumps({"input": "x" * 5000}), "over the limit of 4,096 (--max-prompt-bytes)",
                              ("--max-prompt-bytes", "4096")),
-    "longer_than_the_context": BadRow(json.dumps({"input": "y" * 40}), "prompt is 40 tokens",
-                                      ("--tokenizer", "byte", "--context-length", "32")),
+    # 80 bytes + 24 of the byte tokenizer's chat template, which the workers apply (the good rows: 38)
+    "longer_than_the_context": BadRow(json.dumps({"input": "y" * 80}), "prompt is 104 tokens",
+                                      ("--tokenizer", "byte", "--context-length", "64")),
 }
 
 
@@ -615,8 +616,11 @@ def test_bad_option_is_a_clear_error_and_nothing_runs(kind, run, queue, busy_por
 
 
 def test_consume_on_a_namespace_that_does_not_exist_creates_nothing(run, queue):
-    line = one_error_line(run("consume", "--batch-size", "1", "--timeout", "0.1"))
-    assert f"namespace '{queue.keys.namespace}' is empty" in line
+    result = run("consume", "--batch-size", "1", "--timeout", "0.1")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    waiting, error = [line for line in result.output.splitlines() if line.strip()]  # it said it waits, then why it stopped
+    assert "waiting up to 0.1s for the first push" in waiting
+    assert error.startswith("Error: nothing pushed within --timeout 0.1s") and f"namespace '{queue.keys.namespace}' is empty" in error
     assert namespace_keys(queue) == []
 
 

@@ -219,7 +219,7 @@ def test_inspect_json_in_every_place(rollout, queue, client):
     consumer.commit(consumer.next_batch(1, timeout=5))
     places = set()
     for gid in ("g0", "g1", "g2", "g3", "g4", "g5", "never"):
-        [d] = rollout("inspect", gid, "--json")
+        [d] = rollout("inspect", gid, "--json", code=1 if gid == "never" else 0)  # an unknown id is an error
         check(d, INSPECT)
         places.add(d["place"])
     assert places == {"committed", "results", "requeue", "dead", "inflight", "prompts", "nowhere"}
