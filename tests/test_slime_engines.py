@@ -214,3 +214,33 @@ def test_a_batch_far_behind_slimes_weight_version_is_reported(two_sims, redis_ur
     out = sa.generate_rollout(source.args, 0, source)
     assert out.metrics["rollout/queue/engine_version_lag"] == 20
     assert "generated with weight version 0, slime's engines are at 20" in caplog.text
+
+
+def test_slimes_engines_are_read_from_its_router(two_sims, redis_url, queue, namespace, monkeypatch, tmp_path):
+    """Without --rollout-external-engine-addrs the adapter lists slime's engines behind
+    --sglang-router-ip/port (the real sglang-router's /workers): workers on the router or
+    on an engine behind it start; a worker on another engine is refused."""
+    from tests.helpers import RouterProcess
+
+    fake_slime.install(monkeypatch)
+    slime_types.slime_types.cache_clear()
+    behind, other = two_sims
+    def worker_on(url: str) -> WorkerThread:
+        return WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[url], namespace=namespace,
+                                           sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+
+    router = RouterProcess([behind], str(tmp_path / "router.log"))
+    workers: list[WorkerThread] = []
+    try:
+        router.wait_ready([behind])
+        args = slime_args(redis_url, namespace, None, sglang_router_ip="127.0.0.1", sglang_router_port=router.port)
+        assert sorted(sa_engines.slime_engine_urls(args)) == sorted([behind, router.url])
+        workers += [worker_on(router.url), worker_on(behind)]
+        sa.RedisDataSource(args)
+        workers.append(worker_on(other))
+        with pytest.raises(sa.SlimeConfigError, match=f"on {other}"):
+            sa.RedisDataSource(args)
+    finally:
+        for w in workers:
+            w.stop()
+        router.stop()
