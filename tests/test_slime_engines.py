@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.ops.audit import audit
 from pipeline.trainers import slime_adapter as sa
+from pipeline.trainers import slime_engines as sa_engines
 from pipeline.trainers import slime_types
 from pipeline.types import Group, parse_version
 from tests import fake_slime
@@ -91,7 +92,7 @@ def engines(tmp_path):
 
 
 def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engines, redis_url, queue, namespace,
-                                                                            monkeypatch):
+                                                                            monkeypatch, caplog):
     """10 rollouts in train_async.py's order, slime's weight update after each and its
     abort_all at each rollout's end, on the engines the worker generates on: no dead
     letter, no engine error, every continued sample's tokens stamped with the versions
@@ -152,7 +153,9 @@ def test_slime_weight_updates_and_rollout_aborts_are_preemptions_not_faults(engi
                                        zip(s.weight_versions, segments) for _ in range(n)]
                 continued += len(segments) > 1
     assert continued > 0  # some samples were preempted mid-generation and continued
-    assert max(lags) <= 2, lags  # the engines slime updates are the ones the samples came from
+    # The engines slime updates are the ones the samples came from: no lag alert.
+    assert max(lags) <= sa_engines.DEFAULT_VERSION_LAG, lags
+    assert "slime's engines are at" not in caplog.text
     report = audit(queue)
     assert report.ok, report
 
@@ -211,3 +214,33 @@ def test_a_batch_far_behind_slimes_weight_version_is_reported(two_sims, redis_ur
     out = sa.generate_rollout(source.args, 0, source)
     assert out.metrics["rollout/queue/engine_version_lag"] == 20
     assert "generated with weight version 0, slime's engines are at 20" in caplog.text
+
+
+def test_slimes_engines_are_read_from_its_router(two_sims, redis_url, queue, namespace, monkeypatch, tmp_path):
+    """Without --rollout-external-engine-addrs the adapter lists slime's engines behind
+    --sglang-router-ip/port (the real sglang-router's /workers): workers on the router or
+    on an engine behind it start; a worker on another engine is refused."""
+    from tests.helpers import RouterProcess
+
+    fake_slime.install(monkeypatch)
+    slime_types.slime_types.cache_clear()
+    behind, other = two_sims
+    def worker_on(url: str) -> WorkerThread:
+        return WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[url], namespace=namespace,
+                                           sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+
+    router = RouterProcess([behind], str(tmp_path / "router.log"))
+    workers: list[WorkerThread] = []
+    try:
+        router.wait_ready([behind])
+        args = slime_args(redis_url, namespace, None, sglang_router_ip="127.0.0.1", sglang_router_port=router.port)
+        assert sorted(sa_engines.slime_engine_urls(args)) == sorted([behind, router.url])
+        workers += [worker_on(router.url), worker_on(behind)]
+        sa.RedisDataSource(args)
+        workers.append(worker_on(other))
+        with pytest.raises(sa.SlimeConfigError, match=f"on {other}"):
+            sa.RedisDataSource(args)
+    finally:
+        for w in workers:
+            w.stop()
+        router.stop()
