@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 MODEL_DIR = Path(os.environ.get("ROLLOUT_SMOLLM2_DIR", Path.home() / ".cache" / "rollout-queue" / "models"
                                 / "smollm2"))
 LP_TOLERANCE = 1e-4  # float32, the engine's KV-cache decoding against one transformers forward
+#: Seconds an HTTP call may take: a decode step of this model holds the engine's event loop,
+#: and CI machines are shared.
+CALL_TIMEOUT_S = 120.0
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 EOS = 2  # <|im_end|>, from generation_config.json (the tokenizer's first EOS candidate is 0)
 
@@ -78,8 +81,12 @@ def reference(model_dir):
     return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def call(url: str, path: str, body: dict | None = None) -> tuple[int, object]:
+    return http_call(url, path, body, timeout=CALL_TIMEOUT_S)
+
+
 def generate(url: str, body: dict) -> dict:
-    status, out = http_call(url, "/generate", body, timeout=120)
+    status, out = call(url, "/generate", body)
     assert status == 200, out
     return out
 
@@ -106,7 +113,7 @@ def worst_diff(a: list[float], b: list[float]) -> float:
 
 
 def test_model_info_names_the_folder_its_tokenizer_and_architecture(engine, model_dir):
-    status, info = http_call(engine.url, "/get_model_info")
+    status, info = call(engine.url, "/get_model_info")
     assert status == 200
     assert info["model_path"] == info["tokenizer_path"] == str(model_dir)
     assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
@@ -147,20 +154,20 @@ def test_a_stop_string_is_matched_on_decoded_text_and_trimmed(engine, prompt):
 
 
 def _in_background(url: str, body: dict) -> Future:
-    return _pool.submit(http_call, url, "/generate", body, None, 120.0)
+    return _pool.submit(http_call, url, "/generate", body, None, CALL_TIMEOUT_S)
 
 
 def _produced(url: str, prompt: list[int], at_least: int) -> None:
-    wait_for(lambda: http_call(url, "/v1/loads")[1]["loads"][0]["num_used_tokens"] >= len(prompt) + at_least,
-             timeout=60, what="the request producing tokens")
+    wait_for(lambda: call(url, "/v1/loads")[1]["loads"][0]["num_used_tokens"] >= len(prompt) + at_least,
+             timeout=CALL_TIMEOUT_S, what="the request producing tokens")
 
 
 def test_an_aborted_request_continues_from_its_partial_output_to_the_same_answer(engine, prompt):
     full = generate(engine.url, greedy(prompt, 20, ignore_eos=True))
     future = _in_background(engine.url, {**greedy(prompt, 20, ignore_eos=True), "rid": "abort-me"})
     _produced(engine.url, prompt, 3)
-    assert http_call(engine.url, "/abort_request", {"rid": "abort-me"})[0] == 200
-    status, partial = future.result(timeout=120)
+    assert call(engine.url, "/abort_request", {"rid": "abort-me"})[0] == 200
+    status, partial = future.result(timeout=CALL_TIMEOUT_S)
     assert status == 200 and partial["meta_info"]["finish_reason"]["type"] == "abort"
     done = partial["output_ids"]
     assert 1 <= len(done) < 20 and done == full["output_ids"][:len(done)]
@@ -174,10 +181,12 @@ def test_a_paused_request_resumes_to_the_answer_it_would_have_given(engine, prom
     full = generate(engine.url, greedy(prompt, 16, ignore_eos=True))
     future = _in_background(engine.url, {**greedy(prompt, 16, ignore_eos=True), "rid": f"pause-{mode}"})
     _produced(engine.url, prompt, 2)
-    assert http_call(engine.url, "/pause_generation", {"mode": mode})[0] == 200
-    assert not future.done()
-    assert http_call(engine.url, "/continue_generation", {})[0] == 200
-    status, out = future.result(timeout=120)
+    try:
+        assert call(engine.url, "/pause_generation", {"mode": mode})[0] == 200
+        assert not future.done()
+    finally:
+        assert call(engine.url, "/continue_generation", {})[0] == 200
+    status, out = future.result(timeout=CALL_TIMEOUT_S)
     assert status == 200 and out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert out["output_ids"] == full["output_ids"]
     assert worst_diff(engine_logprobs(out), engine_logprobs(full)) <= LP_TOLERANCE
@@ -186,9 +195,11 @@ def test_a_paused_request_resumes_to_the_answer_it_would_have_given(engine, prom
 def test_pause_in_abort_mode_returns_the_partial_output(engine, prompt):
     future = _in_background(engine.url, greedy(prompt, 40, ignore_eos=True))
     _produced(engine.url, prompt, 2)
-    assert http_call(engine.url, "/pause_generation", {"mode": "abort"})[0] == 200
-    status, out = future.result(timeout=120)
-    assert http_call(engine.url, "/continue_generation", {})[0] == 200
+    try:
+        assert call(engine.url, "/pause_generation", {"mode": "abort"})[0] == 200
+        status, out = future.result(timeout=CALL_TIMEOUT_S)
+    finally:
+        assert call(engine.url, "/continue_generation", {})[0] == 200
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
     assert 1 <= len(out["output_ids"]) < 40
 
@@ -216,16 +227,14 @@ def test_an_update_to_a_perturbed_checkpoint_serves_it_exactly(engine, prompt, m
 
     before = generate(engine.url, greedy(prompt, 8, ignore_eos=True))
     other = _perturbed_copy(model_dir, tmp_path / "other-arch", layers=29)
-    status, body = http_call(engine.url, "/update_weights_from_disk", {"model_path": str(other),
-                                                                       "weight_version": "x"})
+    status, body = call(engine.url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "x"})
     assert status == 400 and body["success"] is False and "num_hidden_layers 29 (running: 30)" in body["message"]
-    assert http_call(engine.url, "/get_model_info")[1]["weight_version"] != "x"
+    assert call(engine.url, "/get_model_info")[1]["weight_version"] != "x"
 
     step = _perturbed_copy(model_dir, tmp_path / "step-1")
-    status, body = http_call(engine.url, "/update_weights_from_disk", {"model_path": str(step),
-                                                                       "weight_version": "1"}, timeout=120)
+    status, body = call(engine.url, "/update_weights_from_disk", {"model_path": str(step), "weight_version": "1"})
     assert status == 200 and body["success"] is True, body
-    info = http_call(engine.url, "/get_model_info")[1]
+    info = call(engine.url, "/get_model_info")[1]
     assert info["model_path"] == str(step) and info["weight_version"] == "1"
     assert info["tokenizer_path"] == str(model_dir)  # the tokenizer stays the one it started with
     after = generate(engine.url, greedy(prompt, 8, ignore_eos=True))
@@ -234,6 +243,6 @@ def test_an_update_to_a_perturbed_checkpoint_serves_it_exactly(engine, prompt, m
     expected = reference_logprobs(trained, prompt, after["output_ids"])
     assert worst_diff(engine_logprobs(after), expected) <= LP_TOLERANCE
     assert worst_diff(engine_logprobs(before), engine_logprobs(after)) > 1e-3  # the new weights are served
-    status, body = http_call(engine.url, "/update_weights_from_disk", {"model_path": str(model_dir),
-                                                                       "weight_version": "2"}, timeout=120)
+    status, body = call(engine.url, "/update_weights_from_disk", {"model_path": str(model_dir),
+                                                                  "weight_version": "2"})
     assert status == 200 and body["success"] is True
