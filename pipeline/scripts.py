@@ -70,7 +70,7 @@ def library_source() -> str:
 def load_library(client: redis.Redis) -> str:
     """FUNCTION LOAD REPLACE the library (an admin's job); returns its digest."""
     client.function_load(library_source(), replace=True)
-    _uses_functions.pop(id(client), None)
+    _fallback.pop(id(client), None)
     return library_digest()
 
 
@@ -85,15 +85,25 @@ class FunctionScript:
         return (client or self.client).fcall(self.function, len(keys), *keys, *args)
 
 
-#: Per client (by id, dropped with the client): whether the current library answers.
-_uses_functions: dict[int, bool] = {}
+#: Per client (by id, dropped with the client): why the scripts run by EVALSHA, or None (FCALL).
+_fallback: dict[int, str | None] = {}
+
+
+def fallback_reason(client: redis.Redis) -> str | None:
+    """Why `client` runs the scripts by EVALSHA (None: by FCALL). Long-running processes
+    (the worker) say it as a warning when they start; one-shot commands keep their one line."""
+    if id(client) not in _fallback:
+        _fallback[id(client)] = _probe(client)
+        weakref.finalize(client, _fallback.pop, id(client), None)
+    return _fallback[id(client)]
 
 
 def uses_functions(client: redis.Redis) -> bool:
     """Whether `client`'s server has this version's library loaded (one FCALL per client)."""
-    known = _uses_functions.get(id(client))
-    if known is not None:
-        return known
+    return fallback_reason(client) is None
+
+
+def _probe(client: redis.Redis) -> str | None:
     try:
         found = client.fcall(VERSION_FUNCTION, 0)
         found = found.decode() if isinstance(found, bytes) else found
@@ -108,13 +118,14 @@ def uses_functions(client: redis.Redis) -> bool:
             why = "the Functions library is not loaded (`rollout functions load`, as an admin, once per server)"
         else:
             why = f"FCALL was refused ({exc})"
-    used = why is None
-    _uses_functions[id(client)] = used
-    weakref.finalize(client, _uses_functions.pop, id(client), None)
-    if not used:
-        log.warning("Lua scripts run by EVALSHA, not FCALL: %s. A Redis user that may EVALSHA may run any Lua "
-                    "script, so ACL roles cannot be limited to the pipeline's own (docs/security.md)", why)
-    return used
+    if why:
+        log.debug("Lua scripts run by EVALSHA, not FCALL: %s", why)
+    return why
+
+
+def fallback_warning(why: str) -> str:
+    return (f"Lua scripts run by EVALSHA, not FCALL: {why}. A Redis user that may EVALSHA may run any Lua "
+            "script, so ACL roles cannot be limited to the pipeline's own (docs/security.md)")
 
 
 def load(client: redis.Redis, *names: str) -> dict[str, Script | FunctionScript]:

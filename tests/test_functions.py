@@ -103,16 +103,15 @@ def test_a_functions_trainer_and_admin_run_their_cycles_by_fcall(admin, server, 
 
 
 @pytest.mark.skipif(not any(v.startswith("6.") for v in CORE_REDIS_BINARIES), reason="no Redis 6 binary here")
-def test_redis_6_runs_the_scripts_by_evalsha_and_says_so(tmp_path, caplog):
+def test_redis_6_runs_the_scripts_by_evalsha_and_says_so(tmp_path):
     binary = next(p for v, p in CORE_REDIS_BINARIES.items() if v.startswith("6."))
     old = RedisServer(tmp_path / "r6", port=free_port(), aof=False, binary=binary)
     old.start()
     try:
         client = connect(old.url)
-        with caplog.at_level(logging.WARNING, logger="pipeline.scripts"):
-            queue = Queue(client, "old")
+        queue = Queue(client, "old")
         assert not isinstance(queue._scripts["claim"], scripts.FunctionScript)
-        assert "Lua scripts run by EVALSHA, not FCALL: this Redis has no Functions" in caplog.text
+        assert scripts.fallback_reason(client) == "this Redis has no Functions (6.2 or older)"
         queue.push_groups(fresh(1, "g"))
         assert [c.group_id for c in claim(queue, "w", 1).groups] == ["g0"]
         client.close()
@@ -126,3 +125,13 @@ def test_a_refused_fcall_names_the_script(admin, server, namespace):
     with pytest.raises(PermissionDenied, match="FCALL of register.lua: this user has no permissions to access one "
                                                "of the keys"):
         worker._scripts["register"](keys=[other.workers, other.worker_info, other.control], args=["w1", "{}", "1"])
+
+
+def test_a_worker_without_the_library_says_loudly_that_roles_cannot_be_limited(redis_url, namespace, sim, caplog):
+    Queue(connect(redis_url), namespace).push_groups(fresh(1, "g"))
+    with caplog.at_level(logging.WARNING, logger="workers.worker"):
+        worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                             sampling=SamplingSettings(max_new_tokens=8), reward="exact_match"))
+        worker.stop()
+    assert "Lua scripts run by EVALSHA, not FCALL: " in caplog.text
+    assert "ACL roles cannot be limited to the pipeline's own" in caplog.text
