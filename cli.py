@@ -1940,8 +1940,11 @@ def _print_batch(console, row: dict, steps: int) -> None:
 @click.option("--password", envvar="ROLLOUT_ACL_PASSWORD",
               help="The user's password (env ROLLOUT_ACL_PASSWORD). Default: a new random one, shown once "
                    "on stderr. The line carries only its SHA-256.")
+@click.option("--functions", is_flag=True,
+              help="Redis 7 with the Functions library loaded (`rollout functions load`): the user runs the "
+                   "pipeline's Lua by FCALL only, never EVAL, EVALSHA, SCRIPT or FUNCTION.")
 @click.pass_obj
-def acl(obj: Context, role, role_namespace, user, password) -> None:
+def acl(obj: Context, role, role_namespace, user, password, functions) -> None:
     """Print the ACL SETUSER line of a least-privilege Redis user for one role.
 
     The user may touch only the namespace's keys ({NS}:*) and its events
@@ -1972,7 +1975,39 @@ def acl(obj: Context, role, role_namespace, user, password) -> None:
         password = secrets.token_urlsafe(24)
         click.echo(f"password for Redis user {user!r} (shown once): {password}\n"
                    f"connect as redis://{user}:{password}@HOST:PORT", err=True)
-    click.echo(setuser_line(role, namespace, user, password))
+    click.echo(setuser_line(role, namespace, user, password, functions))
+
+
+@main.group()
+def functions() -> None:
+    """The Redis 7 Functions library of the pipeline's Lua scripts.
+
+    \b
+    Example:
+      rollout --redis-url redis://admin:PASSWORD@redis-host:6379 functions load
+    """
+
+
+@functions.command("load")
+@click.pass_obj
+def functions_load(obj: Context) -> None:
+    """Load (or replace) the library on the server, as an admin, once per server and
+    version. Users made with `rollout acl --functions` then run the pipeline's scripts
+    by FCALL and may run no other Lua.
+
+    \b
+    Example:
+      rollout --redis-url redis://admin:PASSWORD@redis-host:6379 functions load
+    """
+    from pipeline import scripts
+
+    queue = obj.queue()
+    try:
+        digest = scripts.load_library(queue.redis)
+    except redis.ResponseError as exc:
+        raise click.ClickException(obj.scrub(f"cannot load the Functions library (Redis 7 or later, as a user "
+                                             f"allowed FUNCTION LOAD): {exc}")) from None
+    click.echo(f"Functions library {scripts.LIBRARY!r} version {digest} loaded ({len(scripts.names())} scripts)")
 
 
 # -- purge -----------------------------------------------------------------------------

@@ -23,6 +23,11 @@ _SCRIPT_PLACE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
 _SCRIPT_REFUSAL = "The user executing the script can't"
 
 
+def _shown(arg) -> str:
+    text = arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
+    return repr(text[:100])
+
+
 def _user(client: redis.Redis) -> str:
     return client.connection_pool.connection_kwargs.get("username") or "default"
 
@@ -68,6 +73,8 @@ class ExplainingRedis(redis.Redis):
         reason = text.split(" script: ")[0]
         if command == "EVALSHA" and len(args) > 1 and args[1] in self._script_sources:
             command = f"EVALSHA of {scripts.name_of(self._script_sources[args[1]])}"
+        elif command == "FCALL" and len(args) > 1:  # the library's functions are named for their .lua files
+            command = f"FCALL of {_shown(args[1])[1:-1].removeprefix(scripts.LIBRARY + '_')}.lua"
         place = _SCRIPT_PLACE.search(text)
         if place and place.group(1) in self._script_sources:
             source = self._script_sources[place.group(1)]
@@ -78,4 +85,6 @@ class ExplainingRedis(redis.Redis):
             inner = called.group(1).upper() if called else "a command"
             name, file_line = scripts.origin(source, line_no)
             command = f"{inner} in {name} line {file_line} (run by {command})"
+        elif "keys" in reason and len(args) > 1 and str(args[0]).upper() not in ("EVALSHA", "EVAL", "FCALL"):
+            command = f"{command} {_shown(args[1])}"  # the first argument: the key, for every command we send
         return f"permission denied for Redis user {_user(self)!r}: {command}: {reason}"

@@ -1,16 +1,31 @@
-"""The Lua scripts of `lua/`, each loaded with the shared prelude (`lua/_prelude.lua`)."""
+"""The Lua scripts of `lua/`, each loaded with the shared prelude (`lua/_prelude.lua`).
+
+The same files make the Redis 7 Functions library (`library_source`, loaded by an admin
+with `rollout functions load`): where it is loaded, every script runs by `FCALL`, so an
+ACL role can be given `FCALL` and no `EVAL`, `SCRIPT` or `FUNCTION` (it then runs the
+pipeline's Lua and no other). Where it is not (Redis 6.2 has no Functions, or nobody
+loaded it, or it is another version's), scripts run by `EVALSHA`, and `load` says so
+once per client, as a warning: such roles must keep `EVALSHA`, which runs any Lua.
+"""
 from __future__ import annotations
 
+import hashlib
+import logging
+import weakref
 from functools import cache
 from pathlib import Path
 
 import redis
 from redis.commands.core import Script
 
+log = logging.getLogger(__name__)
+
 _LUA = Path(__file__).with_name("lua")
-
-
 _PRELUDE = "_prelude.lua"
+#: The Functions library's name; each script is the function `rollout_<file stem>`.
+LIBRARY = "rollout"
+#: A function of the library answering its digest: a library of another version is not used.
+VERSION_FUNCTION = f"{LIBRARY}_version"
 
 
 @cache
@@ -18,10 +33,14 @@ def source(name: str) -> str:
     return (_LUA / _PRELUDE).read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
 
 
+@cache
+def names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _LUA.glob("*.lua") if p.name != _PRELUDE))
+
+
 def name_of(loaded: str) -> str:
     """The .lua file a loaded script was made from."""
-    return next((path.name for path in sorted(_LUA.glob("*.lua"))
-                 if path.name != _PRELUDE and loaded == source(path.stem)), "a script")
+    return next((f"{n}.lua" for n in names() if loaded == source(n)), "a script")
 
 
 def origin(loaded: str, line: int) -> tuple[str, int]:
@@ -31,7 +50,88 @@ def origin(loaded: str, line: int) -> tuple[str, int]:
     return (name_of(loaded), line - prelude_lines) if line > prelude_lines else (_PRELUDE, line)
 
 
-def load(client: redis.Redis, *names: str) -> dict[str, Script]:
-    """Scripts registered on `client`; redis-py re-sends one the server has forgotten
-    (after a restart) by itself."""
+@cache
+def library_digest() -> str:
+    return hashlib.sha1("".join(source(n) for n in names()).encode()).hexdigest()[:16]
+
+
+@cache
+def library_source() -> str:
+    """The Functions library: each script's text, unchanged, as the body of a function
+    (KEYS and ARGV become its parameters); one source of truth for both ways to run it."""
+    parts = [f"#!lua name={LIBRARY}\n"]
+    for n in names():
+        parts.append(f"redis.register_function('{LIBRARY}_{n}', function(KEYS, ARGV)\n{source(n)}\nend)\n")
+    parts.append(f"redis.register_function{{function_name='{VERSION_FUNCTION}', "
+                 f"callback=function() return '{library_digest()}' end, flags={{'no-writes'}}}}\n")
+    return "".join(parts)
+
+
+def load_library(client: redis.Redis) -> str:
+    """FUNCTION LOAD REPLACE the library (an admin's job); returns its digest."""
+    client.function_load(library_source(), replace=True)
+    _fallback.pop(id(client), None)
+    return library_digest()
+
+
+class FunctionScript:
+    """A library function called like redis-py's Script: `script(keys=[...], args=[...])`."""
+
+    def __init__(self, client: redis.Redis, name: str):
+        self.client = client
+        self.function = f"{LIBRARY}_{name}"
+
+    def __call__(self, keys=(), args=(), client: redis.Redis | None = None):
+        return (client or self.client).fcall(self.function, len(keys), *keys, *args)
+
+
+#: Per client (by id, dropped with the client): why the scripts run by EVALSHA, or None (FCALL).
+_fallback: dict[int, str | None] = {}
+
+
+def fallback_reason(client: redis.Redis) -> str | None:
+    """Why `client` runs the scripts by EVALSHA (None: by FCALL). Long-running processes
+    (the worker) say it as a warning when they start; one-shot commands keep their one line."""
+    if id(client) not in _fallback:
+        _fallback[id(client)] = _probe(client)
+        weakref.finalize(client, _fallback.pop, id(client), None)
+    return _fallback[id(client)]
+
+
+def uses_functions(client: redis.Redis) -> bool:
+    """Whether `client`'s server has this version's library loaded (one FCALL per client)."""
+    return fallback_reason(client) is None
+
+
+def _probe(client: redis.Redis) -> str | None:
+    try:
+        found = client.fcall(VERSION_FUNCTION, 0)
+        found = found.decode() if isinstance(found, bytes) else found
+        why = None if found == library_digest() else (
+            f"the Functions library loaded is another version ({found}, this is {library_digest()}): "
+            "reload it with `rollout functions load`")
+    except redis.ResponseError as exc:
+        text = str(exc).lower()
+        if "unknown command" in text:
+            why = "this Redis has no Functions (6.2 or older)"
+        elif "function not found" in text:
+            why = "the Functions library is not loaded (`rollout functions load`, as an admin, once per server)"
+        else:
+            why = f"FCALL was refused ({exc})"
+    if why:
+        log.debug("Lua scripts run by EVALSHA, not FCALL: %s", why)
+    return why
+
+
+def fallback_warning(why: str) -> str:
+    return (f"Lua scripts run by EVALSHA, not FCALL: {why}. A Redis user that may EVALSHA may run any Lua "
+            "script, so ACL roles cannot be limited to the pipeline's own (docs/security.md)")
+
+
+def load(client: redis.Redis, *names: str) -> dict[str, Script | FunctionScript]:
+    """The scripts, as library functions where this version's library is loaded, else
+    registered on `client` (redis-py re-sends one the server has forgotten after a
+    restart by itself)."""
+    if uses_functions(client):
+        return {name: FunctionScript(client, name) for name in names}
     return {name: client.register_script(source(name)) for name in names}

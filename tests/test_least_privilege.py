@@ -11,6 +11,7 @@ from pipeline.connection import connect
 from pipeline.keys import Keys, check_namespace, eval_namespace
 from pipeline.ops.acl import Role, default_user
 from pipeline.ops.audit import audit
+from pipeline.permissions import PermissionDenied
 from pipeline.queue import Queue
 from tests.helpers import WorkerThread, wait_for
 from tests.test_acl import REDIS7, admin, fresh, refusals, role_url, server, sim  # noqa: F401 (fixtures)
@@ -78,3 +79,13 @@ def test_a_worker_refused_a_command_stops_and_hands_back_instead_of_dead_letteri
     assert admin.xlen(setup.keys.dead) == 0 and admin.xlen(setup.keys.results) == 0
     assert sorted(g.decode() for g in admin.lrange(setup.keys.prompts, 0, -1)) == [f"g{i}" for i in range(4)]
     assert audit(Queue(connect(server.url), namespace)).ok
+
+
+@needs_redis7
+def test_a_refused_key_is_named(admin, server, namespace):
+    url = role_url(admin, server, Role.WORKER, namespace)
+    worker = connect(url)
+    with pytest.raises(PermissionDenied, match=r"SET '\{someone-else\}:results': this user has no permissions "
+                                               r"to access one of the keys"):
+        worker.set("{someone-else}:results", b"x")
+    worker.close()

@@ -47,7 +47,7 @@ def test_a_full_redis_holds_finished_groups_and_publishes_them_when_room_returns
         client.config_set("maxmemory", 1)  # noeviction is the default policy
         release.set()
         reconnect = worker.worker.ctx.reconnect
-        wait_for(lambda: reconnect.down and "OOM" in reconnect.last_error, timeout=60,
+        wait_for(lambda: reconnect.down and "maxmemory" in reconnect.last_error, timeout=60,
                  what="the worker retrying its publishes")
         alerts = snapshot(queue).alerts
         assert alerts[0].startswith("Redis is full") and "retry publishing" in alerts[0], alerts

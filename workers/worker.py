@@ -46,7 +46,7 @@ from enum import StrEnum
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline import metrics
+from pipeline import metrics, scripts
 from pipeline.connection import connect
 from pipeline.control import HEARTBEATS_PER_LEASE
 from pipeline.keys import eval_namespace
@@ -170,6 +170,9 @@ class Worker:
         if self.settings.metrics_port:
             metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         log.info("%s", self.describe())
+        fallback = scripts.fallback_reason(self.queue.redis)
+        if fallback:  # said loudly where it matters: a long-running process holding a role's password
+            log.warning("worker %s: %s", self.id, scripts.fallback_warning(fallback))
         self.ready.set()
         background = [asyncio.create_task(self.liveness.heartbeat_loop()),
                       asyncio.create_task(self.liveness.maintenance_loop()),

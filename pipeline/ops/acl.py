@@ -71,8 +71,12 @@ def _access(scripts=(), commands=(), settles=(), publishes=False, subscribes=Fal
 
 
 #: Every client: connect() asks INFO whether the server runs a cluster; redis-py pings
-#: idle connections and loads a script the server does not know yet (after a restart).
-CLIENT = _access(commands=("info", "ping", "evalsha", "script|load"))
+#: idle connections; scripts.load asks the Functions library's version (FCALL).
+CLIENT = _access(commands=("info", "ping", "fcall"))
+#: Without the Functions library (scripts.uses_functions), scripts run by EVALSHA, and redis-py
+#: loads one the server does not know yet (after a restart). These run any Lua: a role
+#: made with `functions=True` has neither.
+EVAL_SCRIPTS = frozenset({"evalsha", "script|load"})
 #: control.read_control: one MULTI over the control hash, the stats and the admitted hash.
 READ_CONTROL = _access(commands=("multi", "exec", "hmget", "hget", "hlen"))
 #: Queue.release (workers while admission is open, the trainer on resume): requeue → prompts.
@@ -125,13 +129,15 @@ def default_user(role: Role, namespace: str) -> str:
     return f"{namespace}-{role.value}"
 
 
-def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[str]:
+def setuser_args(role: Role, namespace: str, user: str, password: str, functions: bool = False) -> list[str]:
     """Arguments of `ACL SETUSER` for `role` on `namespace` and its evaluation companion
     `<namespace>.eval` (pipeline/trainers/eval.py: workers serve both) after the command name.
-    `reset` first, so running it again replaces whatever the user had."""
+    `reset` first, so running it again replaces whatever the user had. With `functions`
+    (Redis 7, the library loaded by `rollout functions load`) the user runs the
+    pipeline's Lua by FCALL only: no EVAL, EVALSHA, SCRIPT or FUNCTION."""
     spaces = [namespace, eval_namespace(namespace)]
     access = ROLES[role]
-    commands = access.all_commands()
+    commands = access.all_commands() | (frozenset() if functions else EVAL_SCRIPTS)
     args = [user, "reset", "on", password_hash(password), *(f"~{namespace_pattern(ns)}" for ns in spaces),
             "resetchannels"]
     if access.publishes or access.subscribes:
@@ -144,7 +150,7 @@ def setuser_args(role: Role, namespace: str, user: str, password: str) -> list[s
     return args
 
 
-def setuser_line(role: Role, namespace: str, user: str, password: str) -> str:
+def setuser_line(role: Role, namespace: str, user: str, password: str, functions: bool = False) -> str:
     """One `ACL SETUSER ...` line, as redis-cli reads it from stdin (ACL SETUSER joins
     the words of a selector in parentheses itself)."""
-    return " ".join(["ACL", "SETUSER", *setuser_args(role, namespace, user, password)])
+    return " ".join(["ACL", "SETUSER", *setuser_args(role, namespace, user, password, functions)])
