@@ -76,11 +76,12 @@ def parse(argv: list[str]) -> dict:
 def _parse_here(argv: list[str]) -> None:
     import types
 
-    sys.modules["triton"] = types.ModuleType("triton")
-    # The test environment's transformers (the [llm] extra) is not the one SGLang pins, and
-    # through torch._dynamo it would take the triton stand-in for the real package: the
-    # parser runs as where transformers is absent, which it tolerates.
-    sys.modules["transformers"] = None
+    triton, triton_language = types.ModuleType("triton"), types.ModuleType("triton.language")
+    # torch._dynamo, imported by the test environment's transformers (the [llm] extra), takes
+    # the stand-in for the real package and reads triton.language.dtype at import.
+    triton_language.dtype = type("dtype", (), {})
+    triton.language = triton_language
+    sys.modules.update({"triton": triton, "triton.language": triton_language})
     # 0.5.20's sglang.srt.utils.common imports torchvision.io.decode_jpeg at the top and calls
     # it only to decode images; torchvision is a CUDA-matched wheel of its own.
     from importlib.machinery import ModuleSpec

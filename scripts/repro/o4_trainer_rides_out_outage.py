@@ -45,6 +45,10 @@ try:
         def setitem(d, k, v):
             d[k] = v
 
+        @staticmethod
+        def setattr(obj, name, value):
+            setattr(obj, name, value)
+
     sys.modules["slime"] = None
     from tests import fake_slime  # noqa: E402
     fake_slime.install(_MP())

@@ -9,7 +9,8 @@ from pipeline.codec import DecodeError, decode_group, encode_group
 from workers.engine import GenerateResult
 from workers.group_run import GroupRunner
 
-fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda version: None)
+fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda version: None,
+                       _refuse_unusable_version=lambda result: None)
 
 
 def gen(sample, n, version, finish):
