@@ -8,9 +8,10 @@ from common import Group
 from pipeline.codec import DecodeError, decode_group, encode_group
 from workers.engine import GenerateResult
 from workers.group_run import GroupRunner
+from workers.tokenizer import ByteTokenizer
 
 fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda version: None,
-                       _refuse_unusable_version=lambda result: None)
+                       _refuse_unusable_version=lambda result: None, tokenizer=ByteTokenizer())
 
 
 def gen(sample, n, version, finish):
