@@ -261,7 +261,7 @@ def split_continuation(key: str, input_ids: list[int], tokenizer: ByteTokenizer,
 def plan_generation(spec: GenSpec, key: str, tokenizer: ByteTokenizer, config: SimConfig, skill: float,
                     produced: int = 0) -> Plan:
     """Deterministic given `key`: the natural response, then SGLang's stopping rules
-    (length first, then EOS / stop token ids, then stop strings). `produced`: how many
+    (on one token: stop strings first, then EOS / stop token ids, then the length). `produced`: how many
     tokens at the end of the input are this sample's earlier output; the plan is then
     the rest of the response the uninterrupted request would have given."""
     prompt_ids = spec.input_ids[:len(spec.input_ids) - produced]
@@ -277,9 +277,9 @@ def plan_generation(spec: GenSpec, key: str, tokenizer: ByteTokenizer, config: S
         tokens = list(data) + [eos]
     data, tokens = data[produced:], tokens[produced:]
 
-    # The earliest token that stops generation. SGLang checks, after each token: the
-    # length limit, then stop token ids (EOS included, unless ignore_eos), then stop
-    # strings; so a tie goes to the token id and reaching the limit beats both.
+    # The earliest token that stops generation. SGLang 0.5.23 checks, after each token,
+    # stop strings, then stop token ids (EOS included, unless ignore_eos), then the length
+    # limit: a tie goes to the string, and a stop on the last allowed token beats the limit.
     stop_at: int | None = None
     matched: int | str | None = None
     if not spec.ignore_eos:
@@ -291,10 +291,10 @@ def plan_generation(spec: GenSpec, key: str, tokenizer: ByteTokenizer, config: S
     for stop in spec.stop_strs:
         encoded = stop.encode("utf-8")
         pos = data.find(encoded) if encoded else -1
-        if pos != -1 and (stop_at is None or pos + len(encoded) - 1 < stop_at):
+        if pos != -1 and (stop_at is None or pos + len(encoded) - 1 <= stop_at):
             stop_at, matched = pos + len(encoded) - 1, stop
     limit = spec.max_new_tokens
-    if stop_at is not None and stop_at + 1 < limit:
+    if stop_at is not None and stop_at + 1 <= limit:
         count, finish = stop_at + 1, {"type": "stop", "matched": matched}
     else:
         count, finish = min(limit, len(tokens)), {"type": "length", "length": limit}

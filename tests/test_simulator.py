@@ -158,6 +158,21 @@ def test_stop_strings(fast):
     assert kept["text"].endswith(" ")
 
 
+def test_a_stop_string_beats_a_stop_token_which_beats_the_length_limit_as_in_sglang(fast):
+    """SGLang 0.5.23's Req.update_finish_state checks stop strings, then stop tokens, then
+    the length, when several end a request on the same token (as the torch engine does)."""
+    seed = {"sampling_seed": 5}  # the same response whatever the limits
+    free = generate(fast, {"text": "w", "sampling_params": {**seed, "max_new_tokens": 500, "stop_token_ids": [32]}})
+    assert free["meta_info"]["finish_reason"] == {"type": "stop", "matched": 32}  # ends on its first space
+    free = free["output_ids"]
+    both = {**seed, "max_new_tokens": len(free), "stop_token_ids": [32]}
+    out = generate(fast, {"text": "w", "sampling_params": {**both, "stop": [" "]}})
+    assert out["output_ids"] == free
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " "}
+    out = generate(fast, {"text": "w", "sampling_params": both})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 32}
+
+
 def test_ignore_eos_runs_to_max_new_tokens(fast):
     out = generate(fast, {"text": "z", "sampling_params": {"max_new_tokens": 700, "ignore_eos": True,
                                                            "stop_token_ids": [32]}})
