@@ -198,6 +198,11 @@ def _stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 
         signal.signal(signal.SIGTERM, previous)
 
 
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 engine`, `2 engines`: a count with its noun (plural: + "s" unless given)."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {plural or noun + 's'}"
+
+
 def _dump(obj) -> str:
     return json.dumps(obj, default=str)
 
@@ -342,9 +347,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     if as_json:
         click.echo(_dump(_push_record(obj, file, report, epochs, n_samples)))
     else:
-        click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
-                   f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
-                   f"({report.rows} rows x {epochs} epochs)")
+        click.echo(f"{report.dataset}: pushed {_n(report.pushed, 'group')} of {n_samples}, "
+                   f"{_n(report.dead, 'bad row')} dead-lettered, {report.already} already pushed before "
+                   f"({_n(report.rows, 'row')} x {_n(epochs, 'epoch')})")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
 
@@ -1070,7 +1075,7 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(printable(f"worker {w.worker}: {state}; holds {len(w.groups)} groups"))
+        click.echo(printable(f"worker {w.worker}: {state}; holds {_n(len(w.groups), 'group')}"))
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
@@ -1347,7 +1352,7 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         set_paused(queue.redis, queue.keys, True)
         inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
-                   f"reports any); {inflight} groups in flight finish normally")
+                   f"reports any); {_n(inflight, 'group')} in flight finish normally")
         return
 
     async def go():
@@ -1366,9 +1371,9 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
     waiting = report.still_inflight
-    held = (f"; {waiting} groups in flight wait at the paused engines and continue on resume"
+    held = (f"; {_n(waiting, 'group')} in flight wait at the paused engines and continue on resume"
             if waiting else "")
-    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {len(reached)} engines {source} "
+    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {_n(len(reached), 'engine')} {source} "
                f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream{held}")
 
 
@@ -1415,7 +1420,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -
                                    f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
+    where = (f"{_n(len(reached), 'engine')} {source} continued ({', '.join(reached)})" if urls else
              "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
     click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
                f"; {where}")
@@ -1750,7 +1755,7 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
         click.echo(f"skipped {letter.describe()}: {why}", err=True)
     for letter, why in result.doomed:
         click.echo(f"warning: retried {letter.describe()}, but {why}", err=True)
-    click.echo(f"retried {result.settled} dead letters: back at the head of the prompt list"
+    click.echo(f"retried {_n(result.settled, 'dead letter')}: back at the head of the prompt list"
                + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
 
 
@@ -1773,7 +1778,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
         _letters, n = deadletters.drop(queue, list(idents), all_)
     except deadletters.DeadLetterError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"dropped {n} dead letters")
+    click.echo(f"dropped {_n(n, 'dead letter')}")
 
 
 # -- consume ---------------------------------------------------------------------------
@@ -1848,7 +1853,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
             else:
                 _print_batch(console, row, steps)
     if not as_json:
-        console.print(f"committed {done} batches ({done * batch_size} groups) in "
+        console.print(f"committed {_n(done, 'batch', 'batches')} ({_n(done * batch_size, 'group')}) in "
                       f"{time.monotonic() - started:.2f}s", markup=False)
 
 

@@ -139,7 +139,7 @@ def test_pipeline_through_the_cli(env, redis_url, namespace, tmp_path):
 
         # pause/resume find the engine through the worker's heartbeat
         proc = rollout("pause", env=env, check=0)
-        assert "1 engines reported by the live workers" in proc.stdout
+        assert "1 engine reported by the live workers" in proc.stdout
         assert json.loads(rollout("status", "--json", "--sample", "0", env=env, check=0).stdout)["paused"]
         proc = rollout("resume", "--weight-version", "1", env=env, check=0)
         assert "resumed at weight version 1" in proc.stdout and "continued" in proc.stdout

@@ -75,7 +75,7 @@ def test_consume_started_before_the_feeder_waits_for_the_first_push(redis_url, c
                 s.tokens, s.response_length, s.response, s.reward = [1, 2], 1, "ok", 1.0
             publish(queue, "w", c.group, Place.RESULTS)
         assert proc.wait(120) == 0, log.read_text()
-        assert "committed 1 batches (2 groups)" in log.read_text()
+        assert "committed 1 batch (2 groups)" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -328,3 +328,10 @@ def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
     assert result.exit_code == 0 and "retried 2 dead letters" in result.output
     warnings = [l for l in result.output.splitlines() if l.startswith("warning:")]
     assert len(warnings) == 1 and "nolabel" in warnings[0] and "still have no label" in warnings[0], result.output
+
+
+def test_counts_of_one_are_singular(run, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"input": "What is 1 + 1?", "label": "2"}\n')
+    pushed = run("push", str(data), "--n-samples", "2")
+    assert "pushed 1 group of 2, 0 bad rows dead-lettered" in pushed.output and "(1 row x 1 epoch)" in pushed.output

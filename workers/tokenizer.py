@@ -64,6 +64,7 @@ class Tokenizer(Protocol):
 
     eos_token_id: int | None
     has_chat_template: bool
+    templates_by_default: bool  # string prompts go in the chat template unless told otherwise
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -100,6 +101,7 @@ class ByteTokenizer:
 
     name_or_path = "byte"
     has_chat_template = True  # the simple template is this tokenizer's own convention
+    templates_by_default = False  # the simulator's prompts are text unless asked
     bos_token_id = 256
     eos_token_id = 257
     pad_token_id = 258
@@ -170,6 +172,10 @@ class HFTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._is_transformers and bool(getattr(self.backend, "chat_template", None))
+
+    @property
+    def templates_by_default(self) -> bool:
+        return self.has_chat_template  # an instruct model: it was trained on its template
 
     def _find_token(self, candidates: Sequence[str]) -> int | None:
         for token in candidates:
@@ -287,13 +293,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_tem
 
     A list prompt (chat messages) is always rendered with the chat template; a
     string is wrapped as a single user message when `apply_chat_template`, or, when
-    it is None, when the tokenizer has a template of its own (an instruct model).
+    it is None, when the tokenizer templates by default (a model with a chat template
+    of its own: an instruct model; not the simulator's bytes).
     Raises ValueError for any prompt it cannot encode (wrong type, malformed
     messages, chat messages for a tokenizer without a template), so callers can
     treat that as poison input.
     """
     if apply_chat_template is None:
-        apply_chat_template = tokenizer.has_chat_template
+        apply_chat_template = tokenizer.templates_by_default
     if isinstance(prompt, list):
         text = tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True)
     elif isinstance(prompt, str):
@@ -410,7 +417,8 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
         raise TokenizerChoiceError(f"--apply-chat-template, but tokenizer {name!r} has no chat template (a base "
                                    "model): prompts would be wrapped in one it never saw; leave the option out "
                                    "(string prompts go as text)")
-    templated = tokenizer.has_chat_template and apply_chat_template is not False
-    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte", ", ".join(e.url for e in engines) or "(not asked)",
+    templated = apply_chat_template or (apply_chat_template is None and tokenizer.templates_by_default)
+    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte",
+                ", ".join(e.url for e in engines) or "(not asked)",
                 "in the model's chat template" if templated else "as text")
     return name
