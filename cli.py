@@ -108,6 +108,12 @@ class Context:
 DEFAULT_CONCURRENCY = 256  # samples in flight per engine, per worker
 DEFAULT_MAX_NEW_TOKENS = 1024
 
+ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
+_ENGINE_API_KEY_OPTION = click.option(
+    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
+    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
+         "variable: a command line is visible to every local user).")
+
 #: The options of `rollout` itself (they go before the command), and whether each takes a value.
 GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
 
@@ -438,6 +444,7 @@ _METRICS_HOST_OPTION = click.option(
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
+@_ENGINE_API_KEY_OPTION
 @click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
 @click.option("--tokenizer", help="Hugging Face tokenizer name or path, or `byte`. Default: the model the engines "
@@ -495,7 +502,7 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
-def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
+def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
            mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
@@ -540,12 +547,18 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
     redis_url = obj.url()
     with _stop_on_sigterm():
         try:
-            tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template))
+            tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template,
+                                                     api_key=api_key))
         except (TokenizerChoiceError, TokenizerError, EngineError) as exc:
             raise click.ClickException(obj.scrub(str(exc))) from None
+    if apply_chat_template is None:  # the model's own template when it has one (generate functions read it too)
+        from workers.tokenizer import load_tokenizer
+
+        apply_chat_template = load_tokenizer(tokenizer).templates_by_default
     settings = WorkerSettings(
         redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
-        tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
+        tokenizer=tokenizer, engine_api_key=api_key, apply_chat_template=apply_chat_template, reward=reward,
+        group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
@@ -1312,11 +1325,6 @@ _ENGINE_URL_OPTION = click.option(
     "--engine-url", "engine_urls", multiple=True, envvar=ENGINE_URLS_ENV,
     help="Engine or router URL to control; repeat for several (env ROLLOUT_ENGINE_URLS). "
          "Default: the engines the live workers report in their heartbeats.")
-ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
-_ENGINE_API_KEY_OPTION = click.option(
-    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
-    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
-         "variable: a command line is visible to every local user).")
 
 
 @main.command()

@@ -335,3 +335,30 @@ def test_counts_of_one_are_singular(run, tmp_path):
     data.write_text('{"input": "What is 1 + 1?", "label": "2"}\n')
     pushed = run("push", str(data), "--n-samples", "2")
     assert "pushed 1 group of 2, 0 bad rows dead-lettered" in pushed.output and "(1 row x 1 epoch)" in pushed.output
+
+
+def test_a_worker_sends_the_engines_api_key(redis_url, namespace, tmp_path):
+    """ROLLOUT_ENGINE_API_KEY (compose's ENGINE_API_KEY) goes with the worker's requests, from its
+    first /get_model_info on; it is not in the worker's logs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import wait_for
+
+    engine = _Engine()
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO), ROLLOUT_ENGINE_API_KEY="w0rker-key")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "-v", "--redis-url", redis_url, "--namespace", namespace,
+                                 "worker", "--engine-url", engine.url, "--tokenizer", "byte",
+                                 "--allow-byte-tokenizer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: engine.seen, timeout=60, what=f"a request from the worker\n{log.read_text()}")
+        assert all(auth == "Bearer w0rker-key" for _, _, auth in engine.seen), engine.seen
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        engine.close()
+    assert "w0rker-key" not in log.read_text()

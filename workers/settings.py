@@ -17,8 +17,10 @@ class WorkerSettings:
     redis_url: str
     engine_urls: list[str]
     namespace: str = "rollout"
-    concurrency_per_engine: int = 512  # samples, as slime's sglang_server_concurrency
+    concurrency_per_engine: int = 256  # samples, as slime's sglang_server_concurrency; `rollout worker`'s default
     tokenizer: str | None = None  # None: the byte-level tokenizer; else a HF path
+    # The engines' (and routers') SGLang --api-key, sent with every request; kept out of repr (logs).
+    engine_api_key: str | None = field(default=None, repr=False)
     apply_chat_template: bool = False
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     reward: str = "math_boxed"  # built-in name or dotted path

@@ -375,11 +375,11 @@ def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_by
     return served.pop()
 
 
-async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
+async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None) -> EngineModel:
     """/get_model_info of `url`, waiting (with a log line now and then) while it cannot answer."""
     from .engine import EngineClient, EngineUnavailable
 
-    client = EngineClient(url)
+    client = EngineClient(url, api_key=api_key)
     url = client.url  # without credentials: the one logs and errors show
     delay, last_log = 0.5, float("-inf")
     try:
@@ -398,7 +398,8 @@ async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
 
 
 async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_byte: bool,
-                           apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S) -> str | None:
+                           apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S,
+                           api_key: str | None = None) -> str | None:
     """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
     loaded once here so a missing library or model fails now, in one line.
 
@@ -406,7 +407,7 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
     bytes is requested (then what they serve changes nothing). Raises TokenizerChoiceError.
     """
     asks_engines = requested in (None, "byte")
-    engines = [await _engine_model(url, wait_log_s) for url in engine_urls] if asks_engines else []
+    engines = [await _engine_model(url, wait_log_s, api_key) for url in engine_urls] if asks_engines else []
     name = choose_tokenizer(engines, requested, allow_byte)
     try:
         tokenizer = load_tokenizer(name)

@@ -111,7 +111,7 @@ class Worker:
         # against the vocabulary where it is exact: the byte tokenizer's. (A Hugging
         # Face tokenizer can be smaller than the model's padded vocabulary.)
         self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
-                                 refresh_before_control=False,
+                                 refresh_before_control=False, api_key=settings.engine_api_key,
                                  vocab_size=ByteTokenizer.vocab_size if isinstance(self.tokenizer, ByteTokenizer)
                                  else None)
         self.reward = reward or self._load_reward()
