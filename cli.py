@@ -499,6 +499,9 @@ _METRICS_HOST_OPTION = click.option(
               help="slime's rollout_max_context_len, handed to --generate-function (prompt + all turns).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
 @_METRICS_HOST_OPTION
+@click.option("--progress-every", "progress_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds between progress lines in the log (claimed, published, samples/s, in flight, engines "
+                   "up, what it waits on); 0: none.")
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
@@ -506,7 +509,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
            mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
-           keep_response_text) -> None:
+           progress_s, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -545,6 +548,11 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--generate-function") from None
     redis_url = obj.url()
+    # A long-running worker's start line, progress lines and the reason it waits show
+    # without -v (the rest of the program logs warnings only).
+    worker_log = logging.getLogger("workers.worker")
+    if worker_log.getEffectiveLevel() > logging.INFO:
+        worker_log.setLevel(logging.INFO)
     with _stop_on_sigterm():
         try:
             tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template,
@@ -564,7 +572,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
-        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len,
+        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
     )
     try:
         asyncio.run(run_worker(settings))

@@ -362,3 +362,39 @@ def test_a_worker_sends_the_engines_api_key(redis_url, namespace, tmp_path):
         proc.wait(30)
         engine.close()
     assert "w0rker-key" not in log.read_text()
+
+
+def test_a_worker_logs_a_progress_line_without_asking(redis_url, namespace, queue, tmp_path):
+    """Without -v: the start line, then every --progress-every seconds what was claimed,
+    published, samples/s, slots in flight, engines up and what the worker does now."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from engines.simulator import SimConfig, start_simulator
+    from pipeline.types import Group
+    from tests.helpers import wait_for
+
+    queue.push_groups([Group.fresh(f"g{i}", f"What is {i} + 1?", 2, label=str(i + 1)) for i in range(4)])
+    sim = start_simulator(SimConfig(seed=0))
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace,
+                                 "worker", "--engine-url", sim.url, "--progress-every", "0.5",
+                                 "--max-new-tokens", "16"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    progress = re.compile(r"claimed (\d+) groups, published (\d+) \(([\d.]+) samples/s\), requeued 0; \d+ of \d+ "
+                          r"sample slots in flight; engines up 1 of 1; ")
+    try:
+        wait_for(lambda: sum(int(m.group(2)) for m in progress.finditer(log.read_text())) == 4, timeout=120,
+                 what=f"progress lines adding up to 4 published groups\n{log.read_text()[-3000:]}")
+        text = log.read_text()
+        assert "worker " in text.splitlines()[0] and "capacity" in text.splitlines()[0]  # the start line
+        assert sum(int(m.group(1)) for m in progress.finditer(text)) == 4
+        assert any(float(m.group(3)) > 0 for m in progress.finditer(text))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        sim.stop()

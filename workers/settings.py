@@ -37,6 +37,7 @@ class WorkerSettings:
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
     request_timeout_s: float = 600.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
+    progress_s: float = 60.0  # seconds between progress lines in the log (0: none)
     # slime's --custom-generate-function-path ("package.module:fn"): it makes the engine calls
     # of each sample (multi-turn, tools); None: one /generate per sample, made here.
     generate_function: str | None = None
