@@ -398,3 +398,31 @@ def test_a_worker_logs_a_progress_line_without_asking(redis_url, namespace, queu
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         sim.stop()
+
+
+def test_up_says_why_its_workers_are_not_registered(tmp_path):
+    """`rollout up --engine-url` of an engine that does not answer: the dashboard says the
+    workers wait for it, not just `workers 0`."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import wait_for
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update(ROLLOUT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen([sys.executable, "-m", "cli", "--namespace", "nowhere", "up", "--workers", "1",
+                               "--engine-url", "http://127.0.0.1:1", "--refresh", "0.3",
+                               "--data-dir", str(tmp_path / "stack")],
+                              cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = lambda: [l for l in log.read_text().splitlines() if "not registered yet" in l and "127.0.0.1:1" in l]
+        wait_for(said, timeout=90, what=f"the dashboard saying why\n{log.read_text()[-2000:]}")
+        line = said()[0]
+        assert line.startswith("worker 0 (pid ") and "/get_model_info" in line, line
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(60)
