@@ -114,6 +114,9 @@ _ENGINE_API_KEY_OPTION = click.option(
     help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
          "variable: a command line is visible to every local user).")
 
+TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
+                      "torch --index-url https://download.pytorch.org/whl/cpu)")
+
 #: The options of `rollout` itself (they go before the command), and whether each takes a value.
 GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
 
@@ -748,7 +751,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
         from engines.byte_lm import ModelConfig
         from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
-        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install -e '.[torch]' in your clone")
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): {TORCH_INSTALL_HINT}")
     if model_dir is not None and model_path is not None:
         raise click.UsageError("--model (an HF folder) and --model-path (a byte-level checkpoint) exclude each other")
     try:
@@ -790,7 +793,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
 @click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
               help="torch: engine processes.")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
-              help="torch: save the reward curve here (needs matplotlib).")
+              help="torch, llm: save the reward curve here (needs matplotlib: pip install -e '.[plot]').")
 @click.option("--task", type=click.Choice(["arithmetic", "tools"]), default="arithmetic", show_default=True,
               help="sim: tools runs examples/calculator_tools.py in the workers (several engine calls per sample, "
                    "calculator output between them with loss mask 0).")
@@ -834,6 +837,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
+        if png is not None and engine == "sim":
+            raise click.UsageError("--png saves the reward curve of --engine torch or llm; the simulator's demo "
+                                   "prints its steps as a table")
         if task != "arithmetic" and engine != "sim":
             raise click.UsageError("--task tools runs on the simulator (--engine sim); with other engines, "
                                    "start the workers with --generate-function (docs/trainers.md)")
@@ -852,8 +858,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
             try:
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
-                raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
-                                           "pip install -e '.[torch]' in your clone") from None
+                raise click.ClickException(f"--engine torch needs PyTorch ({exc}): {TORCH_INSTALL_HINT}") from None
             summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
         else:
             from local.demo import DemoOptions, run_demo

