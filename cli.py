@@ -1261,9 +1261,9 @@ def _print_audit(report) -> None:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
     if report.lost:
-        console.print(f"PROBLEM: {report.lost} pushed groups found nowhere", style="red")
+        console.print(f"PROBLEM: {_n(report.lost, 'pushed group')} found nowhere", style="red")
     if report.extra:
-        console.print(f"PROBLEM: {report.extra} more groups found than pushed", style="red")
+        console.print(f"PROBLEM: {_n(report.extra, 'more group')} found than pushed", style="red")
     if report.in_two_places:
         console.print(f"PROBLEM: {len(report.in_two_places)} groups in two places: "
                       f"{', '.join(report.in_two_places[:10])}", style="red", markup=False)
@@ -1668,7 +1668,8 @@ def dead_list(obj: Context, limit, as_json) -> None:
         table.add_row(*(Text(c) for c in r))
     console.print(table)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
-    console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
+    console.print(f"{shown} dead letter{'' if total == 1 else 's'}; `rollout dead show ID` for one in full",
+                  markup=False)
 
 
 def _retry_mark(letter) -> str:

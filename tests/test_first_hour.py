@@ -169,7 +169,7 @@ def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
     queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
     queue.redis.xadd(queue.keys.results, {b"gid": b"\xff\xfe", b"data": b""})
     result = run("audit")  # the run fixture fails the test on any exception
-    assert result.exit_code == 1 and "1 more groups found than pushed" in result.output, result.output
+    assert result.exit_code == 1 and "1 more group found than pushed" in result.output, result.output
     report = json.loads(run("audit", "--json").output)
     assert report["prompts"] == 2 and report["extra"] == 1 and not report["ok"]
 
