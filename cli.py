@@ -1395,7 +1395,7 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
     held = (f"; {_n(waiting, 'group')} in flight wait at the paused engines and continue on resume"
             if waiting else "")
     click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {_n(len(reached), 'engine')} {source} "
-               f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream{held}")
+               f"({', '.join(reached)}); {_n(report.requeued, 'aborted group')} in the requeue stream{held}")
 
 
 @main.command()
