@@ -330,6 +330,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                     click.echo(_dump(_push_record(obj, file, PushReport(dataset_name or file.name, 0), epochs,
                                                   n_samples)))
                 return
+            _warn_before_writing_every_epoch(data.rows, epochs, max_queued)
             with Progress(transient=True, disable=not sys.stderr.isatty()) as progress, \
                     _FeederProgress(queue, opts.dataset_name or file.name, len(data.rows) * epochs, max_queued) \
                     as feeder:
@@ -348,7 +349,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
         except redis.RedisError as exc:
             raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
                                                  "recorded in the cursor: run the same push again to resume")) from None
-    _warn_after_pushing(data.rows, n_samples, epochs, max_queued)
+    if n_samples == 1:
+        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
+                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
     if report.without_label:
         click.echo(f"warning: {report.without_label} of {report.rows} rows have no {label_key!r} field: the default "
                    "reward math_boxed (and exact_match) needs a label and dead-letters their groups on the first "
@@ -408,15 +411,12 @@ class _FeederProgress:
 PUSH_UP_FRONT_WARN_BYTES = 64 * 2**20
 
 
-def _warn_after_pushing(rows: list, n_samples: int, epochs: int, max_queued: int | None) -> None:
-    if n_samples == 1:
-        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
-                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
+def _warn_before_writing_every_epoch(rows: list, epochs: int, max_queued: int | None) -> None:
     up_front = sum(r.raw_bytes for r in rows) * epochs
     if max_queued is None and up_front > PUSH_UP_FRONT_WARN_BYTES:
-        click.echo(f"warning: wrote {len(rows):,} rows x {epochs} epochs to Redis up front (~{up_front / 2**20:,.0f} "
-                   f"MB of prompts, held until trained); --max-queued 1024 feeds them as the workers drain the "
-                   f"list (keep that push running, e.g. in the background)", err=True)
+        click.echo(f"warning: writing {len(rows):,} rows x {epochs} epochs to Redis up front "
+                   f"(~{up_front / 2**20:,.0f} MB of prompts, held until trained); --max-queued 1024 feeds them as "
+                   f"the workers drain the list (keep that push running, e.g. in the background)", err=True)
 
 
 def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) -> dict:

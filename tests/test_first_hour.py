@@ -224,7 +224,7 @@ def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, t
     assert "warning" not in run("push", str(data), "--n-samples", "4", "--dataset-name", "four").output
     monkeypatch.setattr(cli, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
     big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
-    assert big.exit_code == 0 and "warning: wrote 50 rows x 3 epochs to Redis up front" in big.output
+    assert big.exit_code == 0 and "warning: writing 50 rows x 3 epochs to Redis up front" in big.output
     assert "--max-queued 1024 feeds them" in big.output
 
 
