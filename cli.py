@@ -108,6 +108,15 @@ class Context:
 DEFAULT_CONCURRENCY = 256  # samples in flight per engine, per worker
 DEFAULT_MAX_NEW_TOKENS = 1024
 
+ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
+_ENGINE_API_KEY_OPTION = click.option(
+    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
+    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
+         "variable: a command line is visible to every local user).")
+
+TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
+                      "torch --index-url https://download.pytorch.org/whl/cpu)")
+
 #: The options of `rollout` itself (they go before the command), and whether each takes a value.
 GLOBAL_OPTIONS = {"--redis-url": True, "--namespace": True, "--verbose": False, "-v": False}
 
@@ -196,6 +205,11 @@ def _stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 
         sys.exit(exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 engine`, `2 engines`: a count with its noun (plural: + "s" unless given)."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {plural or noun + 's'}"
 
 
 def _dump(obj) -> str:
@@ -316,6 +330,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                     click.echo(_dump(_push_record(obj, file, PushReport(dataset_name or file.name, 0), epochs,
                                                   n_samples)))
                 return
+            _warn_before_writing_every_epoch(data.rows, epochs, max_queued)
             with Progress(transient=True, disable=not sys.stderr.isatty()) as progress, \
                     _FeederProgress(queue, opts.dataset_name or file.name, len(data.rows) * epochs, max_queued) \
                     as feeder:
@@ -334,7 +349,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
         except redis.RedisError as exc:
             raise click.ClickException(obj.scrub(f"push stopped by a Redis error ({exc}); every chunk pushed is "
                                                  "recorded in the cursor: run the same push again to resume")) from None
-    _warn_after_pushing(data.rows, n_samples, epochs, max_queued)
+    if n_samples == 1:
+        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
+                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
     if report.without_label:
         click.echo(f"warning: {report.without_label} of {report.rows} rows have no {label_key!r} field: the default "
                    "reward math_boxed (and exact_match) needs a label and dead-letters their groups on the first "
@@ -342,9 +359,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     if as_json:
         click.echo(_dump(_push_record(obj, file, report, epochs, n_samples)))
     else:
-        click.echo(f"{report.dataset}: pushed {report.pushed} groups of {n_samples}, "
-                   f"{report.dead} bad rows dead-lettered, {report.already} already pushed before "
-                   f"({report.rows} rows x {epochs} epochs)")
+        click.echo(f"{report.dataset}: pushed {_n(report.pushed, 'group')} of {n_samples}, "
+                   f"{_n(report.dead, 'bad row')} dead-lettered, {report.already} already pushed before "
+                   f"({_n(report.rows, 'row')} x {_n(epochs, 'epoch')})")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
 
@@ -394,15 +411,12 @@ class _FeederProgress:
 PUSH_UP_FRONT_WARN_BYTES = 64 * 2**20
 
 
-def _warn_after_pushing(rows: list, n_samples: int, epochs: int, max_queued: int | None) -> None:
-    if n_samples == 1:
-        click.echo("warning: --n-samples 1: groups of one sample, so every GRPO advantage (reward minus the "
-                   "group's mean) is zero; GRPO-style training needs --n-samples 8 or so", err=True)
+def _warn_before_writing_every_epoch(rows: list, epochs: int, max_queued: int | None) -> None:
     up_front = sum(r.raw_bytes for r in rows) * epochs
     if max_queued is None and up_front > PUSH_UP_FRONT_WARN_BYTES:
-        click.echo(f"warning: wrote {len(rows):,} rows x {epochs} epochs to Redis up front (~{up_front / 2**20:,.0f} "
-                   f"MB of prompts, held until trained); --max-queued 1024 feeds them as the workers drain the "
-                   f"list (keep that push running, e.g. in the background)", err=True)
+        click.echo(f"warning: writing {len(rows):,} rows x {epochs} epochs to Redis up front "
+                   f"(~{up_front / 2**20:,.0f} MB of prompts, held until trained); --max-queued 1024 feeds them as "
+                   f"the workers drain the list (keep that push running, e.g. in the background)", err=True)
 
 
 def _push_record(obj: Context, file: Path, report, epochs: int, n_samples: int) -> dict:
@@ -433,6 +447,7 @@ _METRICS_HOST_OPTION = click.option(
 @main.command()
 @click.option("--engine-url", "engine_urls", multiple=True, required=True, envvar=ENGINE_URLS_ENV,
               help="SGLang engine or router URL; repeat for several (env ROLLOUT_ENGINE_URLS, space-separated).")
+@_ENGINE_API_KEY_OPTION
 @click.option("--concurrency", default=DEFAULT_CONCURRENCY, show_default=True, type=click.IntRange(min=1),
               help="Samples in flight per engine (slime's sglang_server_concurrency).")
 @click.option("--tokenizer", help="Hugging Face tokenizer name or path, or `byte`. Default: the model the engines "
@@ -487,14 +502,17 @@ _METRICS_HOST_OPTION = click.option(
               help="slime's rollout_max_context_len, handed to --generate-function (prompt + all turns).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
 @_METRICS_HOST_OPTION
+@click.option("--progress-every", "progress_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds between progress lines in the log (claimed, published, samples/s, in flight, engines "
+                   "up, what it waits on); 0: none.")
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
-def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
+def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
            mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
-           keep_response_text) -> None:
+           progress_s, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -533,20 +551,31 @@ def worker(obj: Context, engine_urls, concurrency, tokenizer, allow_byte_tokeniz
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--generate-function") from None
     redis_url = obj.url()
+    # A long-running worker's start line, progress lines and the reason it waits show
+    # without -v (the rest of the program logs warnings only).
+    worker_log = logging.getLogger("workers.worker")
+    if worker_log.getEffectiveLevel() > logging.INFO:
+        worker_log.setLevel(logging.INFO)
     with _stop_on_sigterm():
         try:
-            tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template))
+            tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template,
+                                                     api_key=api_key))
         except (TokenizerChoiceError, TokenizerError, EngineError) as exc:
             raise click.ClickException(obj.scrub(str(exc))) from None
+    if apply_chat_template is None:  # the model's own template when it has one (generate functions read it too)
+        from workers.tokenizer import load_tokenizer
+
+        apply_chat_template = load_tokenizer(tokenizer).templates_by_default
     settings = WorkerSettings(
         redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
-        tokenizer=tokenizer, apply_chat_template=apply_chat_template, reward=reward, group_reward=group_reward,
+        tokenizer=tokenizer, engine_api_key=api_key, apply_chat_template=apply_chat_template, reward=reward,
+        group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
-        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len,
+        sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
     )
     try:
         asyncio.run(run_worker(settings))
@@ -722,7 +751,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
         from engines.byte_lm import ModelConfig
         from engines.torch_engine import TorchEngineConfig, serve
     except ImportError as exc:
-        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): pip install -e '.[torch]' in your clone")
+        raise click.ClickException(f"the torch engine needs PyTorch ({exc}): {TORCH_INSTALL_HINT}")
     if model_dir is not None and model_path is not None:
         raise click.UsageError("--model (an HF folder) and --model-path (a byte-level checkpoint) exclude each other")
     try:
@@ -764,7 +793,7 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
 @click.option("--engines", "n_engines", default=1, show_default=True, type=click.IntRange(1, 2),
               help="torch: engine processes.")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
-              help="torch: save the reward curve here (needs matplotlib).")
+              help="torch, llm: save the reward curve here (needs matplotlib: pip install -e '.[plot]').")
 @click.option("--task", type=click.Choice(["arithmetic", "tools"]), default="arithmetic", show_default=True,
               help="sim: tools runs examples/calculator_tools.py in the workers (several engine calls per sample, "
                    "calculator output between them with loss mask 0).")
@@ -808,6 +837,9 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
                                              ("n_samples", n_samples), ("workers", n_workers)) if value is not None}
     echo = None if as_json else click.echo
     try:
+        if png is not None and engine == "sim":
+            raise click.UsageError("--png saves the reward curve of --engine torch or llm; the simulator's demo "
+                                   "prints its steps as a table")
         if task != "arithmetic" and engine != "sim":
             raise click.UsageError("--task tools runs on the simulator (--engine sim); with other engines, "
                                    "start the workers with --generate-function (docs/trainers.md)")
@@ -826,8 +858,7 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
             try:
                 from local.grpo_run import GRPOOptions, run_grpo
             except ImportError as exc:
-                raise click.ClickException(f"--engine torch needs PyTorch ({exc}): "
-                                           "pip install -e '.[torch]' in your clone") from None
+                raise click.ClickException(f"--engine torch needs PyTorch ({exc}): {TORCH_INSTALL_HINT}") from None
             summary = run_grpo(GRPOOptions(engines=n_engines, curve_png=png, **given), echo=echo)
         else:
             from local.demo import DemoOptions, run_demo
@@ -1070,7 +1101,7 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(printable(f"worker {w.worker}: {state}; holds {len(w.groups)} groups"))
+        click.echo(printable(f"worker {w.worker}: {state}; holds {_n(len(w.groups), 'group')}"))
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
@@ -1230,9 +1261,9 @@ def _print_audit(report) -> None:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
     if report.lost:
-        console.print(f"PROBLEM: {report.lost} pushed groups found nowhere", style="red")
+        console.print(f"PROBLEM: {_n(report.lost, 'pushed group')} found nowhere", style="red")
     if report.extra:
-        console.print(f"PROBLEM: {report.extra} more groups found than pushed", style="red")
+        console.print(f"PROBLEM: {_n(report.extra, 'more group')} found than pushed", style="red")
     if report.in_two_places:
         console.print(f"PROBLEM: {len(report.in_two_places)} groups in two places: "
                       f"{', '.join(report.in_two_places[:10])}", style="red", markup=False)
@@ -1307,11 +1338,6 @@ _ENGINE_URL_OPTION = click.option(
     "--engine-url", "engine_urls", multiple=True, envvar=ENGINE_URLS_ENV,
     help="Engine or router URL to control; repeat for several (env ROLLOUT_ENGINE_URLS). "
          "Default: the engines the live workers report in their heartbeats.")
-ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
-_ENGINE_API_KEY_OPTION = click.option(
-    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
-    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
-         "variable: a command line is visible to every local user).")
 
 
 @main.command()
@@ -1347,7 +1373,7 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         set_paused(queue.redis, queue.keys, True)
         inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
-                   f"reports any); {inflight} groups in flight finish normally")
+                   f"reports any); {_n(inflight, 'group')} in flight finish normally")
         return
 
     async def go():
@@ -1366,10 +1392,10 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
     waiting = report.still_inflight
-    held = (f"; {waiting} groups in flight wait at the paused engines and continue on resume"
+    held = (f"; {_n(waiting, 'group')} in flight wait at the paused engines and continue on resume"
             if waiting else "")
-    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {len(reached)} engines {source} "
-               f"({', '.join(reached)}); {report.requeued} aborted groups wait in the requeue stream{held}")
+    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {_n(len(reached), 'engine')} {source} "
+               f"({', '.join(reached)}); {_n(report.requeued, 'aborted group')} in the requeue stream{held}")
 
 
 @main.command()
@@ -1415,7 +1441,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -
                                    f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    where = (f"{len(reached)} engines {source} continued ({', '.join(reached)})" if urls else
+    where = (f"{_n(len(reached), 'engine')} {source} continued ({', '.join(reached)})" if urls else
              "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
     click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
                f"; {where}")
@@ -1642,7 +1668,8 @@ def dead_list(obj: Context, limit, as_json) -> None:
         table.add_row(*(Text(c) for c in r))
     console.print(table)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
-    console.print(f"{shown} dead letters; `rollout dead show ID` for one in full", markup=False)
+    console.print(f"{shown} dead letter{'' if total == 1 else 's'}; `rollout dead show ID` for one in full",
+                  markup=False)
 
 
 def _retry_mark(letter) -> str:
@@ -1750,7 +1777,7 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
         click.echo(f"skipped {letter.describe()}: {why}", err=True)
     for letter, why in result.doomed:
         click.echo(f"warning: retried {letter.describe()}, but {why}", err=True)
-    click.echo(f"retried {result.settled} dead letters: back at the head of the prompt list"
+    click.echo(f"retried {_n(result.settled, 'dead letter')}: back at the head of the prompt list"
                + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
 
 
@@ -1773,7 +1800,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
         _letters, n = deadletters.drop(queue, list(idents), all_)
     except deadletters.DeadLetterError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"dropped {n} dead letters")
+    click.echo(f"dropped {_n(n, 'dead letter')}")
 
 
 # -- consume ---------------------------------------------------------------------------
@@ -1848,7 +1875,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
             else:
                 _print_batch(console, row, steps)
     if not as_json:
-        console.print(f"committed {done} batches ({done * batch_size} groups) in "
+        console.print(f"committed {_n(done, 'batch', 'batches')} ({_n(done * batch_size, 'group')}) in "
                       f"{time.monotonic() - started:.2f}s", markup=False)
 
 

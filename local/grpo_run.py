@@ -294,5 +294,5 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
         if save_curve_png(rows, opts.curve_png, title):
             say(f"curve saved to {opts.curve_png}")
         else:
-            say("matplotlib is not installed: no PNG (the table above is the curve)")
+            say("matplotlib is not installed: no PNG (the table above is the curve; pip install -e '.[plot]')")
     return summary

@@ -170,6 +170,15 @@ class Stack:
         return grid
 
 
+    def not_registered(self, snap) -> list[str]:
+        """Worker processes running but not (yet) in Redis, with the last line of their log:
+        a worker waits for its engines to answer before it registers, and `workers 0` alone
+        does not say so."""
+        registered = {w.pid for w in snap.workers if w.alive}
+        return [f"worker {w.index} (pid {w.proc.pid}) not registered yet: {_last_line(w.log_path)}"
+                for w in self.workers if w.proc.poll() is None and not w.failed and w.proc.pid not in registered]
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
@@ -203,8 +212,10 @@ def run_stack(opts: StackOptions, console) -> None:
 
         def frame():
             snap = snapshot(queue, tracker)
+            waiting = [Text(w, style="yellow") for w in stack.not_registered(snap)]
             extra = [Text("! " + e, style="red") for e in events[-3:]]
-            return snap, RichGroup(stack.header(), render(snap, title=f"rollout up | {opts.namespace}"), *extra, hint)
+            return snap, RichGroup(stack.header(), render(snap, title=f"rollout up | {opts.namespace}"), *waiting,
+                                   *extra, hint)
 
         if console.is_terminal:
             with Live(frame()[1], console=console, refresh_per_second=4, transient=False) as live:
@@ -214,10 +225,17 @@ def run_stack(opts: StackOptions, console) -> None:
                     live.update(frame()[1])
         else:
             # Not a terminal (a log file, CI, a pipe): one line per refresh, events as they happen.
+            said_waiting: list[str] = []
             while deadline is None or time.monotonic() < deadline:
                 for e in stack.supervise():
                     say("! " + e)
-                say(one_line(frame()[0]))
+                snap = frame()[0]
+                say(one_line(snap))
+                waiting = stack.not_registered(snap)
+                if waiting != said_waiting:  # said when it changes, not every refresh
+                    for w in waiting:
+                        say(w)
+                    said_waiting = waiting
                 time.sleep(opts.refresh_s)
     except KeyboardInterrupt:
         pass

@@ -523,9 +523,10 @@ class Consumer:
         else:
             reasons.append(f"{prompts} prompts queued")
         if requeue:
-            reasons.append(f"{requeue} aborted groups wait in the requeue stream")
+            reasons.append(f"{requeue} aborted group{'' if requeue == 1 else 's'} wait{'s' if requeue == 1 else ''} "
+                           "in the requeue stream")
         if dead:
-            reasons.append(f"{dead} dead letters")
+            reasons.append(f"{dead} dead letter{'' if dead == 1 else 's'}")
         limit = control.staleness_limit
         if limit is not None and control.admitted >= limit:
             reasons.append(

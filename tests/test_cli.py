@@ -225,7 +225,7 @@ def test_pause_resume_engines_from_worker_heartbeats(run, queue, client, sim):
     queue.register("w", json.dumps({"engines": [sim.url], "state": "running"}))
     result = run("pause", "--mode", "in_place")
     assert result.exit_code == 0, result.output
-    assert "1 engines reported by the live workers" in result.output and sim.url in result.output
+    assert "1 engine reported by the live workers" in result.output and sim.url in result.output
     assert sim.server.engine.paused and read_control(client, queue.keys).paused
     result = run("resume", "--weight-version", "7")
     assert result.exit_code == 0, result.output
@@ -237,7 +237,7 @@ def test_pause_with_given_engine_and_abort(run, queue, client, sim):
     queue.push_groups(groups(1))
     result = run("pause", "--engine-url", sim.url)
     assert result.exit_code == 0, result.output
-    assert "paused (abort)" in result.output and "1 engines given" in result.output
+    assert "paused (abort)" in result.output and "1 engine given" in result.output
     assert run("resume", "--engine-url", sim.url).exit_code == 0
     assert not sim.server.engine.paused
 
@@ -294,7 +294,7 @@ def test_dead_retry_returns_groups_to_the_pipeline(run, queue, tmp_path):
     assert "rows.jsonl:0:1" in line and "bad dataset row" in line
     assert "give one or more" in one_error_line(run("dead", "retry"))
     result = run("dead", "retry", ids["fail0"])
-    assert result.exit_code == 0 and "retried 1 dead letters" in result.output
+    assert result.exit_code == 0 and "retried 1 dead letter:" in result.output
     result = run("dead", "retry", "--all")
     assert result.exit_code == 0 and "retried 1" in result.output and "1 skipped" in result.output
     assert "skipped dead letter" in result.output and "bad dataset row" in result.output
@@ -340,7 +340,7 @@ def test_consume_text_and_timeout(run, queue):
     finished(queue, 3)
     result = run("consume", "--batch-size", "3")
     assert result.exit_code == 0, result.output
-    assert "step 1/1  3 groups" in result.output and "committed 1 batches (3 groups)" in result.output
+    assert "step 1/1  3 groups" in result.output and "committed 1 batch (3 groups)" in result.output
     assert max(len(l.rstrip()) for l in result.output.splitlines()) <= 80
     line = one_error_line(run("consume", "--batch-size", "2", "--timeout", "0.3"))
     assert "after 0 of 1 batches" in line and "timed out" in line and "prompt list is empty" in line
@@ -376,7 +376,7 @@ def test_push_bad_files(run, tmp_path, queue):
     good = tmp_path / "good.jsonl"
     good.write_text('{"input": "What is 1 + 1?", "label": "2"}\n')
     result = run("push", str(good), "--n-samples", "4")
-    assert result.exit_code == 0 and "pushed 1 groups of 4" in result.output
+    assert result.exit_code == 0 and "pushed 1 group of 4" in result.output
 
 
 def test_up_refuses_redis_url(run):

@@ -139,7 +139,7 @@ def test_pipeline_through_the_cli(env, redis_url, namespace, tmp_path):
 
         # pause/resume find the engine through the worker's heartbeat
         proc = rollout("pause", env=env, check=0)
-        assert "1 engines reported by the live workers" in proc.stdout
+        assert "1 engine reported by the live workers" in proc.stdout
         assert json.loads(rollout("status", "--json", "--sample", "0", env=env, check=0).stdout)["paused"]
         proc = rollout("resume", "--weight-version", "1", env=env, check=0)
         assert "resumed at weight version 1" in proc.stdout and "continued" in proc.stdout
@@ -260,7 +260,7 @@ def test_long_running_commands_stop_cleanly_on_sigterm(env, redis_url, namespace
     try:
         wait_for(lambda: answers(f"http://127.0.0.1:{port}/health"), what="the simulator")
         wait_for(lambda: client.llen(keys.prompts) == 4, what="the feeder waiting at --max-queued")
-        # (consume refuses a namespace that does not exist yet: it starts once there is one)
+        # (consume would wait for the first push; started after it, it blocks on the results stream at once)
         procs["consume"] = spawn("consume", "--batch-size", "2", "--timeout", "600", env=env)
         procs["status"] = spawn("status", "--watch", "--json", "--interval", "0.2", env=env)
         def consumer_blocked():

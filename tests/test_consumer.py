@@ -497,7 +497,7 @@ def test_timeout_mentions_requeue_and_dead(queue, consumer):
     publish(queue, "w", cs[0], Place.REQUEUE)
     publish(queue, "w", cs[1], Place.DEAD, error="boom")
     msg = _timeout(consumer)
-    assert "1 aborted groups wait in the requeue stream" in msg and "1 dead letters" in msg
+    assert "1 aborted group waits in the requeue stream" in msg and "1 dead letter" in msg
 
 
 def test_blocking_stays_below_socket_timeout(redis_url, queue, namespace):

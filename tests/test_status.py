@@ -88,7 +88,7 @@ def test_snapshot_counts_every_place(queue, client):
     # Every waiting result was produced at version 0: four versions behind.
     assert snap.staleness.by_lag == {4: 3} and snap.staleness.max == 4 and snap.staleness.checked == 3
     assert 0 <= snap.backlog_age_s < 10 and snap.requeue_age_s is not None
-    assert any("paused" in a for a in snap.alerts) and any("1 dead letters" in a for a in snap.alerts)
+    assert any("paused" in a for a in snap.alerts) and any("1 dead letter " in a for a in snap.alerts)
     d = json.loads(snap.to_json())
     assert STABLE_KEYS <= set(d)
     assert d["inflight"] == 1 and d["staleness"]["by_lag"] == {"4": 3}

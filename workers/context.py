@@ -20,7 +20,9 @@ log = logging.getLogger("workers.worker")
 
 @dataclass
 class WorkerCounters:
+    groups_claimed: int = 0
     groups_completed: int = 0
+    samples_completed: int = 0  # samples of the groups published to the results
     groups_requeued: int = 0
     groups_dead: int = 0
     groups_lost: int = 0  # publish refused: reaped or handed back while we worked on them

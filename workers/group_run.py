@@ -94,6 +94,7 @@ class GroupRunner:
             self._release_slots(old)
         group.worker = self.ctx.id
         group.claimed_at = time.time()
+        self.ctx.counters.groups_claimed += 1
         if group.n_samples > self.ctx.capacity:
             log.warning("group %s has %d samples, more than this worker's capacity of %d: running it alone",
                         group.group_id, group.n_samples, self.ctx.capacity)
@@ -200,9 +201,11 @@ class GroupRunner:
             counters.groups_lost += 1
         elif place == Place.RESULTS:
             counters.groups_completed += 1
+            counters.samples_completed += len(group.samples)
         elif place == Place.REQUEUE:
             counters.groups_requeued += 1
-            log.info("group %s: unfinished (paused or engines down); partial output requeued", group.group_id)
+            # One per group on a pause: the progress line counts them (INFO shows by default).
+            log.debug("group %s: unfinished (paused or engines down); partial output requeued", group.group_id)
         else:
             counters.groups_dead += 1
             log.error("group %s: dead-lettered: %s", group.group_id, error)

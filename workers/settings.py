@@ -17,8 +17,10 @@ class WorkerSettings:
     redis_url: str
     engine_urls: list[str]
     namespace: str = "rollout"
-    concurrency_per_engine: int = 512  # samples, as slime's sglang_server_concurrency
+    concurrency_per_engine: int = 256  # samples, as slime's sglang_server_concurrency; `rollout worker`'s default
     tokenizer: str | None = None  # None: the byte-level tokenizer; else a HF path
+    # The engines' (and routers') SGLang --api-key, sent with every request; kept out of repr (logs).
+    engine_api_key: str | None = field(default=None, repr=False)
     apply_chat_template: bool = False
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     reward: str = "math_boxed"  # built-in name or dotted path
@@ -35,6 +37,7 @@ class WorkerSettings:
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
     request_timeout_s: float = 600.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
+    progress_s: float = 60.0  # seconds between progress lines in the log (0: none)
     # slime's --custom-generate-function-path ("package.module:fn"): it makes the engine calls
     # of each sample (multi-turn, tools); None: one /generate per sample, made here.
     generate_function: str | None = None

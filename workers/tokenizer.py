@@ -64,6 +64,7 @@ class Tokenizer(Protocol):
 
     eos_token_id: int | None
     has_chat_template: bool
+    templates_by_default: bool  # string prompts go in the chat template unless told otherwise
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -100,6 +101,7 @@ class ByteTokenizer:
 
     name_or_path = "byte"
     has_chat_template = True  # the simple template is this tokenizer's own convention
+    templates_by_default = False  # the simulator's prompts are text unless asked
     bos_token_id = 256
     eos_token_id = 257
     pad_token_id = 258
@@ -170,6 +172,10 @@ class HFTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._is_transformers and bool(getattr(self.backend, "chat_template", None))
+
+    @property
+    def templates_by_default(self) -> bool:
+        return self.has_chat_template  # an instruct model: it was trained on its template
 
     def _find_token(self, candidates: Sequence[str]) -> int | None:
         for token in candidates:
@@ -287,13 +293,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_tem
 
     A list prompt (chat messages) is always rendered with the chat template; a
     string is wrapped as a single user message when `apply_chat_template`, or, when
-    it is None, when the tokenizer has a template of its own (an instruct model).
+    it is None, when the tokenizer templates by default (a model with a chat template
+    of its own: an instruct model; not the simulator's bytes).
     Raises ValueError for any prompt it cannot encode (wrong type, malformed
     messages, chat messages for a tokenizer without a template), so callers can
     treat that as poison input.
     """
     if apply_chat_template is None:
-        apply_chat_template = tokenizer.has_chat_template
+        apply_chat_template = tokenizer.templates_by_default
     if isinstance(prompt, list):
         text = tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True)
     elif isinstance(prompt, str):
@@ -368,11 +375,11 @@ def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_by
     return served.pop()
 
 
-async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
+async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None) -> EngineModel:
     """/get_model_info of `url`, waiting (with a log line now and then) while it cannot answer."""
     from .engine import EngineClient, EngineUnavailable
 
-    client = EngineClient(url)
+    client = EngineClient(url, api_key=api_key)
     url = client.url  # without credentials: the one logs and errors show
     delay, last_log = 0.5, float("-inf")
     try:
@@ -391,7 +398,8 @@ async def _engine_model(url: str, wait_log_s: float) -> EngineModel:
 
 
 async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_byte: bool,
-                           apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S) -> str | None:
+                           apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S,
+                           api_key: str | None = None) -> str | None:
     """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
     loaded once here so a missing library or model fails now, in one line.
 
@@ -399,7 +407,7 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
     bytes is requested (then what they serve changes nothing). Raises TokenizerChoiceError.
     """
     asks_engines = requested in (None, "byte")
-    engines = [await _engine_model(url, wait_log_s) for url in engine_urls] if asks_engines else []
+    engines = [await _engine_model(url, wait_log_s, api_key) for url in engine_urls] if asks_engines else []
     name = choose_tokenizer(engines, requested, allow_byte)
     try:
         tokenizer = load_tokenizer(name)
@@ -410,7 +418,8 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
         raise TokenizerChoiceError(f"--apply-chat-template, but tokenizer {name!r} has no chat template (a base "
                                    "model): prompts would be wrapped in one it never saw; leave the option out "
                                    "(string prompts go as text)")
-    templated = tokenizer.has_chat_template and apply_chat_template is not False
-    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte", ", ".join(e.url for e in engines) or "(not asked)",
+    templated = apply_chat_template or (apply_chat_template is None and tokenizer.templates_by_default)
+    logger.info("tokenizer %s for engines %s; string prompts %s", name or "byte",
+                ", ".join(e.url for e in engines) or "(not asked)",
                 "in the model's chat template" if templated else "as text")
     return name

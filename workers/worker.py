@@ -111,7 +111,7 @@ class Worker:
         # against the vocabulary where it is exact: the byte tokenizer's. (A Hugging
         # Face tokenizer can be smaller than the model's padded vocabulary.)
         self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
-                                 refresh_before_control=False,
+                                 refresh_before_control=False, api_key=settings.engine_api_key,
                                  vocab_size=ByteTokenizer.vocab_size if isinstance(self.tokenizer, ByteTokenizer)
                                  else None)
         self.reward = reward or self._load_reward()
@@ -177,6 +177,8 @@ class Worker:
         background = [asyncio.create_task(self.liveness.heartbeat_loop()),
                       asyncio.create_task(self.liveness.maintenance_loop()),
                       asyncio.create_task(self.liveness.listen_for_control())]
+        if self.settings.progress_s > 0:
+            background.append(asyncio.create_task(self._progress_loop()))
         try:
             await self.claimer.loop()
         except PermissionDenied as exc:
@@ -189,6 +191,25 @@ class Worker:
             raise WorkerConfigError(f"worker {self.id} stopped: {self.ctx.refusal}; grant the Redis user that "
                                     "command (`rollout acl --role worker` prints a user with everything a worker "
                                     "needs)")
+
+    async def _progress_loop(self) -> None:
+        """A line every `progress_s`: what was done since the last one, and what the worker
+        does or waits on now (a worker runs for hours; silence must not hide a stall)."""
+        c = self.counters
+        last = (time.monotonic(), c.groups_claimed, c.groups_completed, c.samples_completed, c.groups_requeued)
+        while True:
+            await asyncio.sleep(self.settings.progress_s)
+            now = time.monotonic()
+            claimed, published, samples, requeued = (c.groups_claimed - last[1], c.groups_completed - last[2],
+                                                     c.samples_completed - last[3], c.groups_requeued - last[4])
+            rate = samples / max(now - last[0], 1e-9)
+            last = (now, c.groups_claimed, c.groups_completed, c.samples_completed, c.groups_requeued)
+            engines = self.engines.engines or self.engines.urls
+            up = 0 if self.engine_health.down is not None else len(engines)
+            log.info("worker %s: last %.0fs: claimed %d groups, published %d (%.1f samples/s), requeued %d; %d of "
+                     "%d sample slots in flight; engines up %d of %d; %s", self.id, self.settings.progress_s,
+                     claimed, published, rate, requeued, self.inflight_samples, self.capacity, up, len(engines),
+                     self.state())
 
     def describe(self) -> str:
         """The one line a worker prints when it starts."""

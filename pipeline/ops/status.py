@@ -477,7 +477,7 @@ def alerts(s: StatusSnapshot) -> list[str]:
                    f"holding them); past {s.max_claims} claims a group is dead-lettered; most: {gid} ({n} claims, "
                    f"`rollout inspect {gid}`)")
     if s.dead:
-        out.append(f"{s.dead} dead letters (`rollout dead list`)")
+        out.append(f"{s.dead} dead letter{'' if s.dead == 1 else 's'} (`rollout dead list`)")
     if s.max_ready is not None and s.results_ready >= s.max_ready:
         out.append(f"results backlog full ({s.results_ready}/{s.max_ready}): workers wait for the trainer")
     if s.max_staleness is not None and s.batch_size:
