@@ -9,8 +9,9 @@ reopen admission.
 rolling_update(path, v): Laminar's idea, generation never stops globally. One engine at
 a time leaves the workers' rotation (`draining` in the control hash, set before it
 pauses), is paused in abort mode (its requests continue at once on the other engines,
-with their partial output), loads the weights, continues and rejoins; the version is
-recorded once every engine serves it. Admission stays open throughout. Workers must be
+with their partial output), loads the weights, continues and rejoins. The version is
+recorded first (the trainer has those weights now: the staleness bound and admission
+pacing count from it), and admission stays open throughout. Workers must be
 given the engines' own URLs: behind a router they cannot steer around one engine.
 """
 from __future__ import annotations
@@ -161,11 +162,14 @@ class Controller:
 
     async def rolling_update(self, model_path: str, weight_version: int) -> RollingReport:
         """Update the engines one at a time while the others keep generating (see the
-        module's docstring). If an engine fails, it stays out of rotation and paused, the
-        version is not recorded, and the error names it."""
+        module's docstring). If an engine fails, it stays out of rotation and paused, and
+        the error names it. A version older than the recorded one is not recorded (a
+        trainer that moved on while the update waited its turn)."""
         if self.engines is None:
             raise WeightUpdateError("no engines configured for this controller")
         started = time.monotonic()
+        if self._call(read_control, self.redis, self.keys).weight_version < weight_version:
+            self._call(set_weight_version, self.redis, self.keys, weight_version)
         urls = await self.engines.refresh()
         out_of_rotation: dict[str, float] = {}
         for url in urls:
@@ -183,5 +187,4 @@ class Controller:
                                         f"engines before it serve version {weight_version}: {exc}") from exc
             self._call(set_draining, self.redis, self.keys, [])
             out_of_rotation[url] = time.monotonic() - since
-        self._call(set_weight_version, self.redis, self.keys, weight_version)
         return RollingReport(weight_version, time.monotonic() - started, out_of_rotation)

@@ -10,7 +10,7 @@ import pytest
 from engines.simulator import SimConfig, start_simulator
 from pipeline.consumer import Consumer
 from pipeline.control import read_control
-from pipeline.controller import Controller
+from pipeline.controller import Controller, WeightUpdateError
 from pipeline.ops.audit import audit
 from pipeline.queue import Queue
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
@@ -40,7 +40,7 @@ class WatchedEngines(EngineSet):
     def __init__(self, urls: list[str], queue: Queue, more: int = 2):
         super().__init__(urls)
         self.queue, self.more = queue, more
-        self.seen: list[tuple[str, tuple[str, ...], bool]] = []  # engine, draining, paused
+        self.seen: list[tuple[str, tuple[str, ...], bool, int]] = []  # engine, draining, paused, version
 
     def only(self, engine_url: str) -> EngineSet:
         one = super().only(engine_url)
@@ -48,7 +48,7 @@ class WatchedEngines(EngineSet):
 
         async def watched_load(*args, **kwargs):
             control = read_control(self.queue.redis, self.queue.keys)
-            self.seen.append((engine_url, control.draining, control.paused))
+            self.seen.append((engine_url, control.draining, control.paused, control.weight_version))
             finished = self.queue.redis.xlen(self.queue.keys.results)
             await asyncio.to_thread(wait_for, lambda: self.queue.redis.xlen(self.queue.keys.results)
                                     >= finished + self.more, 30, 0.05,
@@ -92,8 +92,9 @@ def test_rolling_update_never_stops_generation_and_loses_nothing(sims, redis_url
     finally:
         worker.stop()
 
-    # Each engine was out alone, admission never paused, and groups finished meanwhile.
-    assert engines.seen == [(url, (url,), False) for url in urls]
+    # Each engine was out alone, admission never paused, groups finished meanwhile, and
+    # the trainer's version was recorded before the first engine left.
+    assert engines.seen == [(url, (url,), False, 1) for url in urls]
     assert set(report.out_of_rotation_s) == set(urls) and report.weight_version == 1
     control = read_control(queue.redis, queue.keys)
     assert control.draining == () and control.weight_version == 1
@@ -109,3 +110,19 @@ def test_rolling_update_never_stops_generation_and_loses_nothing(sims, redis_url
             check_sample(g, s)
     report_audit = audit(queue)
     assert report_audit.ok and report_audit.committed == GROUPS, report_audit.summary()
+
+
+def test_an_engine_failing_its_rolling_update_stays_out_and_is_named(sims, queue):
+    http_json(sims[1].url + "/sim/faults", {"weight_update_fail_rate": 1.0})
+    engines = EngineSet([s.url for s in sims])
+
+    async def update():
+        try:
+            await Controller(queue, engines).rolling_update("/ckpt/step1", 1)
+        finally:
+            await engines.close()
+
+    with pytest.raises(WeightUpdateError, match=f"failed at engine {sims[1].url}; it stays paused"):
+        asyncio.run(update())
+    assert read_control(queue.redis, queue.keys).draining == (sims[1].url,)
+    assert http_json(sims[0].url + "/get_model_info")["weight_version"] == "1"
