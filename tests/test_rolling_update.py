@@ -14,11 +14,9 @@ from pipeline.controller import Controller, WeightUpdateError
 from pipeline.ops.audit import audit
 from pipeline.queue import Queue
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
-from tests.test_weight_update import check_sample, push, worker_settings
+from tests.test_weight_update import SLOW, check_sample, push, worker_settings
 from workers.engine import EngineSet
 
-# ~0.5 s per sample, as in test_weight_update: an engine's pause lands mid-generation.
-SLOW = dict(decode_tokens_per_s=300.0, length_median=150.0, length_p99=300.0, prefill_s=0.002)
 GROUPS = 24
 
 

@@ -827,7 +827,7 @@ class EngineSet:
 
     # -- control fan-out --------------------------------------------------------------
 
-    def only(self, engine_url: str) -> "EngineSet":
+    def only(self, engine_url: str) -> EngineSet:
         """The control calls of one engine (found by refresh()), on this set's session."""
         one = EngineSet([self._with_credentials.get(engine_url, engine_url)], self._get_session(), self.timeout_s,
                         refresh_before_control=False, api_key=self.api_key)
