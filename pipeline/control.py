@@ -4,7 +4,8 @@ on them (claim.lua reads `paused` in the same step that admits).
 Settings (`rollout configure`): the lease, max_claims, max_ready, and the staleness
 bound (max_staleness η with the batch size B it paces against). State: `paused`, the
 trainer's `weight_version` and the clock groups' versions are read on (`version_clock`:
-the engines' versions, or the queue's at first claim), the release policy of aborted groups.
+the engines' versions, or the queue's at first claim), the release policy of aborted groups,
+the engines `draining` for a rolling weight update.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ class ControlState:
     admitted: int = 0
     committed: int = 0
     budget_base: int = 0  # stats.committed at the clock's version 0 (set_weight_version(restart_budget=True))
+    # Engines out of rotation for a rolling weight update (pipeline/controller.py): workers
+    # send them no new requests, and an abort from one is continued on another engine.
+    draining: tuple[str, ...] = ()
 
     @property
     def staleness_limit(self) -> int | None:
@@ -73,7 +77,7 @@ class ControlState:
 
 
 _FIELDS = ("paused", "weight_version", "max_staleness", "batch_size", "max_ready", "lease_ms", "max_claims",
-           "release_policy", "version_clock", "budget_base")
+           "release_policy", "version_clock", "budget_base", "draining")
 
 
 _warned: set[tuple[str, bytes]] = set()  # corrupt values already logged (readers poll every second)
@@ -108,7 +112,7 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
         # A full Redis (maxmemory, noeviction) refuses anything queued in MULTI, reads
         # too; the three reads one by one still tell status and the workers what is going on.
         replies = read(transaction=False)
-    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock, base), committed, live = replies
+    (paused, version, eta, batch, ready, lease_ms, max_claims, policy, clock, base, draining), committed, live = replies
     committed = _number(committed, "stats.committed", keys) or 0
     lease_ms = _number(lease_ms, "lease_ms", keys)
     try:
@@ -136,6 +140,7 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
         admitted=committed - (_number(base, "budget_base", keys) or 0) + live,  # as lua/claim.lua counts it
         committed=committed,
         budget_base=_number(base, "budget_base", keys) or 0,
+        draining=tuple(draining.decode(errors="replace").split()) if draining else (),
     )
 
 
@@ -186,6 +191,16 @@ def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
 
 def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
     client.hset(keys.control, "paused", 1 if paused else 0)
+    _announce(client, keys, read_control(client, keys))
+
+
+def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str]) -> None:
+    """Take these engines out of the workers' rotation (none: every engine back in).
+    Stored space-separated: a URL has no spaces."""
+    if engine_urls:
+        client.hset(keys.control, "draining", " ".join(engine_urls))
+    else:
+        client.hdel(keys.control, "draining")
     _announce(client, keys, read_control(client, keys))
 
 

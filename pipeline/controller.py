@@ -5,6 +5,14 @@ hear it on the events channel), then every engine pauses. In `abort` mode it wai
 until the interrupted groups are in the requeue stream. resume(v): record version v,
 continue the engines, release the requeue stream to the head of the prompt list,
 reopen admission.
+
+rolling_update(path, v): Laminar's idea, generation never stops globally. One engine at
+a time leaves the workers' rotation (`draining` in the control hash, set before it
+pauses), is paused in abort mode (its requests continue at once on the other engines,
+with their partial output), loads the weights, continues and rejoins. The version is
+recorded first (the trainer has those weights now: the staleness bound and admission
+pacing count from it), and admission stays open throughout. Workers must be
+given the engines' own URLs: behind a router they cannot steer around one engine.
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .control import read_control, set_paused, set_weight_version
+from .control import read_control, set_draining, set_paused, set_weight_version
 from .retry import TRAINER_OUTAGE_LIMIT_S, Reconnect
 from .types import PauseMode, ReleasePolicy, member
 
@@ -34,6 +42,10 @@ class EngineControl(Protocol):
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        abort_all_requests: bool = False, flush_cache: bool = True) -> Any: ...
+
+    async def refresh(self) -> list[str]: ...
+
+    def only(self, engine_url: str) -> EngineControl: ...
 
 
 class WeightUpdateError(RuntimeError):
@@ -56,6 +68,13 @@ class PauseReport:
 class ResumeReport:
     weight_version: int
     released: int  # aborted groups put back at the head of the prompt list
+
+
+@dataclass
+class RollingReport:
+    weight_version: int
+    total_s: float  # the whole rolling update; admission was open throughout
+    out_of_rotation_s: dict[str, float]  # per engine: drained, paused, updated, continued
 
 
 class Controller:
@@ -140,3 +159,32 @@ class Controller:
             raise WeightUpdateError(f"weight update to version {weight_version} from {model_path} failed; "
                                     f"the pipeline stays paused: {exc}") from exc
         return pause, await self.resume(weight_version)
+
+    async def rolling_update(self, model_path: str, weight_version: int) -> RollingReport:
+        """Update the engines one at a time while the others keep generating (see the
+        module's docstring). If an engine fails, it stays out of rotation and paused, and
+        the error names it. A version older than the recorded one is not recorded (a
+        trainer that moved on while the update waited its turn)."""
+        if self.engines is None:
+            raise WeightUpdateError("no engines configured for this controller")
+        started = time.monotonic()
+        if self._call(read_control, self.redis, self.keys).weight_version < weight_version:
+            self._call(set_weight_version, self.redis, self.keys, weight_version)
+        urls = await self.engines.refresh()
+        out_of_rotation: dict[str, float] = {}
+        for url in urls:
+            since = time.monotonic()
+            # Listed before the pause, so a worker answered by an abort finds it in Redis.
+            self._call(set_draining, self.redis, self.keys, [url])
+            engine = self.engines.only(url)
+            try:
+                await engine.pause_generation(PauseMode.ABORT.value)
+                await engine.update_weights_from_disk(model_path, weight_version=str(weight_version))
+                await engine.continue_generation()
+            except Exception as exc:
+                raise WeightUpdateError(f"rolling weight update to version {weight_version} from {model_path} "
+                                        f"failed at engine {url}; it stays paused and out of rotation, the "
+                                        f"engines before it serve version {weight_version}: {exc}") from exc
+            self._call(set_draining, self.redis, self.keys, [])
+            out_of_rotation[url] = time.monotonic() - since
+        return RollingReport(weight_version, time.monotonic() - started, out_of_rotation)

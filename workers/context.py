@@ -32,6 +32,7 @@ class WorkerCounters:
     requests: int = 0
     engine_errors: int = 0
     preempted: int = 0  # aborts by a pause, a weight update or an abort_all: continued, not failures
+    drained: int = 0  # aborts by a rolling weight update: continued at once on another engine
     reward_errors: int = 0
     function_calls: int = 0  # calls of the user's generate function
     function_errors: int = 0  # of which raised, hung or returned no usable sample

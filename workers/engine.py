@@ -709,8 +709,8 @@ class EngineSet:
     """The engines a worker or trainer uses, given as engine and/or router URLs.
 
     ``generate`` goes through the given URLs (when several, to the one with the fewest
-    requests in flight from this set, round-robin among ties; a router balances by
-    itself). Control calls go to every discovered engine directly and
+    requests in flight from this set, round-robin among ties, skipping those in
+    ``draining`` while another is left; a router balances by itself). Control calls go to every discovered engine directly and
     concurrently; they return ``{engine_url: result}`` or raise
     ``EngineControlError`` naming each failing engine.
     """
@@ -748,6 +748,9 @@ class EngineSet:
         self._in_flight: list[int] = []  # generate requests per given URL, from this set
         self._by_source: dict[str, list[str]] = {}  # given URL -> engines behind it
         self._engine_clients: dict[str, EngineClient] = {}
+        # Given URLs out of rotation (a rolling weight update is updating them): new
+        # requests go elsewhere. Set by the worker from the control hash.
+        self.draining: frozenset[str] = frozenset()
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -815,7 +818,7 @@ class EngineSet:
         # Fewest in flight, not plain round-robin: request times vary a lot, so
         # round-robin queues requests at one engine while another has free slots.
         n, start = len(self._gen_clients), next(self._rr)
-        i = min(range(n), key=lambda j: (self._in_flight[j], (j - start) % n))
+        i = min(range(n), key=lambda j: (self.urls[j] in self.draining, self._in_flight[j], (j - start) % n))
         self._in_flight[i] += 1
         try:
             return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
@@ -823,6 +826,14 @@ class EngineSet:
             self._in_flight[i] -= 1
 
     # -- control fan-out --------------------------------------------------------------
+
+    def only(self, engine_url: str) -> EngineSet:
+        """The control calls of one engine (found by refresh()), on this set's session."""
+        one = EngineSet([self._with_credentials.get(engine_url, engine_url)], self._get_session(), self.timeout_s,
+                        refresh_before_control=False, api_key=self.api_key)
+        one._by_source = {engine_url: [engine_url]}  # an engine, not a router: nothing to discover
+        one._engine_clients = {engine_url: self._engine_clients.get(engine_url) or self._client(engine_url)}
+        return one
 
     async def _fanout(
         self, operation: str, call: Callable[[EngineClient], Awaitable[T]]

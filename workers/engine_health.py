@@ -88,14 +88,28 @@ class EngineHealth:
         """Every second, from the maintenance loop: probe while down, and look for engines
         joining or leaving (every REDISCOVER_S, and every time while down)."""
         await self.check()
+        if self.engines.draining:  # so a missed event cannot keep an engine out of rotation
+            await self.read_draining()
         if time.monotonic() - self.last_discovery >= REDISCOVER_S or self.down is not None:
             self.last_discovery = time.monotonic()
             await self.discover()
 
     async def pause_explains_abort(self) -> bool:
         """An abort answer is a pause's doing when admission is paused. The controller
-        sets `paused` in Redis before it pauses the engines, so Redis knows first."""
+        sets `paused` in Redis before it pauses the engines, so Redis knows first. (The
+        engines draining are read on the way: see drained().)"""
         if self.ctx.paused:
             return True
-        self.ctx.paused = (await self.ctx.redis(read_control, self.ctx.queue.redis, self.ctx.queue.keys)).paused
+        await self.read_draining()
         return self.ctx.paused
+
+    async def read_draining(self) -> None:
+        control = await self.ctx.redis(read_control, self.ctx.queue.redis, self.ctx.queue.keys)
+        self.ctx.paused = control.paused
+        self.engines.draining = frozenset(control.draining)
+
+    def drained(self, url: str | None) -> bool:
+        """Whether `url` is out of rotation for a rolling weight update: its aborts are the
+        update's doing (the controller lists the engine in Redis before it pauses it), and
+        the sample continues at once on another engine."""
+        return url in self.engines.draining

@@ -286,6 +286,9 @@ class GroupRunner:
                     return
                 if await self.engine_health.pause_explains_abort():
                     return  # requeued with its partial output; continues after the resume
+                if self.engine_health.drained(result.url):
+                    self.ctx.counters.drained += 1
+                    continue  # a rolling weight update took that engine out: the next request goes elsewhere
                 progressed = bool(result.output_ids) or (version_before is not None
                                                          and result.weight_version != version_before)
                 stalled = 0 if progressed else stalled + 1

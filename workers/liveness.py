@@ -188,11 +188,13 @@ class Liveness:
                     if message is None:
                         continue
                     try:
-                        paused = bool(json.loads(message["data"])["paused"])
-                    except (ValueError, KeyError, TypeError):
+                        event = json.loads(message["data"])
+                        paused, draining = bool(event["paused"]), frozenset(event.get("draining", ()))
+                    except (ValueError, KeyError, TypeError, AttributeError):
                         log.warning("worker %s: ignoring malformed control event %r", ctx.id, message["data"])
                         continue
                     ctx.paused = paused
+                    self.engine_health.engines.draining = draining
                     ctx.wake.set()
                     await self.heartbeat()  # so status shows the new state at once
             except asyncio.CancelledError:
