@@ -118,6 +118,11 @@ def _probe(client: redis.Redis) -> str | None:
             why = "the Functions library is not loaded (`rollout functions load`, as an admin, once per server)"
         else:
             why = f"FCALL was refused ({exc})"
+    except redis.RedisError as exc:
+        # A cluster client looks the command up in the server's COMMAND table before sending it.
+        if "doesn't exist in redis commands" not in str(exc).lower():
+            raise  # connection errors and the like: the caller's retry decides
+        why = "this Redis has no Functions (6.2 or older)"
     if why:
         log.debug("Lua scripts run by EVALSHA, not FCALL: %s", why)
     return why
