@@ -196,7 +196,11 @@ def test_admin_role_runs_status_audit_dead_retry_pause_resume_and_purge(admin, s
     assert "dropped 1 " in rollout("dead", "drop", "--all")
     rollout("pause")
     rollout("resume", "--weight-version", "2")
-    rollout("audit")
+    admin.hset(setup.keys.inflight("gone"), "g3", "gone:1")  # by hand: no claim recorded it
+    admin.lrem(setup.keys.prompts, 0, "g3")
+    result = runner.invoke(main, ["--redis-url", url, "--namespace", namespace, "audit", "--reap-orphans"])
+    assert result.exit_code == 0 and "gave back 1 groups of unregistered workers" in result.stderr, result.output
+    assert admin.lindex(setup.keys.prompts, 0) == b"g3"  # back at the head
     assert "purged" in rollout("purge", "--yes")
     assert not list(admin.scan_iter(match=f"{{{namespace}}}:*"))
     assert refusals(admin, Role.ADMIN, namespace) == []

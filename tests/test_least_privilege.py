@@ -136,3 +136,18 @@ def test_a_workers_commands_are_granted_only_on_the_keys_its_scripts_and_calls_n
     assert on["ltrim"] == {"reaped"} and on["lpop"] == {"prompts"}
     assert on["rename"] == {"staged:*:*", "result:*:*"}
     assert "%W~{exp1}:result:*:*" in worker["rename"] and "~{exp1}:staged:*:*" in worker["rename"]
+
+
+@needs_redis7
+def test_a_trainers_password_cannot_delete_the_streams_or_the_prompt_list_or_list_keys(admin, server, namespace):
+    setup = Queue(admin, namespace)
+    setup.push_groups(fresh(2, "g"))
+    trainer = connect(role_url(admin, server, Role.TRAINER, namespace))
+    k = setup.keys
+    for command in [("DEL", k.results), ("DEL", k.prompts), ("LTRIM", k.prompts, 1, 0), ("DEL", k.dead),
+                    ("SCAN", 0), ("XACK", k.dead, "g", "0-1")]:
+        with pytest.raises(PermissionDenied, match=f"permission denied .*{command[0]}"):
+            trainer.execute_command(*command)
+    assert admin.llen(k.prompts) == 2
+    trainer.hset(k.control, "paused", 1)  # the control hash is the trainer's
+    trainer.close()
