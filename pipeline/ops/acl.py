@@ -41,8 +41,8 @@ WRITES_LATER_KEYS = frozenset({"rename"})
 
 _CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
 _KEYS_REF = re.compile(r"KEYS\[([^\]]+)\]")
-_HEADER = re.compile(r"^-- KEYS: (.*(?:\n--\s{3,}\S.*)*)", re.M)
-_FUNCTION = re.compile(r"^local function (\w+)\(([^)]*)\)\n(.*?)^end$", re.M | re.S)
+_HEADER = re.compile(r"^-- KEYS: (.*(?:\n--\s{3,}\S.*)*)", re.MULTILINE)
+_FUNCTION = re.compile(r"^local function (\w+)\(([^)]*)\)\n(.*?)^end$", re.MULTILINE | re.DOTALL)
 _COMMENT = re.compile(r"--[^\n]*")
 
 
@@ -81,9 +81,6 @@ class Access:
         if self.subscribes:
             found.add(("subscribe", ()))
         return frozenset(found)
-
-    def all_commands(self) -> frozenset[str]:
-        return frozenset(command for command, _ in self.grants())
 
 
 def _expand(keys: tuple[str, ...], settles: frozenset[str]) -> list[tuple[str, ...]]:
@@ -190,11 +187,6 @@ def script_grants(name: str) -> frozenset[Grant]:
                 ref = _KEYS_REF.fullmatch(args[param]) if param is not None and param < len(args) else None
                 found.add((command, key_names(ref.group(1)) if ref else ()))
     return frozenset(found)
-
-
-def script_commands(name: str) -> frozenset[str]:
-    """The commands lua/<name>.lua calls, with those of the prelude every script carries."""
-    return frozenset(command for command, _ in script_grants(name))
 
 
 def _access(scripts=(), commands: dict[str, tuple[str, ...]] | None = None, settles=(), publishes=False,
