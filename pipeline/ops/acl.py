@@ -28,6 +28,7 @@ from functools import cache
 
 from pipeline import scripts
 from pipeline.keys import Keys, eval_namespace
+from pipeline.permissions import SCRIPT_CALL
 
 from .admin import namespace_pattern
 
@@ -39,7 +40,6 @@ SETTLED = "settled"
 #: is OW): those get `%W~`, so `RENAME staged result` does not allow `RENAME result ...`.
 WRITES_LATER_KEYS = frozenset({"rename"})
 
-_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
 _KEYS_REF = re.compile(r"KEYS\[([^\]]+)\]")
 _HEADER = re.compile(r"^-- KEYS: (.*(?:\n--\s{3,}\S.*)*)", re.MULTILINE)
 _FUNCTION = re.compile(r"^local function (\w+)\(([^)]*)\)\n(.*?)^end$", re.MULTILINE | re.DOTALL)
@@ -112,13 +112,13 @@ def script_keys(name: str) -> tuple[tuple[str, ...], bool]:
 
 def _calls(text: str):
     """(command, its arguments' text without nested calls) for every redis.call in `text`."""
-    for match in _CALL.finditer(text):
+    for match in SCRIPT_CALL.finditer(text):
         depth, i = 1, match.end()
         while depth:
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             i += 1
         args = text[match.end():i - 1]
-        for nested in reversed(list(_CALL.finditer(args))):
+        for nested in reversed(list(SCRIPT_CALL.finditer(args))):
             depth, j = 1, nested.end()
             while depth:
                 depth += {"(": 1, ")": -1}.get(args[j], 0)
