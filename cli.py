@@ -1203,8 +1203,11 @@ def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
 
 @main.command("audit")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--reap-orphans", is_flag=True,
+              help="First give back the groups in in-flight hashes of unregistered workers, found by SCAN "
+                   "(workers give back only those their claims recorded).")
 @click.pass_obj
-def audit_cmd(obj: Context, as_json) -> None:
+def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
     """Check conservation: every pushed group is in exactly one place.
 
     Counts the prompt list, each worker's in-flight set, the requeue, results
@@ -1230,6 +1233,8 @@ def audit_cmd(obj: Context, as_json) -> None:
     from pipeline.ops.audit import audit
 
     queue = obj.nonempty_queue()
+    if reap_orphans:
+        click.echo(f"gave back {queue.reap_orphans(scan=True)} groups of unregistered workers", err=True)
     with _console(stderr=True).status("auditing (reading every stream) ..."):
         report = audit(queue)
     if as_json:

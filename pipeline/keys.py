@@ -73,6 +73,15 @@ class Keys:
         return self._key(f"inflight:{worker}")
 
     @property
+    def holders(self) -> str:  # SET of workers that claimed and were not reaped since: their in-flight hashes,
+        # found without SCAN (claim adds, reap removes)
+        return self._key("holders")
+
+    @property
+    def beats(self) -> str:  # HASH beat_ms (the last lease renewal, server ms), grace_for: see lua/_prelude.lua
+        return self._key("beats")
+
+    @property
     def last_claim(self) -> str:  # HASH worker -> "<claim id> <gid> <gid>...": its last claim, for retries
         return self._key("last_claim")
 
@@ -157,5 +166,5 @@ class Keys:
         return [
             self.prompts, self.payloads, self.admitted, self.workers, self.worker_info, self.last_claim, self.isolated,
             self.claims, self.history, self.reaped, self.trainer, self.results, self.requeue, self.dead,
-            self.dropped, self.committed, self.control, self.stats, self.dataset,
+            self.dropped, self.committed, self.control, self.stats, self.dataset, self.holders, self.beats,
         ]

@@ -175,7 +175,7 @@ class Queue:
         k = self.keys
         reply = self._scripts["claim"](
             keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted,
-                  k.stats, k.claims, k.history, k.dead, k.last_claim, k.isolated],
+                  k.stats, k.claims, k.history, k.dead, k.last_claim, k.isolated, k.holders],
             args=[worker, claim_id, max_groups, DEFAULT_MAX_READY, DEFAULT_MAX_CLAIMS],
         )
         claim = Claim(status=ClaimStatus(text(reply[0])), weight_version=int(reply[1]))
@@ -241,7 +241,7 @@ class Queue:
     def heartbeat(self, worker: str, info: str) -> Heartbeat:
         k = self.keys
         status, paused, version, lease_ms, clock = self._scripts["heartbeat"](
-            keys=[k.workers, k.worker_info, k.control], args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
+            keys=[k.workers, k.worker_info, k.control, k.beats], args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
         try:
             version_clock = VersionClock(text(clock) or VersionClock.ENGINE)
         except ValueError:  # a foreign value: read_control reports it
@@ -267,7 +267,7 @@ class Queue:
         k = self.keys
         return int(self._scripts["reap"](
             keys=[k.workers, k.inflight(worker), k.prompts, k.worker_info, k.stats, k.claims, k.history,
-                  k.last_claim, k.reaped, k.isolated, k.control],
+                  k.last_claim, k.reaped, k.isolated, k.control, k.holders, k.beats],
             args=[worker, mode, int(DEFAULT_LEASE_S * 1000)]))
 
     def reap(self, worker: str) -> int:
@@ -299,16 +299,19 @@ class Queue:
         return total
 
     def inflight_holders(self) -> set[str]:
-        """Every worker id with an in-flight hash, registered or not. By SCAN over the
-        server's keys: for operators' tools and rare upkeep, not per claim."""
+        """Every worker id with an in-flight hash, registered or not, including hashes no
+        claim wrote (by hand, or by a version before the holders set). By SCAN over the
+        server's keys: for operators' tools (an admin's ACL user), not for workers."""
         prefix = len(self.keys.inflight(""))
         return {text(key)[prefix:] for key in self.redis.scan_iter(match=self.keys.inflight_pattern, count=1000)}
 
-    def reap_orphans(self) -> int:
-        """In-flight hashes of workers not registered (foreign data, or left by an older
-        version): give their groups back. By SCAN, so call it rarely."""
+    def reap_orphans(self, scan: bool = False) -> int:
+        """Give back the in-flight groups of workers that hold some and are not registered.
+        Those a claim recorded in the holders set are found without SCAN (a worker's user
+        has none: SCAN lists every namespace's key names); `scan` (an admin) finds the rest."""
         registered = {text(w) for w in self.redis.zrange(self.keys.workers, 0, -1)}
-        return sum(max(0, self.reap(worker)) for worker in sorted(self.inflight_holders() - registered))
+        holders = self.inflight_holders() if scan else {text(w) for w in self.redis.smembers(self.keys.holders)}
+        return sum(max(0, self.reap(worker)) for worker in sorted(holders - registered))
 
     def workers(self) -> dict[str, float]:
         """Registered workers -> seconds until their lease deadline (negative: overdue)."""

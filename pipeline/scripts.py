@@ -30,7 +30,18 @@ VERSION_FUNCTION = f"{LIBRARY}_version"
 
 @cache
 def source(name: str) -> str:
-    return (_LUA / _PRELUDE).read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
+    return prelude() + "\n" + body(name)
+
+
+@cache
+def prelude() -> str:
+    return (_LUA / _PRELUDE).read_text()
+
+
+@cache
+def body(name: str) -> str:
+    """lua/<name>.lua as written, without the prelude."""
+    return (_LUA / f"{name}.lua").read_text()
 
 
 @cache
@@ -46,7 +57,7 @@ def name_of(loaded: str) -> str:
 def origin(loaded: str, line: int) -> tuple[str, int]:
     """The .lua file and line that line `line` of a loaded script comes from (for
     error messages: Redis numbers the lines of the whole loaded text)."""
-    prelude_lines = len((_LUA / _PRELUDE).read_text().splitlines()) + 1
+    prelude_lines = len(prelude().splitlines()) + 1
     return (name_of(loaded), line - prelude_lines) if line > prelude_lines else (_PRELUDE, line)
 
 

@@ -260,7 +260,7 @@ def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
     """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
     deadline passed (forced, not waited for)."""
     now = q.now_ms()
-    q.redis.hset(q.keys.control, "beat_ms", now - 3 * lease_ms)
+    q.redis.hset(q.keys.beats, "beat_ms", now - 3 * lease_ms)
     q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
 
 
@@ -327,7 +327,7 @@ def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
                 assert not reconnect.call(mine.heartbeat, w, "{}").reaped, f"{w} was reaped"
         renewers.append(threading.Thread(target=renew, daemon=True))
         renewers[-1].start()
-    wait_for(lambda: q.redis.hget(q.keys.control, "beat_ms"), what="a renewal")
+    wait_for(lambda: q.redis.hget(q.keys.beats, "beat_ms"), what="a renewal")
     killed = time.monotonic()
     outage(durable, lambda: time.monotonic() - killed >= 2 * LEASE_S).join()
     reaper = Queue(connect(durable.url), "o8")

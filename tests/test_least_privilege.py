@@ -3,18 +3,23 @@ that can run its own commands, and a worker whose missing permission stops it in
 dead-lettering the queue. Roles run against a real Redis 7 ACL (tests/test_acl.py's server)."""
 from __future__ import annotations
 
+import re
+import shlex
+
 import pytest
 from click.testing import CliRunner
 
 from cli import main
 from pipeline.connection import connect
 from pipeline.keys import Keys, check_namespace, eval_namespace
-from pipeline.ops.acl import Role, default_user
+from pipeline.ops.acl import Role, default_user, setuser_line
 from pipeline.ops.audit import audit
 from pipeline.permissions import PermissionDenied
-from pipeline.queue import Queue
+from pipeline.queue import Place, Queue
+from tests.groups import claim, publish
 from tests.helpers import WorkerThread, wait_for
-from tests.test_acl import REDIS7, admin, fresh, refusals, role_url, server, sim  # noqa: F401 (fixtures)
+from tests.test_acl import (REDIS7, admin, finished, fresh, grants, refusals, role_url, server,  # noqa: F401
+                            sim)
 from workers.worker import SamplingSettings, WorkerConfigError, WorkerSettings
 
 needs_redis7 = pytest.mark.skipif(REDIS7 is None, reason="ACL selectors need redis-server >= 7.0")
@@ -65,8 +70,10 @@ def test_trainer_role_runs_consume_pause_and_resume_from_the_cli(admin, server, 
 @needs_redis7
 def test_a_worker_refused_a_command_stops_and_hands_back_instead_of_dead_lettering(admin, server, sim,
                                                                                     namespace):
-    url = role_url(admin, server, Role.WORKER, namespace)
-    admin.execute_command("ACL", "SETUSER", default_user(Role.WORKER, namespace), "-set")  # publish stages with SET
+    user = default_user(Role.WORKER, namespace)
+    line = re.sub(r" \+set\b", "", setuser_line(Role.WORKER, namespace, user, "pw"))  # publish stages with SET
+    admin.execute_command(*shlex.split(line))
+    url = f"redis://{user}:pw@127.0.0.1:{server.port}"
     setup = Queue(admin, namespace)
     setup.push_groups(fresh(4, "g"))
     worker = WorkerThread(WorkerSettings(redis_url=url, engine_urls=[sim.url], namespace=namespace,
@@ -89,3 +96,58 @@ def test_a_refused_key_is_named(admin, server, namespace):
                                                r"to access one of the keys"):
         worker.set("{someone-else}:results", b"x")
     worker.close()
+
+
+@needs_redis7
+def test_a_workers_password_cannot_delete_results_trim_prompts_rewrite_control_or_list_keys(admin, server,
+                                                                                             namespace):
+    setup = Queue(admin, namespace)
+    setup.push_groups(fresh(3, "g"))
+    worker = Queue(connect(role_url(admin, server, Role.WORKER, namespace)), namespace)
+    [held] = claim(worker, "w", 1).groups
+    assert publish(worker, "w", finished(held.group), Place.RESULTS)  # XADD and RENAME inside its publish
+    [entry] = setup.read_stream(setup.keys.results)
+    k, result = setup.keys, setup.keys.result(entry.group_id, entry.token)
+    refused = [
+        ("DEL", k.results), ("XTRIM", k.results, "MAXLEN", 0), ("XDEL", k.results, entry.entry_id),
+        ("LTRIM", k.prompts, 1, 0), ("DEL", k.prompts), ("LSET", k.prompts, 0, "x"),
+        ("HSET", k.control, "paused", 1), ("HSET", k.control, "weight_version", 99), ("DEL", k.control),
+        ("SCAN", 0), ("KEYS", "*"),
+        ("DEL", k.payloads), ("HSET", k.stats, "committed", 0), ("DEL", k.workers),
+        ("RENAME", result, k.staged("g", "t")),  # a payload's key is written by RENAME only: %W~
+        ("GET", result),
+    ]
+    for command in refused:
+        with pytest.raises(PermissionDenied, match=f"permission denied .*{command[0]}"):
+            worker.redis.execute_command(*command)
+    logged = set(refusals(admin, Role.WORKER, namespace))  # Redis logs one entry per reason and object
+    assert all(f"command {c[0].lower()}" in logged or f"key {c[1]}" in logged for c in refused), sorted(logged)
+    assert (admin.xlen(k.results), admin.llen(k.prompts), admin.hgetall(k.control)) == (1, 2, {})
+    assert admin.exists(result) and audit(setup).ok
+    worker.redis.close()
+
+
+def test_a_workers_commands_are_granted_only_on_the_keys_its_scripts_and_calls_name():
+    worker = grants(Role.WORKER)
+    on = {command: {p.split("}:")[1] for p in patterns if "{exp1}" in p} for command, patterns in worker.items()}
+    assert "scan" not in worker and "keys" not in worker and "ltrim" not in on.get("prompts", set())
+    assert on["hset"] >= {"history", "beats"} and "control" not in on["hset"]
+    assert on["del"] == {"inflight:*", "result:*:*", "staged:*:*"} and on["xadd"] >= {"results", "requeue", "dead"}
+    assert on["ltrim"] == {"reaped"} and on["lpop"] == {"prompts"}
+    assert on["rename"] == {"staged:*:*", "result:*:*"}
+    assert "%W~{exp1}:result:*:*" in worker["rename"] and "~{exp1}:staged:*:*" in worker["rename"]
+
+
+@needs_redis7
+def test_a_trainers_password_cannot_delete_the_streams_or_the_prompt_list_or_list_keys(admin, server, namespace):
+    setup = Queue(admin, namespace)
+    setup.push_groups(fresh(2, "g"))
+    trainer = connect(role_url(admin, server, Role.TRAINER, namespace))
+    k = setup.keys
+    for command in [("DEL", k.results), ("DEL", k.prompts), ("LTRIM", k.prompts, 1, 0), ("DEL", k.dead),
+                    ("SCAN", 0), ("XACK", k.dead, "g", "0-1")]:
+        with pytest.raises(PermissionDenied, match=f"permission denied .*{command[0]}"):
+            trainer.execute_command(*command)
+    assert admin.llen(k.prompts) == 2
+    trainer.hset(k.control, "paused", 1)  # the control hash is the trainer's
+    trainer.close()

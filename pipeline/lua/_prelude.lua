@@ -31,12 +31,13 @@ end
 -- over, or nobody could reach it) is not every worker's death: the first heartbeat or
 -- reap after it moves every lease deadline to a lease from now, once per silence, so
 -- live workers renew before anyone reaps. (Workers that really died are reaped one
--- lease later.) `beat_ms` in the control hash is the last renewal, by server time.
-local function grace_after_silence(workers, control, now, lease)
-  local ctl = redis.call('HMGET', control, 'beat_ms', 'grace_for')
+-- lease later.) `beat_ms` in the beats hash is the last renewal, by server time: a hash of
+-- its own, so a worker's ACL user writes it and never the control hash.
+local function grace_after_silence(workers, beats, now, lease)
+  local ctl = redis.call('HMGET', beats, 'beat_ms', 'grace_for')
   local beat = tonumber(ctl[1])
   if not beat or now - beat <= lease or ctl[2] == ctl[1] then return false end
-  redis.call('HSET', control, 'grace_for', ctl[1])
+  redis.call('HSET', beats, 'grace_for', ctl[1])
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. (now + lease))) do
     redis.call('ZADD', workers, 'XX', now + lease, w)
   end

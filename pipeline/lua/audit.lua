@@ -4,8 +4,8 @@
 -- bounded by concurrency and max_ready) and only the lengths of the two that grow with a
 -- dataset (prompts, dead), which the audit then reads page by page (audit_page.lua, XRANGE):
 -- the server is never held for time linear in the groups queued.
--- KEYS: prompts, payloads, workers, requeue, results, dead, stats, committed, then one
---       in-flight key per worker in ARGV
+-- KEYS: prompts, payloads, workers, requeue, results, dead, stats, committed, inflight...
+-- (one in-flight key per worker in ARGV)
 -- ARGV: consumer group, then the worker ids whose in-flight keys follow
 -- Returns 'retry' when a worker registered that is not among those given; else a JSON object.
 local registered = redis.call('ZRANGE', KEYS[3], 0, -1)

@@ -1,7 +1,8 @@
 -- The audit's second look, at result payload keys: an entry still in the results stream
 -- whose payload key is gone, or a payload key that exists with no entry naming it.
 -- Both are read in this one step, so a publish or a commit in between cannot fake either.
--- KEYS: results, then one payload key per entry id in ARGV, then candidate keys found by SCAN
+-- KEYS: results, result...
+-- (one payload key per entry id in ARGV, then candidate payload keys found by SCAN)
 -- ARGV: number of entry ids N, the N entry ids, the payload key prefix ("{ns}:result:")
 -- Returns {entries without payload, payload keys without entry}.
 local n = tonumber(ARGV[1])

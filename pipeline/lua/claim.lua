@@ -8,7 +8,7 @@
 -- else until it is done, so a group that kills its workers takes no neighbour with it.
 -- Claimed more than max_claims times without finishing, it goes to dead letters.
 -- KEYS: prompts, payloads, inflight, workers, control, results, admitted, stats, claims, history,
---       dead, last_claim, isolated
+--       dead, last_claim, isolated, holders
 -- ARGV: worker, claim id, max groups, default max_ready, default max_claims
 -- Returns {status, weight_version, gid, payload, admitted_version, gid, ...} with status one of
 -- ok, empty, paused, backlog, budget, isolating (a suspect runs alone), unregistered (reaped
@@ -122,6 +122,7 @@ while #taken - 1 < want do
 end
 if #taken > 1 then
   redis.call('HSET', KEYS[12], worker, table.concat(taken, '\n'))
+  redis.call('SADD', KEYS[14], worker)
   redis.call('HINCRBY', KEYS[8], 'claims', #taken - 1)
   return out
 end

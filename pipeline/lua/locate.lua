@@ -3,7 +3,8 @@
 -- linear in the lengths of the requeue, results and dead streams (an operator's tool,
 -- as the audit). The drop log is searched afterwards: a drop is final.
 -- KEYS: prompts, payloads, workers, requeue, results, dead, committed, claims, history, admitted, trainer,
---       then one in-flight key per worker in ARGV
+--       inflight...
+-- (one in-flight key per worker in ARGV)
 -- ARGV: group id, consumer group, then the worker ids whose in-flight keys follow
 -- Returns 'retry' when a worker registered that is not among those given; else {JSON of
 -- where the group is, its encoded group or false}: the stored payload while queued or in

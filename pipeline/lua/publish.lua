@@ -1,7 +1,7 @@
 -- Publish a group a worker finished, only if the worker still holds it under this claim's
 -- token: a worker that was reaped, or whose claim was given back, cannot publish it.
--- KEYS: inflight, payloads, target stream (results, requeue or dead), stats, admitted, claims,
---       history, and for results only: the staged payload key, the result payload key
+-- KEYS: inflight, payloads, results|requeue|dead, stats, admitted, claims, history, staged, result
+-- (KEYS[3] is the target stream; the staged and the result payload keys come for results only)
 -- ARGV: group id, token, encoded group ('' when staged), place, error text ('' for none), worker,
 --       a dead letter's reason category ('' for none: counted under `dead` only, else also `dead_<reason>`)
 -- Results entries carry the group id and token; the payload, staged with a plain SET, is

@@ -2,14 +2,14 @@
 --   expired: only if its lease deadline has passed (a crash or a stall: the claims count)
 --   leave:   unconditionally, the worker's own hand-back on shutdown (the claims do not count)
 -- KEYS: workers, inflight, prompts, worker_info, stats, claims, history, last_claim, reaped, isolated,
---       control
+--       control, holders, beats
 -- ARGV: worker, mode, default lease ms
 -- Returns the number of groups returned, or -1 when the lease has not expired (or a silence
 -- longer than a lease has just given every worker a grace: prelude).
 local worker, mode = ARGV[1], ARGV[2]
 local now = now_ms()
 if mode == 'expired' then
-  grace_after_silence(KEYS[1], KEYS[11], now, tonumber(redis.call('HGET', KEYS[11], 'lease_ms')) or tonumber(ARGV[3]))
+  grace_after_silence(KEYS[1], KEYS[13], now, tonumber(redis.call('HGET', KEYS[11], 'lease_ms')) or tonumber(ARGV[3]))
 end
 local deadline = redis.call('ZSCORE', KEYS[1], worker)
 if mode == 'expired' and deadline and tonumber(deadline) >= now then return -1 end
@@ -21,6 +21,7 @@ for _, gid in ipairs(gids) do
   record(KEYS[7], gid, now, event, worker)
 end
 redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[12], worker)
 redis.call('ZREM', KEYS[1], worker)
 redis.call('HDEL', KEYS[4], worker)
 redis.call('HDEL', KEYS[8], worker)

@@ -2,8 +2,9 @@
 -- and goes to exactly one place. One script for every way out, so every path keeps the
 -- audit's books the same way. On the results stream only the current trainer session may
 -- settle, and only entries delivered to it.
--- KEYS: source stream, prompts, payloads, dead, dropped, committed, stats, admitted, claims,
---       history, trainer, and for the results stream one result payload key per entry
+-- KEYS: settled, prompts, payloads, dead, dropped, committed, stats, admitted, claims, history,
+--       trainer, result...
+-- (`settled` is the source stream; for the results stream one result payload key per entry follows)
 -- ARGV: consumer group, consumer, session id ('' x3 for streams without a consumer group),
 --       max committed ids to remember, then five items per entry: action, entry id, group id,
 --       text, encoded group.

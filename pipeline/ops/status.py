@@ -466,7 +466,8 @@ def alerts(s: StatusSnapshot) -> list[str]:
     if s.unregistered_inflight:
         held = sum(s.inflight_by_worker.get(w, 0) for w in s.unregistered_inflight)
         out.append(f"{held} groups sit in the in-flight hashes of workers that are not registered "
-                   f"({', '.join(s.unregistered_inflight[:3])}); a live worker's orphan reap gives them back")
+                   f"({', '.join(s.unregistered_inflight[:3])}); a live worker gives back those its claims recorded, "
+                   f"`rollout audit --reap-orphans` (an admin) all of them")
     reaps = [d for d in s.departed if d.how == Departure.REAPED and d.age_s <= REAP_ALERT_WINDOW_S]
     if len(reaps) >= REAP_ALERT_COUNT:
         out.append(f"workers are being reaped repeatedly: {len(reaps)} in the last {REAP_ALERT_WINDOW_S / 60:.0f} "
