@@ -1482,7 +1482,7 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     \b
     JSON keys (stable; docs/cli.md): paused, weight_version, max_staleness,
     batch_size, max_ready, lease_s, max_claims, release_policy, version_clock,
-    admitted, committed, budget_base, staleness_limit.
+    admitted, committed, budget_base, staleness_limit, draining.
 
     \b
     Example:

@@ -71,7 +71,8 @@ AUDIT = {"pushed": int, "prompts": int, "inflight": int, "inflight_by_worker": M
          "missing_payloads": int, "unregistered_inflight": ListOf(str), "ok": bool}
 CONFIGURE = {"paused": bool, "weight_version": int, "max_staleness": (int, NONE), "batch_size": (int, NONE),
              "max_ready": int, "lease_s": NUM, "max_claims": int, "release_policy": str, "version_clock": str,
-             "admitted": int, "committed": int, "budget_base": int, "staleness_limit": (int, NONE)}
+             "admitted": int, "committed": int, "budget_base": int, "staleness_limit": (int, NONE),
+             "draining": ListOf(str)}
 DEAD_LETTER = {"entry_id": str, "group_id": str, "error": str, "reason": (str, NONE), "age_s": NUM,
                "retriable": bool, "not_retriable_because": (str, NONE), "bad_row": bool,
                "decode_error": (str, NONE), "payload_bytes": int, "dataset": (str, NONE), "epoch": (int, NONE),
