@@ -7,6 +7,8 @@
   `RolloutFnEvalOutput`.
 - `--data-source-path pipeline.trainers.slime_adapter.RedisDataSource`: slime's `DataSource`
   (`get_samples`, `add_samples`, `save`, `load`, `__len__`) over the same queue.
+- `--rollout-sample-filter-path pipeline.trainers.slime_adapter.record_trained`: with
+  slime's own rollout over the data source, which groups it trained (after a refill).
 
 What keeps slime from training on the wrong data (docs/trainers.md):
 * the queue's weight version is slime's rollout id, set before each rollout is read,
