@@ -4,7 +4,8 @@ It mirrors the signatures and types of slime 0.3.1 / main 624b824 that the adapt
 meets, written from their documented behaviour (not copied): `Sample` with
 `rollout_id` and the top-p replay fields, `RolloutFnTrainOutput`,
 `RolloutFnEvalOutput`, `DynamicFilterOutput` with `keep_when_insufficient` and the
-rule that applies it, the nonzero-std filters, the abstract `DataSource`, slime's
+rule that applies it, the nonzero-std filters, the data-source calls of
+`sglang_rollout.generate_rollout` (over finished groups), the abstract `DataSource`, slime's
 `load_tokenizer`, and the checks of `RolloutManager._convert_samples_to_train_data`
 that a batch must pass. `install(monkeypatch)` puts it in sys.modules.
 """
@@ -163,6 +164,41 @@ async def async_rm(args, sample, **kwargs):
     raise NotImplementedError(f"Rule-based RM for {args.rm_type} is not implemented.")
 
 
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """slime.rollout.sglang_rollout.generate_rollout (generate_rollout_async) over a data
+    source of finished groups, in slime's order: read --over-sampling-batch-size groups
+    while fewer than the batch are outstanding, screen each finished group with the dynamic
+    filter (a drop makes it read again), keep the first --rollout-batch-size; what is still
+    outstanding then is aborted, never trained (given back with add_samples under
+    --partial-rollout). The kept groups, sorted by index, go to --rollout-sample-filter-path
+    and are returned. Groups finish here in the order they were read."""
+    from pipeline.filters import load_object
+
+    dynamic_filter = load_object(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+    target = args.rollout_batch_size
+    outstanding: list[list[Sample]] = []
+    remaining, data = 0, []
+    while len(data) < target:
+        while remaining < target:
+            samples = data_source.get_samples(args.over_sampling_batch_size)
+            outstanding += samples
+            remaining += len(samples)
+        group = outstanding.pop(0)
+        output = dynamic_filter(args, group) if dynamic_filter else DynamicFilterOutput(keep=True)
+        if not isinstance(output, DynamicFilterOutput):
+            output = DynamicFilterOutput(keep=output)
+        if should_drop_dynamic_filter_output(output, remaining_batch_size=remaining, target_data_size=target):
+            remaining -= 1
+            continue
+        data.append(group)
+    data.sort(key=lambda group: group[0].index)
+    if getattr(args, "rollout_sample_filter_path", None):
+        load_object(args.rollout_sample_filter_path)(args, data)
+    if getattr(args, "partial_rollout", False) and outstanding:
+        data_source.add_samples(outstanding)
+    return RolloutFnTrainOutput(samples=data, metrics={})
+
+
 _current_rollout_id: int | None = None
 
 
@@ -183,6 +219,7 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
                                       "RolloutFnEvalOutput": RolloutFnEvalOutput} if version_features else {}),
         "slime.rollout.data_source": {"DataSource": DataSource} if version_features else {},
         "slime.rollout.rm_hub": {"async_rm": async_rm},
+        "slime.rollout.sglang_rollout": {"generate_rollout": generate_rollout},
         "slime.rollout.sample_hooks": {"_current_rollout_id": None, "set_current_rollout_id": set_current_rollout_id},
         "slime.rollout.filter_hub.base_types": {
             "DynamicFilterOutput": DynamicFilterOutput,

@@ -74,7 +74,7 @@ def finished(row: int, rewards: list | None = None, version: int = 0, sampling: 
     return group
 
 
-def publish_results(queue, rows: list[int], **kwargs) -> list[Group]:
+def publish_results(queue, rows: list[int], keep_response_text: bool = False, **kwargs) -> list[Group]:
     """Push, claim and publish finished groups, in the order given."""
     groups = [finished(r, **kwargs) for r in rows]
     queue.push_groups([Group.fresh(g.group_id, g.samples[0].prompt, N, row=g.row) for g in groups])
@@ -82,7 +82,7 @@ def publish_results(queue, rows: list[int], **kwargs) -> list[Group]:
     assert [c.group_id for c in claimed.groups] == [g.group_id for g in groups]
     for c, g in zip(claimed.groups, groups):
         g.admitted_version = c.group.admitted_version
-        assert publish(queue, "w", g, Place.RESULTS)
+        assert publish(queue, "w", g, Place.RESULTS, keep_response_text=keep_response_text)
     return groups
 
 
@@ -288,24 +288,66 @@ def test_without_checkpoints_the_user_chooses_when_batches_are_committed(queue, 
         sa.RedisDataSource(make_args(redis_url, namespace, rollout_commit_on_read=True, save="/c", save_interval=1))
 
 
-def test_a_refill_within_a_rollout_keeps_batches_keyed_by_slimes_rollout_id(fake_slime_installed, queue,
-                                                                           redis_url, namespace):
-    """Issue 27: slime's rollout calls get_samples again within one rollout when its own
-    filter drops a group: the batches follow slime's rollout id, not the call count, so
-    save(k) commits what rollouts up to k read and no later one."""
-    publish_results(queue, list(range(8)))
-    args = make_args(redis_url, namespace, save="/ckpt", save_interval=1)
+#: group_index -> how often a filter saw it (drop_row_1_on_second_sight)
+SIGHTS: dict[int, int] = {}
+
+
+def drop_row_1_on_second_sight(args, samples):
+    """A stateful filter, as a random one can be: the Consumer (first sight) keeps group 1,
+    slime's own pass over the same group (second sight) drops it."""
+    row = samples[0].group_index
+    SIGHTS[row] = SIGHTS.get(row, 0) + 1
+    return fake_slime.DynamicFilterOutput(keep=not (row == 1 and SIGHTS[row] == 2), reason="second_sight")
+
+
+def slimes_rollout_args(redis_url, namespace, **kwargs):
+    return make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     over_sampling_batch_size=2, dynamic_sampling_filter_path=f"{__name__}.drop_row_1_on_second_sight",
+                     rollout_sample_filter_path="pipeline.trainers.slime_adapter.record_trained", save="/ckpt",
+                     save_interval=1, **kwargs)
+
+
+@pytest.mark.parametrize("partial_rollout", [False, True])
+def test_a_refill_within_a_rollout_commits_only_the_groups_slimes_rollout_trains(
+        fake_slime_installed, queue, redis_url, namespace, monkeypatch, partial_rollout):
+    """Issue 27: slime's own filter drops group 1 the queue kept, so slime's rollout reads
+    again within rollout 0 (groups 2 and 3), trains 0 and 2 and leaves 3 out. save(0)
+    commits those two only; 1 and 3 go back to the queue, are trained in rollout 1 and
+    committed by save(1), and batches follow slime's rollout id, not get_samples calls."""
+    monkeypatch.setattr(sys.modules[__name__], "SIGHTS", {})
+    publish_results(queue, list(range(8)), keep_response_text=True)
+    args = slimes_rollout_args(redis_url, namespace, partial_rollout=partial_rollout)
     source = sa.RedisDataSource(args)
+    source.load(-1)
+    trained = []
+    for rollout_id in range(3):
+        fake_slime.set_current_rollout_id(rollout_id)
+        out = fake_slime.generate_rollout(args, rollout_id, source)
+        trained.append(rows_of(out.samples))
+        source.save(rollout_id)
+        assert committed(queue) == 2 * (rollout_id + 1), trained
+    assert trained == [[0, 2], [1, 3], [4, 5]]
+    assert read_records(queue) == 0 and source.pending_batches == 0
+    assert queue.redis.xlen(queue.keys.results) == 2 and queue.redis.llen(queue.keys.prompts) == 0
+    assert audit(queue).ok, audit(queue).summary()
+
+
+def test_slimes_rollout_with_a_dynamic_filter_needs_the_record_of_what_it_trains(fake_slime_installed, queue,
+                                                                                redis_url, namespace):
+    """Without record_trained nothing says which groups slime's rollout trains after a
+    refill: refused at start, and a refill by another rollout is refused, not committed."""
+    args = slimes_rollout_args(redis_url, namespace)
+    args.rollout_sample_filter_path = None
+    with pytest.raises(SlimeConfigError, match="--rollout-sample-filter-path pipeline.trainers.slime_adapter"):
+        sa.RedisDataSource(args)
+    publish_results(queue, list(range(4)))
+    source = sa.RedisDataSource(make_args(redis_url, namespace, save="/ckpt", save_interval=1))
     source.load(-1)
     fake_slime.set_current_rollout_id(0)
     source.get_samples(2)
-    source.get_samples(2)  # a refill within rollout 0
-    fake_slime.set_current_rollout_id(1)
-    source.get_samples(2)
-    source.save(0)
-    assert committed(queue) == 4 and source.pending_batches == 1
-    source.save(1)
-    assert committed(queue) == 6 and audit(queue).ok, audit(queue).summary()
+    with pytest.raises(SlimeConfigError, match="called again within rollout 0"):
+        source.get_samples(2)
+    assert committed(queue) == 0 and audit(queue).ok, audit(queue).summary()
 
 
 def test_load_commits_what_the_saved_checkpoint_trained(queue, redis_url, namespace):

@@ -7,6 +7,8 @@
   `RolloutFnEvalOutput`.
 - `--data-source-path pipeline.trainers.slime_adapter.RedisDataSource`: slime's `DataSource`
   (`get_samples`, `add_samples`, `save`, `load`, `__len__`) over the same queue.
+- `--rollout-sample-filter-path pipeline.trainers.slime_adapter.record_trained`: with
+  slime's own rollout over the data source, which groups it trained (after a refill).
 
 What keeps slime from training on the wrong data (docs/trainers.md):
 * the queue's weight version is slime's rollout id, set before each rollout is read,
@@ -26,6 +28,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +52,7 @@ from .slime_checks import (
     check_data_source_use,
     check_ignored_flags,
     check_top_p,
+    records_trained,
     sampling_mismatches,
     uses_our_rollout,
 )
@@ -160,7 +164,7 @@ class _Item:
     entry: StreamEntry
     group: Group  # ours, as decoded
     slime_group: list  # what slime got
-    returned: bool = False  # given back through add_samples: handed back, not committed with this delivery
+    returned: bool = False  # given back (add_samples, or not in what slime trained): not committed with this delivery
 
 
 @dataclass
@@ -216,6 +220,7 @@ class RedisDataSource:
         self._last_save: int | None = None  # the rollout id of the last save(); with --async-save, not durable yet
         self._budget_restarted: int | None = None  # the first rollout read, where the staleness budget restarted
         self.last_metrics: dict[str, Any] = {}
+        _LIVE.add(self)  # for record_trained, which slime calls without the data source
 
     def _configure(self) -> None:
         """Groups age on the queue's clock; with `rollout_max_staleness` (or an η set with
@@ -253,9 +258,14 @@ class RedisDataSource:
         current = current_rollout_id()
         rollout_id = self._next_rollout if current is None else current
         if self._pending and self._pending[-1].rollout_id == rollout_id:
-            log.warning("get_samples called again within rollout %d (slime's filter dropped groups): the groups "
-                        "read now are committed with that rollout, and any slime does not train are lost to it; "
-                        "filter in the queue (--dynamic-sampling-filter-path is applied by its Consumer)", rollout_id)
+            if not records_trained(self.args):
+                raise SlimeConfigError(
+                    f"get_samples called again within rollout {rollout_id}: the rollout trains only part of what "
+                    f"it reads, and nothing tells the queue which; set --rollout-sample-filter-path "
+                    f"pipeline.trainers.slime_adapter.record_trained (slime's rollout calls it with the groups it "
+                    f"trains), or read one batch per rollout")
+            log.info("get_samples called again within rollout %d (slime's filter dropped groups): only the groups "
+                     "slime trains are committed with it", rollout_id)
         self._next_rollout = rollout_id + 1
         return self.read_rollout(rollout_id, num_samples)
 
@@ -288,6 +298,27 @@ class RedisDataSource:
                             dataset="slime", row=g[0].group_index or 0) for g in foreign]
             self.consumer.call(self.queue.push_groups, groups)
             log.info("pushed %d groups given back by slime as prompts", len(groups))
+
+    def trained(self, samples: list[Any]) -> None:
+        """slime's rollout trains exactly `samples` (see `record_trained`): the groups this
+        source handed out for that rollout and not among them (its filter dropped them after
+        the Consumer kept them, or a refill read more than it took) go back to the Consumer,
+        uncommitted, screened again and first in the next rollout, like add_samples'. They
+        stay known, so slime's add_samples of the same groups after the rollout does nothing."""
+        ids = {id(s) for s in samples}
+        rollouts = {d.rollout_id for d in self._pending for it in d.items if any(id(s) in ids for s in it.slime_group)}
+        left_out = [it for d in self._pending if d.rollout_id in rollouts for it in d.items
+                    if not it.returned and not any(id(s) in ids for s in it.slime_group)]
+        if not left_out:
+            return
+        for it in left_out:
+            it.returned = True
+        log.info("slime's rollout %s left out %d groups it read: handed back, not committed",
+                 "/".join(map(str, sorted(rollouts))), len(left_out))
+        self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in left_out))
+        why = "read by slime's rollout and not trained"
+        self.consumer.release(Batch([it.group for it in left_out], [it.entry for it in left_out], 0, BatchMetrics(),
+                                    why), why)
 
     def save(self, rollout_id: int) -> None:
         """slime saved the checkpoint of every step up to `rollout_id` (it calls this after
@@ -447,9 +478,9 @@ class RedisDataSource:
         done = 0
         while self._pending and (rollout_id is None or self._pending[0].rollout_id <= rollout_id):
             delivery = self._pending.popleft()
-            items = [it for it in delivery.items if not it.returned]
-            for it in items:
+            for it in delivery.items:
                 self._track(it, forget=True)
+            items = [it for it in delivery.items if not it.returned]
             if items:
                 batch = Batch([it.group for it in items], [it.entry for it in items],
                               delivery.weight_version, delivery.metrics, f"slime rollout {delivery.rollout_id}")
@@ -498,6 +529,19 @@ class RedisDataSource:
 # -- the rollout function --------------------------------------------------------------
 
 _SOURCES: dict[tuple[str, str, str], RedisDataSource] = {}
+_LIVE: weakref.WeakSet[RedisDataSource] = weakref.WeakSet()  # every data source of this process
+
+
+def record_trained(args: Any, samples: list) -> None:
+    """slime's `--rollout-sample-filter-path` when its own rollout runs over
+    RedisDataSource: slime's `generate_rollout_async` calls it with exactly the groups it
+    trains for the rollout (after its dynamic filter and any refill, before it returns).
+    The data source that handed them out commits only those; the rest of what that
+    rollout read goes back to the queue. Sets no `remove_sample` (every sample trains).
+    A sample filter of your own can call this first."""
+    flat = [s for g in samples for s in (g if isinstance(g, list) else [g])]
+    for source in list(_LIVE):
+        source.trained(flat)
 
 
 def default_source(args: Any) -> RedisDataSource:

@@ -14,6 +14,8 @@ from pipeline.types import Group, SamplingRecord
 #: slime's rollout function that calls `get_samples(1)` per group from a thread of its own.
 FULLY_ASYNC_ROLLOUT = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 OUR_ROLLOUT = "pipeline.trainers.slime_adapter.generate_rollout"
+#: slime's --rollout-sample-filter-path: it is called with exactly the groups slime's rollout trains.
+RECORD_TRAINED = "pipeline.trainers.slime_adapter.record_trained"
 
 
 class SlimeConfigError(ValueError):
@@ -43,9 +45,17 @@ def check_top_p(args: Any) -> None:
             "--rollout-top-p 1.0 (and the workers with --top-p 1.0)")
 
 
+def records_trained(args: Any) -> bool:
+    """Whether slime tells the data source which groups its rollout trains."""
+    return _names(getattr(args, "rollout_sample_filter_path", None), RECORD_TRAINED)
+
+
 def check_data_source_use(args: Any) -> None:
     """With slime's own rollout over RedisDataSource, each `get_samples` must be one
-    step's batch, all of it trained: slime discards what it over-samples."""
+    step's batch, all of it trained: slime discards what it over-samples. Its dynamic
+    filter runs again after the Consumer's; when it drops a group (a random or stateful
+    filter) slime reads again and trains only part of what it read, which only its
+    --rollout-sample-filter-path call shows."""
     rollout = getattr(args, "rollout_function_path", OUR_ROLLOUT)
     if _names(rollout, FULLY_ASYNC_ROLLOUT):
         raise SlimeConfigError(
@@ -63,6 +73,12 @@ def check_data_source_use(args: Any) -> None:
             f"{batch} of the groups it reads and drops the rest, which the queue would then count as trained; "
             f"set --over-sampling-batch-size {batch} (filtering happens in the queue's Consumer), or use "
             f"--rollout-function-path {OUR_ROLLOUT}")
+    if _is_set(getattr(args, "dynamic_sampling_filter_path", None)) and not records_trained(args):
+        raise SlimeConfigError(
+            f"--dynamic-sampling-filter-path under slime's rollout over RedisDataSource: slime applies the filter "
+            f"again after the queue's Consumer, and a group it then drops makes it read more and train only part "
+            f"of what it read; set --rollout-sample-filter-path {RECORD_TRAINED} so the adapter commits only the "
+            f"groups slime trains (a sample filter of your own can call record_trained(args, samples) itself)")
 
 
 #: slime flags its own rollout applies and the queue's does not: (attribute, flag, what to do instead).
