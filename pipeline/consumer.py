@@ -371,7 +371,8 @@ class Consumer:
             confirmed = True
             delivered = [(e, 1) for e in entries]
             if pending > len(self._held) + len(self._fallback) + len(self._uncommitted) + len(entries):
-                delivered += self._lost(entries, deadline)
+                # Delivered by the lost read, before this read's entries: first in the batch.
+                delivered = self._lost(entries, deadline) + delivered
             if delivered:
                 control = self.call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)

@@ -394,3 +394,64 @@ def test_the_paged_audit_is_exact_while_groups_are_pushed_and_claimed(queue, mon
     assert max(scan.seen.values()) == 1
     report = audit_module.audit(queue, prompt_page=5)
     assert report.ok and report.in_two_places == [], report.summary()
+
+
+# -- the "also examine" list of issue 21 -------------------------------------------------------
+
+
+def test_entries_recovered_after_a_lost_read_reply_come_in_stream_order(queue, client, namespace):
+    """The lost read delivered g0..g2; the retry delivered g3, g4: the batch is g0..g2."""
+    from tests.helpers import LoseReplies
+
+    produce(queue, 5)
+    consumer = Consumer(client, namespace, block_s=0.2)
+    consumer._scripts["read"] = LoseReplies(consumer._scripts["read"], armed=1)
+    batch = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
+    assert [g.group_id for g in consumer.next_batch(2, timeout=5).groups] == ["g3", "g4"]
+
+
+def test_a_claim_retried_after_its_lease_ran_out_returns_its_groups(queue):
+    """The claim went through, its reply was lost, and the lease ran out before the retry:
+    the retry returns the groups held under that claim (before, 'expired', and the groups
+    sat in the in-flight hash with no task until reconciliation charged them a claim)."""
+    queue.push_groups(fresh(2))
+    queue.register("w")
+    first = queue.claim("w", "w:1", 2)
+    queue.redis.zadd(queue.keys.workers, {"w": 0}, xx=True)  # the lease ran out
+    again = queue.claim("w", "w:1", 2)
+    assert again.status.value == "ok" and [c.group_id for c in again.groups] == [c.group_id for c in first.groups]
+    assert queue.claim("w", "w:2", 1).status.value == "expired"  # a new claim is still refused
+    assert_audit_ok(queue)
+
+
+def test_a_token_that_prefixes_another_is_not_taken_for_its_publish(queue):
+    """publish.lua recognised a retried publish by a substring of the history: the zombie
+    publish of claim w:1 matched the real publish of claim w:10 and said 'already'."""
+    queue.push_groups(fresh(1))
+    queue.register("w")
+    [held] = queue.claim("w", "w:10", 1).groups
+    assert queue.publish_group("w", finish(held.group), "w:10", Place.RESULTS) == Published.OK
+    assert queue.publish_group("w", finish(held.group), "w:10", Place.RESULTS) == Published.ALREADY
+    assert queue.publish_group("w", finish(held.group), "w:1", Place.RESULTS) == Published.REFUSED
+    assert_audit_ok(queue)
+
+
+def test_a_staged_result_lost_in_a_failover_is_staged_again(queue, monkeypatch):
+    """The staging SET was acknowledged by a primary that then failed over without it;
+    the publish script, on the new primary, finds no staged payload. Before, the worker
+    dead-lettered the finished group; now the result is staged again and published."""
+    queue.push_groups(fresh(1))
+    [held] = claim(queue, "w", 1).groups
+    publish_script = queue._scripts["publish"]
+    lost = []
+
+    def failover_then_publish(keys, args):
+        if not lost:
+            lost.append(queue.redis.delete(keys[7]))  # the staged key, gone with the old primary
+        return publish_script(keys=keys, args=args)
+
+    monkeypatch.setitem(queue._scripts, "publish", failover_then_publish)
+    assert queue.publish_group("w", finish(held.group), held.token, Place.RESULTS) == Published.OK
+    assert lost == [1] and queue.redis.xlen(queue.keys.dead) == 0
+    assert assert_audit_ok(queue).results_undelivered == 1
