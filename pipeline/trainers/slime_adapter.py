@@ -325,7 +325,8 @@ class RedisDataSource:
         the model's save): the batches of those rollouts are committed now, not before,
         so a run resumed from this checkpoint neither skips nor repeats one. Which run
         saved it is recorded first, for `load`."""
-        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}", self.run_id)
+        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}",
+                           self.run_id)
         num_rollout = getattr(self.args, "num_rollout", None)
         # train_async.py saves synchronously (force_sync) with --release-train and at the last rollout.
         forced = bool(getattr(self.args, "release_train", False)) or rollout_id == (num_rollout or 0) - 1
