@@ -262,7 +262,7 @@ def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
     """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
     deadline passed (forced, not waited for)."""
     now = q.now_ms()
-    q.redis.hset(q.keys.beats, "beat_ms", now - 3 * lease_ms)
+    q.redis.hset(q.keys.beats, "seen_ms", now - 3 * lease_ms)
     q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
 
 
@@ -312,6 +312,27 @@ def test_workers_that_really_died_are_reaped_one_lease_after_the_silence(fleet):
     assert_audit_ok(q)
 
 
+def test_a_second_silence_before_anyone_renewed_gets_a_grace_too(fleet):
+    """Two outages back to back (the grace of the first ran out during the second): the
+    reaper after the second still reaps nobody."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0 and set(q.live_workers()) == {"w1", "w2"}
+
+
+def test_a_reaper_polling_through_the_grace_ends_it(fleet):
+    """Dead workers with a live reaper: its polls are signs of life, so when the grace
+    runs out the dead are reaped, not given another grace."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0  # the grace
+    assert q.reap_expired() == 0  # a poll during it: nobody expired
+    q.redis.zadd(q.keys.workers, {"w1": q.now_ms() - 1, "w2": q.now_ms() - 1}, xx=True)
+    assert q.reap_expired() == 2
+
+
 def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
     """The same through a real restart: workers renew in threads through their Reconnect;
     Redis is down for two leases; another process reaps the moment it is back."""
@@ -329,7 +350,7 @@ def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
                 assert not reconnect.call(mine.heartbeat, w, "{}").reaped, f"{w} was reaped"
         renewers.append(threading.Thread(target=renew, daemon=True))
         renewers[-1].start()
-    wait_for(lambda: q.redis.hget(q.keys.beats, "beat_ms"), what="a renewal")
+    wait_for(lambda: q.redis.hget(q.keys.beats, "seen_ms"), what="a renewal")
     killed = time.monotonic()
     outage(durable, lambda: time.monotonic() - killed >= 2 * LEASE_S).join()
     reaper = Queue(connect(durable.url), "o8")
