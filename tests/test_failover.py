@@ -478,3 +478,43 @@ def test_a_staged_result_lost_in_a_failover_is_staged_again(queue, monkeypatch):
     assert queue.publish_group("w", finish(held.group), held.token, Place.RESULTS) == Published.OK
     assert lost == [1] and queue.redis.xlen(queue.keys.dead) == 0
     assert assert_audit_ok(queue).results_undelivered == 1
+
+
+def test_a_worker_cut_off_longer_than_its_lease_renews_before_it_reaps(redis_factory):
+    """Issue 21 o8, worker side: the worker's own link is down past its lease while Redis
+    and the rest of the fleet are fine (no silence, so no grace). When the link is back,
+    its maintenance loop must not reap before a heartbeat renewed its lease: it would
+    reap itself and cancel its own work."""
+    from engines.simulator import SimConfig, start_simulator
+    from tests.helpers import Forwarder, WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    server = redis_factory("link", aof=False)
+    q = Queue(connect(server.url), "cut")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    q.push_groups(fresh(8))
+    q.register("other")
+    link = Forwarder(server.port)
+    sim = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20.0, length_median=400, length_p99=800))
+    worker = WorkerThread(WorkerSettings(redis_url=link.url, engine_urls=[sim.url], namespace="cut",
+                                         heartbeat_s=0.2, concurrency_per_engine=4,
+                                         sampling=SamplingSettings(max_new_tokens=800)))
+    stop = threading.Event()
+    others = threading.Thread(target=lambda: [q.heartbeat("other", "{}") for _ in iter(lambda: stop.wait(0.2), True)],
+                              daemon=True)
+    others.start()  # the rest of the fleet renews all along: no silence
+    try:
+        me = worker.worker.id
+        wait_for(lambda: q.redis.hlen(q.keys.inflight(me)) > 0, what="groups in flight")
+        link.switch(None)
+        wait_for(lambda: worker.worker.ctx.reconnect.down and q.workers()[me] < 0, what="its lease to run out")
+        link.switch(server.port)
+        wait_for(lambda: not worker.worker.ctx.reconnect.down and q.workers().get(me, -1) > 0,
+                 what="the worker back and renewed")
+        assert worker.worker.counters.reincarnations == 0 and worker.worker.id == me
+        assert all(int(c) == 1 for c in q.redis.hvals(q.keys.claims))
+    finally:
+        stop.set()
+        worker.stop()
+        sim.stop()
+        link.switch(None)

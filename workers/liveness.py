@@ -36,6 +36,11 @@ class Liveness:
         self.info = info  # what the worker says about itself, stored with each heartbeat
         self._last_reap = 0.0
         self._last_orphan_reap = 0.0
+        # Redis outages of this process's connection (ctx.reconnect.outages) that a heartbeat
+        # has renewed the lease after: upkeep reaps only when it is current, so a worker
+        # whose own link was down longer than the lease renews before it reaps anyone
+        # (itself included).
+        self._renewed_outages = 0
 
     # -- registration ----------------------------------------------------------------
 
@@ -82,10 +87,12 @@ class Liveness:
         metrics.INFLIGHT_SAMPLES.set(self.runner.inflight_samples)
         worker_id = ctx.id
         info = json.dumps(self.info())
+        outages = ctx.reconnect.outages
         beat = await ctx.redis(ctx.queue.heartbeat, worker_id, info)
         if beat.reaped or (ctx.eval_queue and (await ctx.redis(ctx.eval_queue.heartbeat, worker_id, info)).reaped):
             await self.reincarnate(worker_id)
             return
+        self._renewed_outages = outages
         ctx.paused = beat.paused  # a missed event: the heartbeat carries the truth
         ctx.queue_version = beat.weight_version
         ctx.version_clock = beat.version_clock
@@ -155,7 +162,7 @@ class Liveness:
         depths = main.depths()
         metrics.sample_namespace(depths, main.stats() if self.ctx.settings.metrics_port else {})
         now = time.monotonic()
-        reap = now - self._last_reap >= self.ctx.lease_s / 4
+        reap = now - self._last_reap >= self.ctx.lease_s / 4 and self._renewed_outages == self.ctx.reconnect.outages
         orphans = now - self._last_orphan_reap >= 10 * self.ctx.lease_s
         if reap:
             self._last_reap = now
