@@ -518,3 +518,31 @@ def test_a_worker_cut_off_longer_than_its_lease_renews_before_it_reaps(redis_fac
         worker.stop()
         sim.stop()
         link.switch(None)
+
+
+def test_one_group_id_in_the_training_and_the_eval_namespace_runs_twice(redis_url, client, namespace):
+    """Issue 21, also examine: the worker keyed its running tasks by group id alone, so the
+    same id claimed from `<ns>` and `<ns>.eval` cancelled one task for the other (and
+    reconciliation handed that group back). Each namespace's copy is generated and published."""
+    from engines.simulator import SimConfig, start_simulator
+    from pipeline.keys import eval_namespace
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    training, evaluation = Queue(client, namespace), Queue(client, eval_namespace(namespace))
+    training.push_groups(fresh(1))
+    evaluation.push_groups(fresh(1))
+    sim = start_simulator(SimConfig(seed=2, decode_tokens_per_s=200.0, length_median=16, length_p99=32))
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         heartbeat_s=0.2, concurrency_per_engine=8,
+                                         sampling=SamplingSettings(max_new_tokens=32)))
+    try:
+        wait_for(lambda: training.redis.xlen(training.keys.results) == 1
+                 and evaluation.redis.xlen(evaluation.keys.results) == 1, what="both copies published")
+        counters = worker.worker.counters
+        assert counters.handed_back == 0 and counters.cancelled == 0
+    finally:
+        worker.stop()
+        sim.stop()
+    assert_audit_ok(training)
+    assert_audit_ok(evaluation)

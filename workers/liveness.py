@@ -113,13 +113,13 @@ class Liveness:
         """Agree with one namespace on what this worker holds there."""
         ctx, running = self.ctx, self.runner.running
         held = await ctx.redis(queue.held, ctx.id)
-        for gid, run in list(running.items()):
+        for (_, gid), run in list(running.items()):
             if run.queue is queue and held.get(gid) != run.token and not run.publishing:
                 log.warning("group %s: worker %s no longer holds it in Redis (claim %s); cancelling its task",
                             gid, ctx.id, run.token)
                 run.task.cancel()
         stray = {gid: token for gid, token in held.items()
-                 if (run := running.get(gid)) is None or run.token != token}
+                 if (run := running.get((queue.keys.namespace, gid))) is None or run.token != token}
         if stray:
             n = await ctx.redis(queue.hand_back, ctx.id, stray)
             ctx.counters.handed_back += n
