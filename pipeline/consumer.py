@@ -34,7 +34,7 @@ from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
-from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect
+from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect, RedisUnavailable
 from .types import Group, VersionClock
 
 log = logging.getLogger(__name__)
@@ -447,7 +447,11 @@ class Consumer:
         # that list, and pairing it with the entries would settle one group's entry under
         # another's id (orphaning payloads in the audit).
         items = [Settle("commit", e.entry_id, e.group_id, batch.batch_id, token=e.token) for e in batch.entries]
-        settled, already = self._settle(items, deadline)
+        try:
+            settled, already = self._settle(items, deadline)
+        except RedisUnavailable as exc:
+            raise RedisUnavailable(f"{exc}; batch {batch.batch_id} is not committed: call commit() with it again "
+                                   f"once Redis is back (a commit is idempotent)") from exc
         for e in batch.entries:
             self._uncommitted.pop(e.entry_id, None)
         if self.replicas:

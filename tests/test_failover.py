@@ -546,3 +546,25 @@ def test_one_group_id_in_the_training_and_the_eval_namespace_runs_twice(redis_ur
         sim.stop()
     assert_audit_ok(training)
     assert_audit_ok(evaluation)
+
+
+def test_a_commit_past_the_outage_limit_is_tried_again_not_stranded(durable):
+    """Issue 21, also examine: a commit that raised RedisUnavailable left its entries
+    pending for this session, which never delivers them again (the PyTorch adapter had
+    already forgotten the batch). Now the error says the batch is not committed, and the
+    adapter commits it with its next step once Redis is back."""
+    pytest.importorskip("torch")
+    from pipeline.trainers.torch_adapter import RolloutIterable
+
+    q = Queue(connect(durable.url), "o4x")
+    produce(q, 4)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4x", block_s=0.2, outage_limit_s=0.3)
+    steps = RolloutIterable(consumer, batch_size=2, timeout=30)
+    next(steps)
+    durable.kill()
+    with pytest.raises(RedisUnavailable, match=r"batch trainer\.1-[0-9a-f]+/1 is not committed: call commit\(\)"):
+        next(steps)
+    durable.start()
+    next(steps)  # commits the first batch, then the second step
+    assert steps.commit() == 2
+    assert assert_audit_ok(Queue(connect(durable.url), "o4x")).committed == 4

@@ -478,16 +478,19 @@ class RedisDataSource:
         """Commit the deliveries of rollouts up to `rollout_id` (None: all)."""
         done = 0
         while self._pending and (rollout_id is None or self._pending[0].rollout_id <= rollout_id):
-            delivery = self._pending.popleft()
-            for it in delivery.items:
-                self._track(it, forget=True)
+            delivery = self._pending[0]
             items = [it for it in delivery.items if not it.returned]
             if items:
                 batch = Batch([it.group for it in items], [it.entry for it in items],
                               delivery.weight_version, delivery.metrics, f"slime rollout {delivery.rollout_id}")
+                # Forgotten only once committed: a commit that raised (Redis gone past the
+                # outage limit) is tried again by the next save, not left to a new session.
                 done += self.consumer.commit(batch)
                 self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,
                                    *(it.entry.entry_id for it in items))
+            for it in delivery.items:
+                self._track(it, forget=True)
+            self._pending.popleft()
         return done
 
     # -- helpers -------------------------------------------------------------------------
