@@ -568,3 +568,24 @@ def test_a_commit_past_the_outage_limit_is_tried_again_not_stranded(durable):
     next(steps)  # commits the first batch, then the second step
     assert steps.commit() == 2
     assert assert_audit_ok(Queue(connect(durable.url), "o4x")).committed == 4
+
+
+def test_a_registration_retried_after_a_heartbeat_rewrote_the_info_is_its_own(queue):
+    """Issue 21, also examine: the registration went through, its reply was lost, and a
+    heartbeat of the new incarnation rewrote the stored info before the retry: the retry
+    was refused ('registered already'). The registration nonce in the info recognises it;
+    another process's registration of the id is still refused."""
+    import json
+
+    from tests.helpers import LoseReplies
+
+    queue._scripts["register"] = LoseReplies(queue._scripts["register"], armed=1)
+    info = json.dumps({"state": "starting", "registration": "n1"})
+    with pytest.raises(redis.ConnectionError):
+        queue.register("w#2", info)
+    assert not queue.heartbeat("w#2", json.dumps({"state": "running", "registration": "n1"})).reaped
+    assert queue.register("w#2", info) > 0  # the retry
+    with pytest.raises(ValueError, match="registered already"):
+        queue.register("w#2", json.dumps({"state": "starting", "registration": "n2"}))
+    with pytest.raises(ValueError, match="registered already"):
+        queue.register("w#2", "{}")

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Any, Callable
 
 from pipeline import metrics
@@ -41,11 +42,15 @@ class Liveness:
         # whose own link was down longer than the lease renews before it reaps anyone
         # (itself included).
         self._renewed_outages = 0
+        self.registration = ""  # this incarnation's registration nonce (register())
 
     # -- registration ----------------------------------------------------------------
 
     async def register(self) -> None:
         ctx = self.ctx
+        # In the info of every heartbeat of this incarnation: a registration retried after
+        # its reply was lost is recognised even if a heartbeat rewrote the info meanwhile.
+        self.registration = uuid.uuid4().hex
         info = json.dumps(self.info())
         ctx.lease_s = await ctx.redis(ctx.queue.register, ctx.id, info)
         if ctx.eval_queue:
