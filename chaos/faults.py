@@ -13,6 +13,7 @@ import logging
 import random
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -68,6 +69,7 @@ class FaultKind(StrEnum):
     TRAINER_ROLLING = "trainer_rolling"  # a second trainer while the first runs
     SIM_KILL = "sim_kill"  # kill -9 of a simulator, restarted on its port
     REDIS_KILL = "redis_kill"  # kill -9 of redis-server, restarted from its AOF
+    LONG_OUTAGE = "long_outage"  # redis-server down for 1.5-3 leases, then restarted from its AOF
     REDIS_DROP_REPLY = "redis_drop_reply"  # worker <-> Redis: requests done, replies lost
     REDIS_RESET = "redis_reset"  # worker <-> Redis: connections reset
     REDIS_LATENCY = "redis_latency"  # worker <-> Redis: every chunk delayed
@@ -335,6 +337,42 @@ class RedisKill(Fault):
         return True
 
 
+class LongOutage(Fault):
+    """kill -9 of redis-server, the same server again from its AOF 1.5-3 leases later: the
+    server's clock ran on while nobody could renew, and no live worker may be reaped for
+    it (issue 21, o8). The restart runs on a thread of its own: the campaign's own calls
+    wait Redis out meanwhile."""
+
+    kind = FaultKind.LONG_OUTAGE
+
+    def begin(self, c: Campaign) -> bool:
+        inflight = c.call(c.queue.inflight_count)
+        leases = c.rng.uniform(1.5, 3.0)
+        self.down_s = leases * c.settings.lease_s
+        r = self.record
+        r.started = time.time()
+        r.target = f"redis-server, {self.down_s:.1f}s ({leases:.1f} leases)"
+        r.affected, r.unit = inflight, "groups in flight"
+        c.fleet.server.kill()
+
+        def back() -> None:
+            time.sleep(self.down_s)
+            c.fleet.server.start()
+
+        self.restart = threading.Thread(target=back, daemon=True)
+        self.restart.start()
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        if self.restart.is_alive():
+            return False
+        self.record.ended = time.time()
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self.restart.join()
+
+
 class WindowFault(Fault):
     """A fault that holds for WINDOW_S: `_open` starts it (False: not now), `lift` ends it."""
 
@@ -437,7 +475,8 @@ ENGINE_FAULTS = {
 }
 PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
                   FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
-                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill}
+                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill,
+                  FaultKind.LONG_OUTAGE: LongOutage}
 
 
 def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:
