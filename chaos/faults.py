@@ -359,11 +359,11 @@ class LongOutage(Fault):
         r.started = time.time()
         r.target = f"redis-server, {self.down_s:.1f}s ({leases:.1f} leases)"
         r.affected, r.unit = inflight, "groups in flight"
-        c.fleet.server.kill()
+        c.fleet.stop_redis()
 
         def back() -> None:
             time.sleep(self.down_s)
-            c.fleet.server.start()
+            c.fleet.start_redis()
 
         self.restart = threading.Thread(target=back, daemon=True)
         self.restart.start()

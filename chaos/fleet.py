@@ -121,6 +121,7 @@ class Fleet:
         self.dataset_path = run_dir / "prompts.jsonl"
         self.epochs = 1 + int(MAX_GROUPS_PER_S * settings.minutes * 60) // DATASET_ROWS
         self.server = RedisServer(run_dir / "redis", port=free_port(), fsync=settings.fsync)
+        self.redis_held_down = False  # a long_outage fault keeps it down on purpose
         self.proxies = ProxyThread()
         self.queue: Queue | None = None
         self.sim_ports: list[int] = []
@@ -229,6 +230,16 @@ class Fleet:
         self.trainers.append(trainer)
         return trainer
 
+    def stop_redis(self) -> None:
+        """kill -9 of redis-server, left down (a long outage) until start_redis(): the
+        supervisor does not restart it meanwhile."""
+        self.redis_held_down = True
+        self.server.kill()
+
+    def start_redis(self) -> None:
+        self.server.start()
+        self.redis_held_down = False
+
     def restart_redis(self) -> float:
         """kill -9 of redis-server, then the same server again from its AOF; returns the
         seconds until it answered."""
@@ -270,7 +281,7 @@ class Fleet:
             else:  # a feeder rides out Redis restarts: its exit is an incident
                 self._incident(events, self.feeder)
                 self.feeder = self._spawn_feeder()
-        if self.server.process is not None and self.server.process.poll() is not None:
+        if not self.redis_held_down and self.server.process is not None and self.server.process.poll() is not None:
             self.incidents.append(f"redis-server exited by itself with code {self.server.process.returncode}")
             events.append(self.incidents[-1] + "; restarting it")
             self.server.start()
