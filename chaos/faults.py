@@ -21,7 +21,7 @@ from enum import StrEnum
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from pipeline.connection import connect
+from pipeline.connection import ConnectionFailed, connect
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.ops.admin import purge
 from pipeline.ops.audit import audit
@@ -400,7 +400,12 @@ class AuditLoad(Fault):
 
         def load() -> None:
             reconnect = Reconnect(f"audit load {namespace}")
-            client = connect(c.fleet.server.url, socket_timeout=60)
+            while True:  # another fault may hold Redis down as this one starts
+                try:
+                    client = connect(c.fleet.server.url, socket_timeout=60)
+                    break
+                except ConnectionFailed:
+                    time.sleep(0.5)
             q = Queue(client, namespace)
             try:
                 for start in range(0, AUDIT_LOAD_GROUPS, 5000):
@@ -427,7 +432,7 @@ class AuditLoad(Fault):
         r.ended = time.time()
         if "error" in self.outcome:
             r.problem = self.outcome["error"]
-        elif not self.outcome["ok"]:
+        elif not self.outcome.get("ok"):
             r.problem = f"the audit of the loaded namespace: {self.outcome['summary']}"
         else:
             r.note = f"audited in {self.outcome['audit_s']:.1f}s while the pipeline ran"
