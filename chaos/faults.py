@@ -406,8 +406,8 @@ class AuditLoad(Fault):
                     break
                 except ConnectionFailed:
                     time.sleep(0.5)
-            q = Queue(client, namespace)
             try:
+                q = reconnect.call(Queue, client, namespace)  # (asks the server which scripts it has)
                 for start in range(0, AUDIT_LOAD_GROUPS, 5000):
                     groups = [Group.fresh(f"load:{i}", "What is 1 + 1?", 4, row=i)
                               for i in range(start, min(AUDIT_LOAD_GROUPS, start + 5000))]
@@ -433,7 +433,7 @@ class AuditLoad(Fault):
         if "error" in self.outcome:
             r.problem = self.outcome["error"]
         elif not self.outcome.get("ok"):
-            r.problem = f"the audit of the loaded namespace: {self.outcome['summary']}"
+            r.problem = f"the audit of the loaded namespace: {self.outcome.get('summary', 'did not run')}"
         else:
             r.note = f"audited in {self.outcome['audit_s']:.1f}s while the pipeline ran"
         return True
