@@ -13,6 +13,7 @@ import logging
 import random
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +21,13 @@ from enum import StrEnum
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from pipeline.connection import ConnectionFailed, connect
 from pipeline.keys import CONSUMER_GROUP
+from pipeline.ops.admin import purge
+from pipeline.ops.audit import audit
 from pipeline.queue import Queue
+from pipeline.retry import Reconnect
+from pipeline.types import Group
 
 from .fault_proxy import LinkFaults
 from .fleet import Fleet, FleetSettings, Proc
@@ -68,6 +74,8 @@ class FaultKind(StrEnum):
     TRAINER_ROLLING = "trainer_rolling"  # a second trainer while the first runs
     SIM_KILL = "sim_kill"  # kill -9 of a simulator, restarted on its port
     REDIS_KILL = "redis_kill"  # kill -9 of redis-server, restarted from its AOF
+    LONG_OUTAGE = "long_outage"  # redis-server down for 1.5-3 leases, then restarted from its AOF
+    AUDIT_LOAD = "audit_load"  # a large namespace on the same server audited while the pipeline runs
     REDIS_DROP_REPLY = "redis_drop_reply"  # worker <-> Redis: requests done, replies lost
     REDIS_RESET = "redis_reset"  # worker <-> Redis: connections reset
     REDIS_LATENCY = "redis_latency"  # worker <-> Redis: every chunk delayed
@@ -335,6 +343,105 @@ class RedisKill(Fault):
         return True
 
 
+class LongOutage(Fault):
+    """kill -9 of redis-server, the same server again from its AOF 1.5-3 leases later: the
+    server's clock ran on while nobody could renew, and no live worker may be reaped for
+    it (issue 21, o8). The restart runs on a thread of its own: the campaign's own calls
+    wait Redis out meanwhile."""
+
+    kind = FaultKind.LONG_OUTAGE
+
+    def begin(self, c: Campaign) -> bool:
+        inflight = c.call(c.queue.inflight_count)
+        leases = c.rng.uniform(1.5, 3.0)
+        self.down_s = leases * c.settings.lease_s
+        r = self.record
+        r.started = time.time()
+        r.target = f"redis-server, {self.down_s:.1f}s ({leases:.1f} leases)"
+        r.affected, r.unit = inflight, "groups in flight"
+        c.fleet.stop_redis()
+
+        def back() -> None:
+            time.sleep(self.down_s)
+            c.fleet.start_redis()
+
+        self.restart = threading.Thread(target=back, daemon=True)
+        self.restart.start()
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        if self.restart.is_alive():
+            return False
+        self.record.ended = time.time()
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self.restart.join()
+
+
+#: Queued groups of the namespace an `audit_load` fault audits (on the campaign's server).
+AUDIT_LOAD_GROUPS = 50_000
+
+
+class AuditLoad(Fault):
+    """An operator audits a large namespace on the pipeline's server while it runs: the
+    audit holds the server only in short steps, so no process sees BUSY (issue 21, o7).
+    Filled and audited on a thread of its own, through Reconnect (a Redis fault may
+    overlap); the namespace is deleted afterwards."""
+
+    kind = FaultKind.AUDIT_LOAD
+
+    def begin(self, c: Campaign) -> bool:
+        r = self.record
+        r.started = time.time()
+        namespace = f"chaos-audit-{int(r.at_s)}"
+        r.target, r.affected, r.unit = f"namespace {namespace}", AUDIT_LOAD_GROUPS, "groups queued"
+        self.outcome: dict[str, Any] = {}
+
+        def load() -> None:
+            reconnect = Reconnect(f"audit load {namespace}")
+            while True:  # another fault may hold Redis down as this one starts
+                try:
+                    client = connect(c.fleet.server.url, socket_timeout=60)
+                    break
+                except ConnectionFailed:
+                    time.sleep(0.5)
+            try:
+                q = reconnect.call(Queue, client, namespace)  # (asks the server which scripts it has)
+                for start in range(0, AUDIT_LOAD_GROUPS, 5000):
+                    groups = [Group.fresh(f"load:{i}", "What is 1 + 1?", 4, row=i)
+                              for i in range(start, min(AUDIT_LOAD_GROUPS, start + 5000))]
+                    reconnect.call(q.push_groups, groups)
+                started = time.monotonic()
+                report = reconnect.call(audit, q)
+                self.outcome.update(ok=report.ok, summary=report.summary(), audit_s=time.monotonic() - started)
+                reconnect.call(purge, client, namespace)
+            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
+                self.outcome["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                client.close()
+
+        self.thread = threading.Thread(target=load, daemon=True)
+        self.thread.start()
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        if self.thread.is_alive():
+            return False
+        r = self.record
+        r.ended = time.time()
+        if "error" in self.outcome:
+            r.problem = self.outcome["error"]
+        elif not self.outcome.get("ok"):
+            r.problem = f"the audit of the loaded namespace: {self.outcome.get('summary', 'did not run')}"
+        else:
+            r.note = f"audited in {self.outcome['audit_s']:.1f}s while the pipeline ran"
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self.thread.join()
+
+
 class WindowFault(Fault):
     """A fault that holds for WINDOW_S: `_open` starts it (False: not now), `lift` ends it."""
 
@@ -437,7 +544,8 @@ ENGINE_FAULTS = {
 }
 PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
                   FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
-                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill}
+                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill,
+                  FaultKind.LONG_OUTAGE: LongOutage, FaultKind.AUDIT_LOAD: AuditLoad}
 
 
 def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:

@@ -121,6 +121,8 @@ class Fleet:
         self.dataset_path = run_dir / "prompts.jsonl"
         self.epochs = 1 + int(MAX_GROUPS_PER_S * settings.minutes * 60) // DATASET_ROWS
         self.server = RedisServer(run_dir / "redis", port=free_port(), fsync=settings.fsync)
+        self.redis_held_down = False  # a long_outage fault keeps it down on purpose
+        self.redis_down_at = float("inf")  # when the last long_outage began (minus STARTUP_S)
         self.proxies = ProxyThread()
         self.queue: Queue | None = None
         self.sim_ports: list[int] = []
@@ -229,6 +231,17 @@ class Fleet:
         self.trainers.append(trainer)
         return trainer
 
+    def stop_redis(self) -> None:
+        """kill -9 of redis-server, left down (a long outage) until start_redis(): the
+        supervisor does not restart it meanwhile."""
+        self.redis_held_down = True
+        self.redis_down_at = time.time() - STARTUP_S  # a worker starting just before finds it gone too
+        self.server.kill()
+
+    def start_redis(self) -> None:
+        self.server.start()
+        self.redis_held_down = False
+
     def restart_redis(self) -> float:
         """kill -9 of redis-server, then the same server again from its AOF; returns the
         seconds until it answered."""
@@ -245,7 +258,13 @@ class Fleet:
         for i, w in enumerate(self.workers):
             if w.alive or w.killed:
                 continue
-            if time.time() - w.started < STARTUP_S and "cannot reach Redis" in w.last_line():
+            if "cannot reach Redis" in w.last_line() and w.started >= self.redis_down_at:
+                # Started into a long_outage: a process that starts finds Redis or says it
+                # cannot (a long-running one waits it out). Replaced once Redis is back.
+                if self.redis_held_down:
+                    continue
+                events.append(f"{w.role} (pid {w.pid}) started while Redis was held down; replaced")
+            elif time.time() - w.started < STARTUP_S and "cannot reach Redis" in w.last_line():
                 self.startup_failures.append(f"{w.role} (pid {w.pid}): {w.last_line()}")
                 events.append(f"{w.role} (pid {w.pid}) could not reach Redis as it started; run again")
             else:
@@ -270,7 +289,7 @@ class Fleet:
             else:  # a feeder rides out Redis restarts: its exit is an incident
                 self._incident(events, self.feeder)
                 self.feeder = self._spawn_feeder()
-        if self.server.process is not None and self.server.process.poll() is not None:
+        if not self.redis_held_down and self.server.process is not None and self.server.process.poll() is not None:
             self.incidents.append(f"redis-server exited by itself with code {self.server.process.returncode}")
             events.append(self.incidents[-1] + "; restarting it")
             self.server.start()

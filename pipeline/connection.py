@@ -1,4 +1,6 @@
-"""Connecting to Redis: one function, URL checked, protocol pinned, Cluster detected.
+"""Connecting to Redis: one function, URL checked, protocol pinned, Cluster detected,
+Sentinel followed (`redis+sentinel://[user:password@]host:26379[,host2:26379]/service[/db]`:
+the client asks the Sentinels for the service's primary, and again after a failover).
 
 A URL is checked before anything is sent, so a typo is one clear line, not a
 traceback from deep in redis-py; and the userinfo part (a password, or a
@@ -10,12 +12,14 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from dataclasses import dataclass
 from functools import cache
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 import redis
 from redis.cluster import RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, UnixDomainSocketConnection
+from redis.sentinel import Sentinel
 
 from .permissions import ExplainingRedis
 from .tls import check_tls_options
@@ -29,8 +33,12 @@ SOCKET_TIMEOUT_S = 30.0
 #: The first round trip waits this long: a rediss:// URL against a server without
 #: TLS gets no answer at all, and the full socket timeout would hide why.
 PROBE_TIMEOUT_S = 5.0
-SCHEMES = ("redis", "rediss", "unix")
-_CONNECTION_CLASSES = {"redis": redis.Connection, "rediss": SSLConnection, "unix": UnixDomainSocketConnection}
+SENTINEL_SCHEME = "redis+sentinel"
+SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
+_CONNECTION_CLASSES = {"redis": redis.Connection, "rediss": SSLConnection, "unix": UnixDomainSocketConnection,
+                       SENTINEL_SCHEME: redis.Connection}
+#: The port of a Sentinel given without one.
+SENTINEL_PORT = 26379
 
 
 class ConnectionFailed(RuntimeError):
@@ -88,7 +96,11 @@ def check_url(url: str) -> SplitResult:
     shown = redact(url)
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in SCHEMES:
-        raise ConnectionFailed(f"unsupported Redis URL {shown!r}: use redis://, rediss:// or unix://")
+        raise ConnectionFailed(f"unsupported Redis URL {shown!r}: use redis://, rediss://, unix:// or "
+                               f"redis+sentinel://")
+    if scheme == SENTINEL_SCHEME:
+        sentinel_target(url)  # raises what is wrong with it
+        return urlsplit(url)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -117,6 +129,51 @@ def check_url(url: str) -> SplitResult:
     return parts
 
 
+@dataclass
+class SentinelTarget:
+    """What a redis+sentinel:// URL names: the Sentinels to ask, the service (Sentinel's
+    name for the primary and its replicas), the database, the primary's credentials."""
+
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def sentinel_target(url: str) -> SentinelTarget:
+    """Parse `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]`,
+    or ConnectionFailed saying what is wrong (never echoing the userinfo)."""
+    shown = redact(url)
+    rest = url.partition("://")[2]
+    userinfo, at, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    service, _, db = path.partition("/")
+    if "?" in rest or "#" in rest:
+        raise ConnectionFailed(f"malformed Sentinel URL {shown!r}: no query parameters or fragments")
+    if not service:
+        raise ConnectionFailed(f"malformed Sentinel URL {shown!r}: name the service after the hosts "
+                               f"(redis+sentinel://host:{SENTINEL_PORT}/mymaster)")
+    if db and not db.isdigit():
+        raise ConnectionFailed(f"malformed Sentinel URL {shown!r}: the database must be a number, got {db!r}")
+    sentinels = []
+    for host in hosts.split(","):
+        if host.startswith("["):  # [::1]:26379
+            name, _, port = host[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            name, _, port = host.partition(":")
+        port = port or str(SENTINEL_PORT)
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConnectionFailed(f"malformed Sentinel URL {shown!r}: {host!r} is not host:port")
+        sentinels.append((name, int(port)))
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username, password = (unquote(user) or None, unquote(secret)) if colon else (None, unquote(user))
+    return SentinelTarget(sentinels, unquote(service), int(db or 0), username, password)
+
+
 def _failure(url: str, exc: Exception) -> ConnectionFailed:
     shown = redact(url)
     if isinstance(exc, redis.exceptions.NoPermissionError):
@@ -130,10 +187,12 @@ def _failure(url: str, exc: Exception) -> ConnectionFailed:
 
 
 def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
-    """A client for `url` (redis://, rediss://, unix://). Returns a cluster client
+    """A client for `url` (redis://, rediss://, unix://, redis+sentinel://). Returns a cluster client
     when the server runs in cluster mode. Raises ConnectionFailed with the reason."""
     check_url(url)
     probe_timeout = PROBE_TIMEOUT_S if socket_timeout is None else min(socket_timeout, PROBE_TIMEOUT_S)
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        return _connect_sentinel(url, socket_timeout, probe_timeout)
     try:
         probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=probe_timeout,
                                      socket_connect_timeout=PROBE_TIMEOUT_S)
@@ -148,6 +207,24 @@ def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.
                                      socket_connect_timeout=5)
     except (redis.RedisError, ValueError, TypeError, OSError) as exc:
         raise _failure(url, exc) from None
+
+
+def _connect_sentinel(url: str, socket_timeout: float | None, probe_timeout: float) -> redis.Redis:
+    """A client of the service's current primary: its connections ask the Sentinels where
+    the primary is whenever they (re)connect, and drop a primary that was demoted (its
+    READONLY reply), so a failover is one outage that Reconnect waits out."""
+    target = sentinel_target(url)
+    sentinel = Sentinel(target.sentinels, sentinel_kwargs={"socket_timeout": probe_timeout,
+                                                           "socket_connect_timeout": PROBE_TIMEOUT_S})
+    client = sentinel.master_for(target.service, redis_class=ExplainingRedis, db=target.db,
+                                 username=target.username, password=target.password, protocol=PROTOCOL,
+                                 socket_timeout=socket_timeout, socket_connect_timeout=5, health_check_interval=30)
+    try:
+        client.ping()
+    except (redis.RedisError, ValueError, TypeError, OSError) as exc:
+        client.close()
+        raise _failure(url, exc) from None
+    return client
 
 
 def socket_timeout_of(client: redis.Redis | RedisCluster) -> float | None:

@@ -34,7 +34,7 @@ from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
-from .retry import TRAINER_OUTAGE_LIMIT_S, Reconnect
+from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect, RedisUnavailable
 from .types import Group, VersionClock
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class Consumer:
                  filter: FilterFn | str | None = None, filter_args: Any = None, stale_policy: str = "restart",
                  max_restarts: int = DEFAULT_MAX_RESTARTS, max_deliveries: int = DEFAULT_MAX_DELIVERIES,
                  block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
-                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S):
+                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int = 0,
+                 replica_timeout_s: float = 5.0):
         if stale_policy not in ("restart", "drop"):
             raise ValueError(f"unknown stale_policy {stale_policy!r}: use restart or drop")
         self.queue = Queue(client, namespace)
@@ -118,6 +119,11 @@ class Consumer:
         self.max_restarts = max_restarts
         self.max_deliveries = max_deliveries
         self.fallback_wait_s = fallback_wait_s
+        # A commit returns once this many replicas have it (WAIT): a failover to one of
+        # them cannot forget it, so the batch is never delivered (and trained) again
+        # (docs/operations.md, Durability). 0: the primary's acknowledgement is enough.
+        self.replicas = replicas
+        self.replica_timeout_s = replica_timeout_s
         # Stay under the socket timeout, or a long BLOCK reads as a dead connection.
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
@@ -365,7 +371,8 @@ class Consumer:
             confirmed = True
             delivered = [(e, 1) for e in entries]
             if pending > len(self._held) + len(self._fallback) + len(self._uncommitted) + len(entries):
-                delivered += self._lost(entries, deadline)
+                # Delivered by the lost read, before this read's entries: first in the batch.
+                delivered = self._lost(entries, deadline) + delivered
             if delivered:
                 control = self.call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)
@@ -440,13 +447,31 @@ class Consumer:
         # that list, and pairing it with the entries would settle one group's entry under
         # another's id (orphaning payloads in the audit).
         items = [Settle("commit", e.entry_id, e.group_id, batch.batch_id, token=e.token) for e in batch.entries]
-        settled, already = self._settle(items, deadline)
+        try:
+            settled, already = self._settle(items, deadline)
+        except RedisUnavailable as exc:
+            raise RedisUnavailable(f"{exc}; batch {batch.batch_id} is not committed: call commit() with it again "
+                                   f"once Redis is back (a commit is idempotent)") from exc
         for e in batch.entries:
             self._uncommitted.pop(e.entry_id, None)
+        if self.replicas:
+            self.call(self._replicate, batch.batch_id, deadline=deadline)
         if settled + already != len(items):
             raise RuntimeError(f"commit of batch {batch.batch_id}: {len(items) - settled - already} of "
                                f"{len(items)} entries are no longer this session's (settled elsewhere)")
         return settled + already
+
+    def _replicate(self, batch_id: str) -> None:
+        """Until `replicas` replicas have every write so far. WAIT counts the writes of its
+        own connection, so a write goes with it on one connection (the commit came before
+        it, so a replica that has this write has the commit)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.trainer, "last_commit", batch_id)
+        pipe.wait(self.replicas, int(self.replica_timeout_s * 1000))
+        acked = pipe.execute()[1]
+        if acked < self.replicas:
+            raise NotReplicated(f"commit of batch {batch_id} reached {acked} of {self.replicas} replicas within "
+                                f"{self.replica_timeout_s:g}s")
 
     def commit_trained(self, entry_ids: set[str], batch_id: str) -> int:
         """Commit entries delivered to earlier sessions that their trainer did train (a

@@ -78,7 +78,7 @@ class Keys:
         return self._key("holders")
 
     @property
-    def beats(self) -> str:  # HASH beat_ms (the last lease renewal, server ms), grace_for: see lua/_prelude.lua
+    def beats(self) -> str:  # HASH seen_ms (the last heartbeat or reap, server ms): see lua/_prelude.lua
         return self._key("beats")
 
     @property

@@ -214,15 +214,24 @@ class Queue:
         if place == Place.DEAD:
             payload, note = bounded_dead_letter(payload)
             error = (error or "dead") + note
+        args = [group_id, token, payload, place.value, error or "", worker, reason]
         if place == Place.RESULTS:
             # Staged with a plain SET, then renamed by the script: see lua/publish.lua.
             # It expires if this process dies before the script runs.
             staged = k.staged(text(group_id), token)
             self.redis.set(staged, payload, ex=STAGED_TTL_S)
             keys += [staged, k.result(text(group_id), token)]
-            payload = b""
-        reply = self._scripts["publish"](keys=keys, args=[group_id, token, payload, place.value, error or "", worker,
-                                                          reason])
+            args[2] = b""
+        try:
+            reply = self._scripts["publish"](keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if place != Place.RESULTS or "is missing" not in str(exc):
+                raise
+            # The staged SET was acknowledged by a primary that failed over before the new one
+            # had it (the script refuses before any write): stage it again, once.
+            log.warning("group %s: its staged result was lost (a failover?); staging it again", text(group_id))
+            self.redis.set(staged, payload, ex=STAGED_TTL_S)
+            reply = self._scripts["publish"](keys=keys, args=args)
         outcome = Published(text(reply[0]))
         if outcome == Published.REFUSED:
             log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
@@ -294,8 +303,11 @@ class Queue:
         """Reap every worker whose lease deadline has passed, and in-flight hashes left
         by workers that are not registered at all."""
         total = 0
-        for worker in self.redis.zrangebyscore(self.keys.workers, "-inf", f"({self.now_ms()}"):
+        expired = self.redis.zrangebyscore(self.keys.workers, "-inf", f"({self.now_ms()}")
+        for worker in expired:
             total += max(0, self.reap(text(worker)))
+        if not expired:  # still a sign of life for the silence check (lua/_prelude.lua)
+            self._reap("", "expired")
         return total
 
     def inflight_holders(self) -> set[str]:

@@ -67,6 +67,11 @@ def is_transient(exc: BaseException) -> bool:
 TRAINER_OUTAGE_LIMIT_S = 300.0
 
 
+class NotReplicated(redis.exceptions.ConnectionError):
+    """A write reached fewer replicas than the caller asked for (WAIT): retried like an
+    outage, since a replica catching up or reconnecting is one."""
+
+
 class RedisUnavailable(ConnectionError):
     """Redis stayed unreachable past the caller's deadline or the outage limit."""
 

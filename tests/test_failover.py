@@ -84,6 +84,8 @@ def _busy_reply(client) -> redis.ResponseError | None:
         client.get("k")
     except redis.ResponseError as exc:
         return exc
+    except redis.ConnectionError:  # seen once on a loaded machine while the script spun: ask again
+        pass
     return None
 
 
@@ -260,7 +262,7 @@ def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
     """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
     deadline passed (forced, not waited for)."""
     now = q.now_ms()
-    q.redis.hset(q.keys.beats, "beat_ms", now - 3 * lease_ms)
+    q.redis.hset(q.keys.beats, "seen_ms", now - 3 * lease_ms)
     q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
 
 
@@ -310,6 +312,27 @@ def test_workers_that_really_died_are_reaped_one_lease_after_the_silence(fleet):
     assert_audit_ok(q)
 
 
+def test_a_second_silence_before_anyone_renewed_gets_a_grace_too(fleet):
+    """Two outages back to back (the grace of the first ran out during the second): the
+    reaper after the second still reaps nobody."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0 and set(q.live_workers()) == {"w1", "w2"}
+
+
+def test_a_reaper_polling_through_the_grace_ends_it(fleet):
+    """Dead workers with a live reaper: its polls are signs of life, so when the grace
+    runs out the dead are reaped, not given another grace."""
+    q = fleet
+    _silence(q, ["w1", "w2"], 1000)
+    assert q.reap_expired() == 0  # the grace
+    assert q.reap_expired() == 0  # a poll during it: nobody expired
+    q.redis.zadd(q.keys.workers, {"w1": q.now_ms() - 1, "w2": q.now_ms() - 1}, xx=True)
+    assert q.reap_expired() == 2
+
+
 def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
     """The same through a real restart: workers renew in threads through their Reconnect;
     Redis is down for two leases; another process reaps the moment it is back."""
@@ -327,7 +350,7 @@ def test_a_restart_longer_than_the_lease_reaps_no_live_worker(durable):
                 assert not reconnect.call(mine.heartbeat, w, "{}").reaped, f"{w} was reaped"
         renewers.append(threading.Thread(target=renew, daemon=True))
         renewers[-1].start()
-    wait_for(lambda: q.redis.hget(q.keys.beats, "beat_ms"), what="a renewal")
+    wait_for(lambda: q.redis.hget(q.keys.beats, "seen_ms"), what="a renewal")
     killed = time.monotonic()
     outage(durable, lambda: time.monotonic() - killed >= 2 * LEASE_S).join()
     reaper = Queue(connect(durable.url), "o8")
@@ -394,3 +417,175 @@ def test_the_paged_audit_is_exact_while_groups_are_pushed_and_claimed(queue, mon
     assert max(scan.seen.values()) == 1
     report = audit_module.audit(queue, prompt_page=5)
     assert report.ok and report.in_two_places == [], report.summary()
+
+
+# -- the "also examine" list of issue 21 -------------------------------------------------------
+
+
+def test_entries_recovered_after_a_lost_read_reply_come_in_stream_order(queue, client, namespace):
+    """The lost read delivered g0..g2; the retry delivered g3, g4: the batch is g0..g2."""
+    from tests.helpers import LoseReplies
+
+    produce(queue, 5)
+    consumer = Consumer(client, namespace, block_s=0.2)
+    consumer._scripts["read"] = LoseReplies(consumer._scripts["read"], armed=1)
+    batch = consumer.next_batch(3, timeout=5)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
+    assert [g.group_id for g in consumer.next_batch(2, timeout=5).groups] == ["g3", "g4"]
+
+
+def test_a_claim_retried_after_its_lease_ran_out_returns_its_groups(queue):
+    """The claim went through, its reply was lost, and the lease ran out before the retry:
+    the retry returns the groups held under that claim (before, 'expired', and the groups
+    sat in the in-flight hash with no task until reconciliation charged them a claim)."""
+    queue.push_groups(fresh(2))
+    queue.register("w")
+    first = queue.claim("w", "w:1", 2)
+    queue.redis.zadd(queue.keys.workers, {"w": 0}, xx=True)  # the lease ran out
+    again = queue.claim("w", "w:1", 2)
+    assert again.status.value == "ok" and [c.group_id for c in again.groups] == [c.group_id for c in first.groups]
+    assert queue.claim("w", "w:2", 1).status.value == "expired"  # a new claim is still refused
+    assert_audit_ok(queue)
+
+
+def test_a_token_that_prefixes_another_is_not_taken_for_its_publish(queue):
+    """publish.lua recognised a retried publish by a substring of the history: the zombie
+    publish of claim w:1 matched the real publish of claim w:10 and said 'already'."""
+    queue.push_groups(fresh(1))
+    queue.register("w")
+    [held] = queue.claim("w", "w:10", 1).groups
+    assert queue.publish_group("w", finish(held.group), "w:10", Place.RESULTS) == Published.OK
+    assert queue.publish_group("w", finish(held.group), "w:10", Place.RESULTS) == Published.ALREADY
+    assert queue.publish_group("w", finish(held.group), "w:1", Place.RESULTS) == Published.REFUSED
+    assert_audit_ok(queue)
+
+
+def test_a_staged_result_lost_in_a_failover_is_staged_again(queue, monkeypatch):
+    """The staging SET was acknowledged by a primary that then failed over without it;
+    the publish script, on the new primary, finds no staged payload. Before, the worker
+    dead-lettered the finished group; now the result is staged again and published."""
+    queue.push_groups(fresh(1))
+    [held] = claim(queue, "w", 1).groups
+    publish_script = queue._scripts["publish"]
+    lost = []
+
+    def failover_then_publish(keys, args):
+        if not lost:
+            lost.append(queue.redis.delete(keys[7]))  # the staged key, gone with the old primary
+        return publish_script(keys=keys, args=args)
+
+    monkeypatch.setitem(queue._scripts, "publish", failover_then_publish)
+    assert queue.publish_group("w", finish(held.group), held.token, Place.RESULTS) == Published.OK
+    assert lost == [1] and queue.redis.xlen(queue.keys.dead) == 0
+    assert assert_audit_ok(queue).results_undelivered == 1
+
+
+def test_a_worker_cut_off_longer_than_its_lease_renews_before_it_reaps(redis_factory):
+    """Issue 21 o8, worker side: the worker's own link is down past its lease while Redis
+    and the rest of the fleet are fine (no silence, so no grace). When the link is back,
+    its maintenance loop must not reap before a heartbeat renewed its lease: it would
+    reap itself and cancel its own work."""
+    from engines.simulator import SimConfig, start_simulator
+    from tests.helpers import Forwarder, WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    server = redis_factory("link", aof=False)
+    q = Queue(connect(server.url), "cut")
+    configure(q.redis, q.keys, lease_s=LEASE_S)
+    q.push_groups(fresh(8))
+    q.register("other")
+    link = Forwarder(server.port)
+    sim = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20.0, length_median=400, length_p99=800))
+    worker = WorkerThread(WorkerSettings(redis_url=link.url, engine_urls=[sim.url], namespace="cut",
+                                         heartbeat_s=0.2, concurrency_per_engine=4,
+                                         sampling=SamplingSettings(max_new_tokens=800)))
+    stop = threading.Event()
+    others = threading.Thread(target=lambda: [q.heartbeat("other", "{}") for _ in iter(lambda: stop.wait(0.2), True)],
+                              daemon=True)
+    others.start()  # the rest of the fleet renews all along: no silence
+    try:
+        me = worker.worker.id
+        wait_for(lambda: q.redis.hlen(q.keys.inflight(me)) > 0, what="groups in flight")
+        link.switch(None)
+        wait_for(lambda: worker.worker.ctx.reconnect.down and q.workers()[me] < 0, what="its lease to run out")
+        link.switch(server.port)
+        wait_for(lambda: not worker.worker.ctx.reconnect.down and q.workers().get(me, -1) > 0,
+                 what="the worker back and renewed")
+        assert worker.worker.counters.reincarnations == 0 and worker.worker.id == me
+        assert all(int(c) == 1 for c in q.redis.hvals(q.keys.claims))
+    finally:
+        stop.set()
+        worker.stop()
+        sim.stop()
+        link.switch(None)
+
+
+def test_one_group_id_in_the_training_and_the_eval_namespace_runs_twice(redis_url, client, namespace):
+    """Issue 21, also examine: the worker keyed its running tasks by group id alone, so the
+    same id claimed from `<ns>` and `<ns>.eval` cancelled one task for the other (and
+    reconciliation handed that group back). Each namespace's copy is generated and published."""
+    from engines.simulator import SimConfig, start_simulator
+    from pipeline.keys import eval_namespace
+    from tests.helpers import WorkerThread
+    from workers.worker import SamplingSettings, WorkerSettings
+
+    training, evaluation = Queue(client, namespace), Queue(client, eval_namespace(namespace))
+    training.push_groups(fresh(1))
+    evaluation.push_groups(fresh(1))
+    sim = start_simulator(SimConfig(seed=2, decode_tokens_per_s=200.0, length_median=16, length_p99=32))
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
+                                         heartbeat_s=0.2, concurrency_per_engine=8,
+                                         sampling=SamplingSettings(max_new_tokens=32)))
+    try:
+        wait_for(lambda: training.redis.xlen(training.keys.results) == 1
+                 and evaluation.redis.xlen(evaluation.keys.results) == 1, what="both copies published")
+        counters = worker.worker.counters
+        assert counters.handed_back == 0 and counters.cancelled == 0
+    finally:
+        worker.stop()
+        sim.stop()
+    assert_audit_ok(training)
+    assert_audit_ok(evaluation)
+
+
+def test_a_commit_past_the_outage_limit_is_tried_again_not_stranded(durable):
+    """Issue 21, also examine: a commit that raised RedisUnavailable left its entries
+    pending for this session, which never delivers them again (the PyTorch adapter had
+    already forgotten the batch). Now the error says the batch is not committed, and the
+    adapter commits it with its next step once Redis is back."""
+    pytest.importorskip("torch")
+    from pipeline.trainers.torch_adapter import RolloutIterable
+
+    q = Queue(connect(durable.url), "o4x")
+    produce(q, 4)
+    consumer = Consumer(connect(durable.url, socket_timeout=5), "o4x", block_s=0.2, outage_limit_s=0.3)
+    steps = RolloutIterable(consumer, batch_size=2, timeout=30)
+    next(steps)
+    durable.kill()
+    with pytest.raises(RedisUnavailable, match=r"batch trainer\.1-[0-9a-f]+/1 is not committed: call commit\(\)"):
+        next(steps)
+    durable.start()
+    next(steps)  # commits the first batch, then the second step
+    assert steps.commit() == 2
+    assert assert_audit_ok(Queue(connect(durable.url), "o4x")).committed == 4
+
+
+def test_a_registration_retried_after_a_heartbeat_rewrote_the_info_is_its_own(queue):
+    """Issue 21, also examine: the registration went through, its reply was lost, and a
+    heartbeat of the new incarnation rewrote the stored info before the retry: the retry
+    was refused ('registered already'). The registration nonce in the info recognises it;
+    another process's registration of the id is still refused."""
+    import json
+
+    from tests.helpers import LoseReplies
+
+    queue._scripts["register"] = LoseReplies(queue._scripts["register"], armed=1)
+    info = json.dumps({"state": "starting", "registration": "n1"})
+    with pytest.raises(redis.ConnectionError):
+        queue.register("w#2", info)
+    assert not queue.heartbeat("w#2", json.dumps({"state": "running", "registration": "n1"})).reaped
+    assert queue.register("w#2", info) > 0  # the retry
+    with pytest.raises(ValueError, match="registered already"):
+        queue.register("w#2", json.dumps({"state": "starting", "registration": "n2"}))
+    with pytest.raises(ValueError, match="registered already"):
+        queue.register("w#2", "{}")

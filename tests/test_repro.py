@@ -37,6 +37,9 @@ EXPECTED = {
     "o7_audit_does_not_stall_the_server.py": ["ok=True (150,000 queued)", "worker publish during the audit: ok",
                                               "trainer next_batch: ['r0', 'r1']; commit -> 2",
                                               "busy threshold: ['held'] (waited out: True)", ": OK"],
+    "o8_outage_longer_than_the_lease.py": ["outage 1: ", "right after -> 0\noutage 2: ", "(lease 3s); another "
+                                           "process's reap_expired() right after -> 0\nworker reincarnations: 0; "
+                                           "claims per group in flight: [1]", ": OK"],
 }
 
 

@@ -70,7 +70,7 @@ class GroupRunner:
         # from its first turn to its last.
         self.generate_function = generate_function
         self._function_urls = itertools.cycle(engines.urls)  # the address each call is given
-        self.running: dict[str, Running] = {}  # group id -> what works on it
+        self.running: dict[tuple[str, str], Running] = {}  # (namespace, group id) -> what works on it
         self.inflight_samples = 0
         self._serial = 0
         # Samples per group, to size claims; unknown until the first claim, so that one
@@ -88,7 +88,8 @@ class GroupRunner:
         group = claimed.group
         if group is None:
             return  # malformed: the queue dead-lettered it
-        old = self.running.get(group.group_id)
+        key = (queue.keys.namespace, group.group_id)  # one id may be in the training and the eval namespace
+        old = self.running.get(key)
         if old is not None:  # claimed again while an old task lingers: that one's token is stale
             old.task.cancel()
             self._release_slots(old)
@@ -104,7 +105,7 @@ class GroupRunner:
         slots = max(1, sum(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples))
         self._serial += 1
         run = Running(group, claimed.token, claimed.payload, self._serial, slots, queue)
-        self.running[group.group_id] = run
+        self.running[key] = run
         self.inflight_samples += slots
         run.task = asyncio.create_task(self._process(run))
         # A done callback, not a finally: it also runs for a task cancelled before it started.
@@ -116,8 +117,9 @@ class GroupRunner:
 
     def _finished(self, run: Running) -> None:
         self._release_slots(run)
-        if self.running.get(run.group.group_id) is run:
-            del self.running[run.group.group_id]
+        key = (run.queue.keys.namespace, run.group.group_id)
+        if self.running.get(key) is run:
+            del self.running[key]
         self.ctx.wake.set()
 
     async def cancel_all(self, why: str) -> None:

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Any, Callable
 
 from pipeline import metrics
@@ -36,11 +37,20 @@ class Liveness:
         self.info = info  # what the worker says about itself, stored with each heartbeat
         self._last_reap = 0.0
         self._last_orphan_reap = 0.0
+        # Redis outages of this process's connection (ctx.reconnect.outages) that a heartbeat
+        # has renewed the lease after: upkeep reaps only when it is current, so a worker
+        # whose own link was down longer than the lease renews before it reaps anyone
+        # (itself included).
+        self._renewed_outages = 0
+        self.registration = ""  # this incarnation's registration nonce (register())
 
     # -- registration ----------------------------------------------------------------
 
     async def register(self) -> None:
         ctx = self.ctx
+        # In the info of every heartbeat of this incarnation: a registration retried after
+        # its reply was lost is recognised even if a heartbeat rewrote the info meanwhile.
+        self.registration = uuid.uuid4().hex
         info = json.dumps(self.info())
         ctx.lease_s = await ctx.redis(ctx.queue.register, ctx.id, info)
         if ctx.eval_queue:
@@ -82,10 +92,12 @@ class Liveness:
         metrics.INFLIGHT_SAMPLES.set(self.runner.inflight_samples)
         worker_id = ctx.id
         info = json.dumps(self.info())
+        outages = ctx.reconnect.outages
         beat = await ctx.redis(ctx.queue.heartbeat, worker_id, info)
         if beat.reaped or (ctx.eval_queue and (await ctx.redis(ctx.eval_queue.heartbeat, worker_id, info)).reaped):
             await self.reincarnate(worker_id)
             return
+        self._renewed_outages = outages
         ctx.paused = beat.paused  # a missed event: the heartbeat carries the truth
         ctx.queue_version = beat.weight_version
         ctx.version_clock = beat.version_clock
@@ -106,13 +118,13 @@ class Liveness:
         """Agree with one namespace on what this worker holds there."""
         ctx, running = self.ctx, self.runner.running
         held = await ctx.redis(queue.held, ctx.id)
-        for gid, run in list(running.items()):
+        for (_, gid), run in list(running.items()):
             if run.queue is queue and held.get(gid) != run.token and not run.publishing:
                 log.warning("group %s: worker %s no longer holds it in Redis (claim %s); cancelling its task",
                             gid, ctx.id, run.token)
                 run.task.cancel()
         stray = {gid: token for gid, token in held.items()
-                 if (run := running.get(gid)) is None or run.token != token}
+                 if (run := running.get((queue.keys.namespace, gid))) is None or run.token != token}
         if stray:
             n = await ctx.redis(queue.hand_back, ctx.id, stray)
             ctx.counters.handed_back += n
@@ -155,7 +167,7 @@ class Liveness:
         depths = main.depths()
         metrics.sample_namespace(depths, main.stats() if self.ctx.settings.metrics_port else {})
         now = time.monotonic()
-        reap = now - self._last_reap >= self.ctx.lease_s / 4
+        reap = now - self._last_reap >= self.ctx.lease_s / 4 and self._renewed_outages == self.ctx.reconnect.outages
         orphans = now - self._last_orphan_reap >= 10 * self.ctx.lease_s
         if reap:
             self._last_reap = now

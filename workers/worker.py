@@ -287,6 +287,7 @@ class Worker:
             "redis_outages": self.reconnect.outages,
             "last_redis_outage_s": round(self.reconnect.last_outage_s, 3),
             "counters": asdict(self.counters),
+            "registration": self.liveness.registration,
         }
 
 

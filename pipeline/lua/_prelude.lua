@@ -27,17 +27,17 @@ local function staleness_limit(max_staleness, version, batch_size)
   return (max_staleness + version + 1) * batch_size
 end
 
--- A silence longer than a lease in which no worker renewed (Redis restarted or failed
--- over, or nobody could reach it) is not every worker's death: the first heartbeat or
--- reap after it moves every lease deadline to a lease from now, once per silence, so
--- live workers renew before anyone reaps. (Workers that really died are reaped one
--- lease later.) `beat_ms` in the beats hash is the last renewal, by server time: a hash of
--- its own, so a worker's ACL user writes it and never the control hash.
+-- A silence longer than a lease, in which no heartbeat and no reaper reached Redis (it
+-- restarted or failed over, or nobody could reach it), is not every worker's death: the
+-- first heartbeat or reap after it moves every lease deadline to a lease from now, so
+-- live workers renew before anyone reaps. (Workers that really died are reaped one lease
+-- later; reapers keep `seen_ms` fresh while they poll, so a grace is not renewed for them.)
+-- `seen_ms` in the beats hash is the last heartbeat or reap, by server time: a hash of its
+-- own, so a worker's ACL user writes it and never the control hash.
 local function grace_after_silence(workers, beats, now, lease)
-  local ctl = redis.call('HMGET', beats, 'beat_ms', 'grace_for')
-  local beat = tonumber(ctl[1])
-  if not beat or now - beat <= lease or ctl[2] == ctl[1] then return false end
-  redis.call('HSET', beats, 'grace_for', ctl[1])
+  local seen = tonumber(redis.call('HGET', beats, 'seen_ms'))
+  redis.call('HSET', beats, 'seen_ms', now)
+  if not seen or now - seen <= lease then return false end
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. (now + lease))) do
     redis.call('ZADD', workers, 'XX', now + lease, w)
   end

@@ -20,7 +20,6 @@ local ctl = redis.call('HMGET', KEYS[5], 'paused', 'max_ready', 'max_staleness',
 local version = tonumber(ctl[5]) or 0
 local deadline = redis.call('ZSCORE', KEYS[4], worker)
 if not deadline then return {'unregistered', version} end
-if tonumber(deadline) < now then return {'expired', version} end
 
 local function held(out, gid)
   out[#out + 1] = gid
@@ -36,6 +35,9 @@ if last and string.sub(last, 1, #token + 1) == token .. '\n' then
   end
   return out
 end
+-- After the retry path: a claim that went through is returned even if the lease ran out
+-- before its retry (the groups are held; the worker renews or is reaped with them).
+if tonumber(deadline) < now then return {'expired', version} end
 
 if ctl[1] == '1' then return {'paused', version} end
 local alone = redis.call('HGET', KEYS[13], worker)

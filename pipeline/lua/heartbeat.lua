@@ -11,6 +11,5 @@ local now = now_ms()
 grace_after_silence(KEYS[1], KEYS[4], now, lease)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {'reaped', paused, version, lease, clock} end
 redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[1])
-redis.call('HSET', KEYS[4], 'beat_ms', now)
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return {'ok', paused, version, lease, clock}

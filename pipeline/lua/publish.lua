@@ -14,7 +14,8 @@ local done = 'published ' .. worker .. ' ' .. place .. ' ' .. token
 if redis.call('HGET', KEYS[1], gid) ~= token then
   if staged then redis.call('DEL', KEYS[8]) end
   local history = redis.call('HGET', KEYS[7], gid)
-  if history and string.find(history, done, 1, true) then return {'already'} end
+  -- Whole lines only: token w:1 must not find the publish of w:10.
+  if history and string.find(history .. '\n', done .. '\n', 1, true) then return {'already'} end
   return {'refused'}
 end
 if staged and redis.call('EXISTS', KEYS[8]) == 0 then

@@ -239,7 +239,7 @@ TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
         "hincrby", "hsetnx", "hkeys",  # the producer's cursor and dataset fingerprints
         "hmget", "zscore",  # the live workers' info (timeout diagnosis, slime's engines); eval passes
         "exists",  # namespace_is_empty: consume, pause and resume check that the namespace exists
-    )},
+    )} | {"wait": ()},  # commits confirmed by replicas (Consumer(replicas=n)): no key
     settles=("results",),
     publishes=True,
 )

@@ -325,7 +325,8 @@ class RedisDataSource:
         the model's save): the batches of those rollouts are committed now, not before,
         so a run resumed from this checkpoint neither skips nor repeats one. Which run
         saved it is recorded first, for `load`."""
-        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}", self.run_id)
+        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}",
+                           self.run_id)
         num_rollout = getattr(self.args, "num_rollout", None)
         # train_async.py saves synchronously (force_sync) with --release-train and at the last rollout.
         forced = bool(getattr(self.args, "release_train", False)) or rollout_id == (num_rollout or 0) - 1
@@ -477,16 +478,19 @@ class RedisDataSource:
         """Commit the deliveries of rollouts up to `rollout_id` (None: all)."""
         done = 0
         while self._pending and (rollout_id is None or self._pending[0].rollout_id <= rollout_id):
-            delivery = self._pending.popleft()
-            for it in delivery.items:
-                self._track(it, forget=True)
+            delivery = self._pending[0]
             items = [it for it in delivery.items if not it.returned]
             if items:
                 batch = Batch([it.group for it in items], [it.entry for it in items],
                               delivery.weight_version, delivery.metrics, f"slime rollout {delivery.rollout_id}")
+                # Forgotten only once committed: a commit that raised (Redis gone past the
+                # outage limit) is tried again by the next save, not left to a new session.
                 done += self.consumer.commit(batch)
                 self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,
                                    *(it.entry.entry_id for it in items))
+            for it in delivery.items:
+                self._track(it, forget=True)
+            self._pending.popleft()
         return done
 
     # -- helpers -------------------------------------------------------------------------

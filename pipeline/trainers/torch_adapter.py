@@ -247,6 +247,9 @@ class RolloutIterable:
         """Commit the batch last yielded, if not yet; returns how many groups."""
         if self._pending is None:
             return 0
-        batch, self._pending = self._pending, None
-        return self.consumer.commit(batch)
+        # Forgotten only once committed: a commit that raised (Redis gone past the outage
+        # limit) is tried again by the next call, not left pending for a new session.
+        committed = self.consumer.commit(self._pending)
+        self._pending = None
+        return committed
 
