@@ -18,6 +18,8 @@ from pathlib import Path
 import redis
 from redis.commands.core import Script
 
+from .retry import is_transient
+
 log = logging.getLogger(__name__)
 
 _LUA = Path(__file__).with_name("lua")
@@ -122,6 +124,8 @@ def _probe(client: redis.Redis) -> str | None:
             f"the Functions library loaded is another version ({found}, this is {library_digest()}): "
             "reload it with `rollout functions load`")
     except redis.ResponseError as exc:
+        if is_transient(exc):
+            raise  # READONLY, BUSY, LOADING... say nothing about Functions: asked again next call
         text = str(exc).lower()
         if "unknown command" in text:
             why = "this Redis has no Functions (6.2 or older)"
@@ -144,10 +148,25 @@ def fallback_warning(why: str) -> str:
             "script, so ACL roles cannot be limited to the pipeline's own (docs/security.md)")
 
 
-def load(client: redis.Redis, *names: str) -> dict[str, Script | FunctionScript]:
-    """The scripts, as library functions where this version's library is loaded, else
-    registered on `client` (redis-py re-sends one the server has forgotten after a
-    restart by itself)."""
-    if uses_functions(client):
-        return {name: FunctionScript(client, name) for name in names}
-    return {name: client.register_script(source(name)) for name in names}
+class PipelineScript:
+    """One of the pipeline's scripts on `client`: a library function where this version's
+    library is loaded, else registered on `client` (redis-py re-sends one the server has
+    forgotten after a restart by itself). Which, is asked at the first call, which callers
+    retry through outages, never when a Queue or Consumer is built: a process started
+    while Redis is away waits like any other call."""
+
+    def __init__(self, client: redis.Redis, name: str):
+        self.client = client
+        self.name = name
+        self._run: Script | FunctionScript | None = None
+
+    def __call__(self, keys=(), args=(), client: redis.Redis | None = None):
+        if self._run is None:
+            self._run = (FunctionScript(self.client, self.name) if uses_functions(self.client)
+                         else self.client.register_script(source(self.name)))
+        return self._run(keys=keys, args=args, client=client)
+
+
+def load(client: redis.Redis, *names: str) -> dict[str, PipelineScript]:
+    """The scripts `names`, by FCALL or EVALSHA as `client`'s server allows (PipelineScript)."""
+    return {name: PipelineScript(client, name) for name in names}

@@ -76,7 +76,7 @@ def test_a_functions_worker_runs_its_whole_cycle_by_fcall(admin, server, sim, na
                                          reward="exact_match"))
     try:
         wait_for(lambda: admin.xlen(setup.keys.results) == 4, what="every group in the results stream")
-        assert isinstance(worker.worker.queue._scripts["claim"], scripts.FunctionScript)
+        assert isinstance(worker.worker.queue._scripts["claim"]._run, scripts.FunctionScript)  # decided at its first claim
     finally:
         worker.stop()
     assert refusals(admin, Role.WORKER, namespace) == []
@@ -110,10 +110,10 @@ def test_redis_6_runs_the_scripts_by_evalsha_and_says_so(tmp_path):
     try:
         client = connect(old.url)
         queue = Queue(client, "old")
-        assert not isinstance(queue._scripts["claim"], scripts.FunctionScript)
         assert scripts.fallback_reason(client) == "this Redis has no Functions (6.2 or older)"
         queue.push_groups(fresh(1, "g"))
         assert [c.group_id for c in claim(queue, "w", 1).groups] == ["g0"]
+        assert not isinstance(queue._scripts["claim"]._run, scripts.FunctionScript)
         client.close()
     finally:
         old.kill()
@@ -135,3 +135,42 @@ def test_a_worker_without_the_library_says_loudly_that_roles_cannot_be_limited(r
         worker.stop()
     assert "Lua scripts run by EVALSHA, not FCALL: " in caplog.text
     assert "ACL roles cannot be limited to the pipeline's own" in caplog.text
+
+
+def test_a_queue_built_while_redis_is_down_asks_about_functions_at_its_first_call(tmp_path, namespace):
+    """Which way the scripts run is decided at the first script call, which callers retry
+    through outages (Reconnect), not when a Queue or Consumer is built: a worker or a
+    trainer started during an outage waits like any other call."""
+    s = RedisServer(tmp_path / "down", port=free_port(), aof=False, binary=REDIS7)
+    client = redis.Redis.from_url(s.url)  # connects at its first command
+    queue = Queue(client, namespace)  # nothing listens yet: must not raise
+    s.start()
+    try:
+        CliRunner().invoke(main, ["--redis-url", s.url, "functions", "load"])
+        queue.push_groups(fresh(1, "g"))
+        queue.register("w")
+        assert queue.claim("w", "w:1", 1).groups and scripts.uses_functions(client)
+    finally:
+        client.close()
+        s.kill()
+
+
+def test_a_transient_reply_to_the_functions_probe_is_not_taken_for_an_answer(admin, server, monkeypatch):
+    """A READONLY or BUSY reply while a failover or a long script is under way says nothing
+    about Functions: it is raised for the caller to retry, and the next call asks again."""
+    client = connect(server.url)
+    real = client.fcall
+    replies = iter([redis.exceptions.ReadOnlyError("You can't write against a read only replica.")])
+
+    def fcall(*args):
+        for exc in replies:
+            raise exc
+        return real(*args)
+
+    monkeypatch.setattr(client, "fcall", fcall)
+    try:
+        with pytest.raises(redis.exceptions.ReadOnlyError):
+            scripts.uses_functions(client)
+        assert scripts.uses_functions(client)  # asked again, and the library is there
+    finally:
+        client.close()
