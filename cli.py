@@ -27,6 +27,7 @@ from pipeline.connection import ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
+from pipeline.wording import counted
 from pipeline.producer import DEFAULT_MAX_PROMPT_BYTES, MAX_SAMPLES_PER_PROMPT
 from pipeline.queue import Queue
 from pipeline.redis_server import Fsync, RedisServerError, local_redis_url
@@ -207,11 +208,6 @@ def _stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 
         signal.signal(signal.SIGTERM, previous)
 
 
-def _n(count: int, noun: str, plural: str | None = None) -> str:
-    """`1 engine`, `2 engines`: a count with its noun (plural: + "s" unless given)."""
-    return f"{count:,} {noun}" if count == 1 else f"{count:,} {plural or noun + 's'}"
-
-
 def _dump(obj) -> str:
     return json.dumps(obj, default=str)
 
@@ -359,9 +355,9 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
     if as_json:
         click.echo(_dump(_push_record(obj, file, report, epochs, n_samples)))
     else:
-        click.echo(f"{report.dataset}: pushed {_n(report.pushed, 'group')} of {n_samples}, "
-                   f"{_n(report.dead, 'bad row')} dead-lettered, {report.already} already pushed before "
-                   f"({_n(report.rows, 'row')} x {_n(epochs, 'epoch')})")
+        click.echo(f"{report.dataset}: pushed {counted(report.pushed, 'group')} of {n_samples}, "
+                   f"{counted(report.dead, 'bad row')} dead-lettered, {report.already} already pushed before "
+                   f"({counted(report.rows, 'row')} x {counted(epochs, 'epoch')})")
     if report.dead:
         click.echo("fix dead-lettered rows in the file, then `rollout dead retry --all` re-reads them", err=True)
 
@@ -1101,11 +1097,14 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(printable(f"worker {w.worker}: {state}; holds {_n(len(w.groups), 'group')}"))
+        click.echo(printable(f"worker {w.worker}: {state}; holds {counted(len(w.groups), 'group')}"))
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
-            tries = "-" if g.attempts is None else f"{g.attempts} attempts, {g.restarts} restarts"
-            click.echo(printable(f"  {g.group_id}  {held}  {g.claims} claims  {tries}  claim {g.token}"))
+            tries = "" if g.attempts is None else \
+                f", {counted(g.attempts, 'attempt')}, {counted(g.restarts, 'restart')}"
+            # Two lines a group: ids and claim tokens are long, and an operator's terminal is not.
+            click.echo(printable(f"  {g.group_id}"))
+            click.echo(printable(f"      {held}, {counted(g.claims, 'claim')}{tries}, claim {g.token}"))
     click.echo("`rollout inspect GROUP_ID` for a group's history")
 
 
@@ -1266,9 +1265,9 @@ def _print_audit(report) -> None:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
     if report.lost:
-        console.print(f"PROBLEM: {_n(report.lost, 'pushed group')} found nowhere", style="red")
+        console.print(f"PROBLEM: {counted(report.lost, 'pushed group')} found nowhere", style="red")
     if report.extra:
-        console.print(f"PROBLEM: {_n(report.extra, 'more group')} found than pushed", style="red")
+        console.print(f"PROBLEM: {counted(report.extra, 'more group')} found than pushed", style="red")
     if report.in_two_places:
         console.print(f"PROBLEM: {len(report.in_two_places)} groups in two places: "
                       f"{', '.join(report.in_two_places[:10])}", style="red", markup=False)
@@ -1378,7 +1377,7 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         set_paused(queue.redis, queue.keys, True)
         inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
-                   f"reports any); {_n(inflight, 'group')} in flight finish normally")
+                   f"reports any); {counted(inflight, 'group')} in flight finish normally")
         return
 
     async def go():
@@ -1397,10 +1396,10 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
         raise click.ClickException(f"{exc}; admission stays paused (run `rollout pause` again to keep waiting)") \
             from None
     waiting = report.still_inflight
-    held = (f"; {_n(waiting, 'group')} in flight wait at the paused engines and continue on resume"
+    held = (f"; {counted(waiting, 'group')} in flight wait at the paused engines and continue on resume"
             if waiting else "")
-    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {_n(len(reached), 'engine')} {source} "
-               f"({', '.join(reached)}); {_n(report.requeued, 'aborted group')} in the requeue stream{held}")
+    click.echo(f"paused ({report.mode}) in {report.quiesce_s:.2f}s: {counted(len(reached), 'engine')} {source} "
+               f"({', '.join(reached)}); {counted(report.requeued, 'aborted group')} in the requeue stream{held}")
 
 
 @main.command()
@@ -1446,7 +1445,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -
                                    f"{obj.scrub(str(exc))}{_unreachable_hint(source)}") from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    where = (f"{_n(len(reached), 'engine')} {source} continued ({', '.join(reached)})" if urls else
+    where = (f"{counted(len(reached), 'engine')} {source} continued ({', '.join(reached)})" if urls else
              "no engines known (no --engine-url, and no live worker reports any): only the Redis side was done")
     click.echo(f"resumed at weight version {report.weight_version}: released {report.released} aborted groups"
                f"; {where}")
@@ -1782,7 +1781,7 @@ def dead_retry(obj: Context, idents, all_, restart) -> None:
         click.echo(f"skipped {letter.describe()}: {why}", err=True)
     for letter, why in result.doomed:
         click.echo(f"warning: retried {letter.describe()}, but {why}", err=True)
-    click.echo(f"retried {_n(result.settled, 'dead letter')}: back at the head of the prompt list"
+    click.echo(f"retried {counted(result.settled, 'dead letter')}: back at the head of the prompt list"
                + (f" ({len(result.skipped)} skipped)" if result.skipped else ""))
 
 
@@ -1805,7 +1804,7 @@ def dead_drop(obj: Context, idents, all_) -> None:
         _letters, n = deadletters.drop(queue, list(idents), all_)
     except deadletters.DeadLetterError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"dropped {_n(n, 'dead letter')}")
+    click.echo(f"dropped {counted(n, 'dead letter')}")
 
 
 # -- consume ---------------------------------------------------------------------------
@@ -1880,7 +1879,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
             else:
                 _print_batch(console, row, steps)
     if not as_json:
-        console.print(f"committed {_n(done, 'batch', 'batches')} ({_n(done * batch_size, 'group')}) in "
+        console.print(f"committed {counted(done, 'batch', 'batches')} ({counted(done * batch_size, 'group')}) in "
                       f"{time.monotonic() - started:.2f}s", markup=False)
 
 

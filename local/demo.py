@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.ops.audit import audit
+from pipeline.wording import counted
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure
@@ -90,7 +91,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         report = push_dataset(queue, DATASET, PushOptions(n_samples_per_prompt=opts.n_samples, epochs=epochs,
                                                           shuffle=True, seed=opts.seed))
         say(f"redis {url} | simulator {sim.url} | pushed {report.pushed} groups of {opts.n_samples} "
-            f"| {opts.workers} workers" + (" | task tools (examples/calculator_tools.py)" if tools else ""))
+            f"| {counted(opts.workers, 'worker')}" + (" | task tools (examples/calculator_tools.py)" if tools else ""))
         for i in range(opts.workers):
             procs.append(start_worker_process(url, NAMESPACE, [sim.url], workdir / f"worker-{i}.log",
                                               ["--max-new-tokens", str(opts.max_new_tokens)]

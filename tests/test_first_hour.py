@@ -392,6 +392,7 @@ def test_a_worker_logs_a_progress_line_without_asking(redis_url, namespace, queu
                  what=f"progress lines adding up to 4 published groups\n{log.read_text()[-3000:]}")
         text = log.read_text()
         assert "worker " in text.splitlines()[0] and "capacity" in text.splitlines()[0]  # the start line
+        assert ", 1 engine (" in text.splitlines()[0]  # not "1 engines"
         assert sum(int(m.group(1)) for m in progress.finditer(text)) == 4
         assert any(float(m.group(3)) > 0 for m in progress.finditer(text))
     finally:
@@ -455,3 +456,24 @@ def test_png_on_the_simulator_is_refused_not_ignored():
 
     result = CliRunner().invoke(main, ["demo", "--png", "curve.png"])
     assert result.exit_code == 2 and "--png saves the reward curve of --engine torch or llm" in result.output
+
+
+def test_status_and_dead_letters_fit_an_80_column_terminal(run, queue, monkeypatch):
+    """Operators read these on laptops and in tmux panes: no line past 80 columns, with a
+    worker holding groups, requeued and dead-lettered groups and long ids."""
+    from pipeline.types import Group
+    from tests.groups import claim, publish
+    from pipeline.queue import Place
+
+    monkeypatch.setenv("COLUMNS", "80")
+    queue.push_groups([Group.fresh(f"dataset-with-a-long-name.jsonl:0:{i}", f"What is {i} + 1?", 8, label="x")
+                       for i in range(6)])
+    queue.register("vm-5013-3c364c#1")
+    held = claim(queue, "vm-5013-3c364c#1", 4).groups
+    publish(queue, "vm-5013-3c364c#1", held[0], Place.DEAD, error="engine failed 3 times; last error: " + "x" * 200)
+    publish(queue, "vm-5013-3c364c#1", held[1], Place.REQUEUE)
+    for args in (("status",), ("dead", "list"), ("status", "--worker", "vm-5013-3c364c#1")):
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+        wide = [line for line in result.output.splitlines() if len(line) > 80]
+        assert wide == [], (args, wide)

@@ -163,7 +163,7 @@ def test_inspect_and_status_worker_through_the_cli(run, queue):
     assert "claimed     w-1#1" in shown.output
     assert "prompts: queued, position 0" in run("inspect", "g1").output
     listed = run("status", "--worker", "w-1")
-    assert listed.exit_code == 0 and "worker w-1#1: alive" in listed.output and "g0  held" in listed.output
+    assert listed.exit_code == 0 and "worker w-1#1: alive" in listed.output and "  g0\n      held " in listed.output
     assert "no worker 'x'" in one_error_line(run("status", "--worker", "x"))
 
 

@@ -52,6 +52,7 @@ from pipeline.control import HEARTBEATS_PER_LEASE
 from pipeline.keys import eval_namespace
 from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimStatus, Queue
+from pipeline.wording import counted
 
 from .claiming import Claimer
 from .context import WorkerContext
@@ -218,7 +219,7 @@ class Worker:
         if self.settings.reward_queue:
             reward += f" (rq queue {self.settings.reward_queue})"
         generate = f", generate function {self.settings.generate_function}" if self.settings.generate_function else ""
-        return (f"worker {self.id}: namespace {self.settings.namespace}, {len(engines)} engines "
+        return (f"worker {self.id}: namespace {self.settings.namespace}, {counted(len(engines), 'engine')} "
                 f"({', '.join(engines)}), capacity {self.capacity} samples, lease {self.lease_s:g}s "
                 f"(heartbeat every {self.settings.heartbeat_s:g}s), reward {reward}{generate}")
 
