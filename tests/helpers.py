@@ -313,3 +313,40 @@ def outage(server, back_when: Callable[[], bool], timeout: float = 60) -> thread
     thread = threading.Thread(target=again, daemon=True)
     thread.start()
     return thread
+
+
+class GenerateServer:
+    """An SGLang-like `/generate` on a free port, served from a thread of its own; a
+    subclass answers in `async def generate(request)`."""
+
+    def __init__(self):
+        from aiohttp import web
+
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        self.runner = web.AppRunner(app, access_log=None)
+        self.url = ""
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def _serve(self, ready: threading.Event) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        ready.set()
+        self.loop.run_forever()
+
+    async def generate(self, request):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -9,7 +9,6 @@ so a traceback anywhere fails the test; the last test runs a sample of the corpu
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.groups import claim
-from tests.helpers import WorkerThread, one_error_line, wait_for
+from tests.helpers import GenerateServer, WorkerThread, one_error_line, wait_for
 from workers.engine import EngineProtocolError, parse_generate_response
 from workers.rewards import Reward
 from workers.sampling import SamplingSettings
@@ -337,40 +336,18 @@ REWARD_KINDS: dict[str, tuple[object, str]] = {
 GOOD_GROUPS = 6
 
 
-class GarbageEngine:
+class GarbageEngine(GenerateServer):
     """SGLang's /generate in a thread, answering by prompt: `engine:<kind>` gets that
     kind of garbage, any other prompt a good two-token answer."""
 
     def __init__(self):
         self.tokenizer = ByteTokenizer()
-        self.loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        self.runner = web.AppRunner(app, access_log=None)
-        self.url = ""
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def _serve(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        ready.set()
-        self.loop.run_forever()
+        super().__init__()
 
     async def generate(self, request: web.Request) -> web.Response:
         prompt = self.tokenizer.decode((await request.json())["input_ids"])
         body, _ = ENGINE_KINDS.get(prompt.removeprefix("engine:"), (json.dumps(_answer()).encode(), ""))
         return web.Response(body=body, content_type="application/json")
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 async def poisoned_reward(args, sample):

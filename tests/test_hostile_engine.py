@@ -7,7 +7,6 @@ import asyncio
 import base64
 import gzip
 import json
-import threading
 
 import pytest
 from aiohttp import web
@@ -16,7 +15,7 @@ from pipeline.control import set_weight_version
 from pipeline.ops.audit import audit
 from pipeline.queue import Queue
 from pipeline.types import Group
-from tests.helpers import WorkerThread, wait_for
+from tests.helpers import GenerateServer, WorkerThread, wait_for
 from tests.test_engine_client import BODY, FakeEngine, engines, gen_body, run
 from workers.engine import (
     ANSWER_BASE_BYTES,
@@ -171,31 +170,14 @@ def test_basic_auth_in_an_engine_url_is_sent_but_never_shown():
 # -- the same, seen by a real worker over real Redis ---------------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(GenerateServer):
     """SGLang's /generate in a thread of its own; `answer(prompt_text, body) -> (status, json)`."""
 
     def __init__(self, answer, require_auth: str | None = None):
         self.tokenizer = ByteTokenizer()
         self.answer = answer
         self.require_auth = require_auth
-        self.loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        self.runner = web.AppRunner(app, access_log=None)
-        self.url = ""
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def _serve(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        ready.set()
-        self.loop.run_forever()
+        super().__init__()
 
     async def generate(self, request: web.Request) -> web.Response:
         if self.require_auth and request.headers.get("Authorization") != self.require_auth:
@@ -203,11 +185,6 @@ class ScriptedEngine:
         body = await request.json()
         status, answer = self.answer(self.tokenizer.decode(body["input_ids"]), body)
         return web.json_response(answer, status=status)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def worker_settings(redis_url: str, queue: Queue, url: str, **kw) -> WorkerSettings:
