@@ -208,3 +208,13 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     drawn = sum(draw_output_length(random.Random(f"sample:{g.sampling_seed(x)}|length"), 32, 320)
                 for g in make_groups(settings, (1 + steps) * batch) for x in g.samples)
     assert out["rows"][0]["per_seed"][0]["tokens"]["trained"] == drawn
+
+
+def test_step_time_measures_every_batch_through_generate(sim_engines):
+    out = run_bench("step_time.py", "--engine-url", sim_engines[0], "--batches", "1,4,8", "--tokens", "64",
+                    "--prompt-tokens", "8")
+    assert out["engine_url"] == sim_engines[0] and out["tokens"] == 64
+    assert [r["batch"] for r in out["rows"]] == [1, 4, 8]
+    for row in out["rows"]:
+        assert 0 < row["short_s"] and row["step_ms"] > 0 and row["tokens_per_s"] > 0
+    assert out["r"] > 0
