@@ -125,8 +125,8 @@ class LengthOracle:
         produced = length - self.first_input.setdefault(seed, length)
         total = draw_output_length(random.Random(f"sample:{seed}|length"), self.median, self.p99)
         limit = params.get("max_new_tokens", total)
-        # A stale restart draws a new seed, so a sample never generates past its length;
-        # at least one token so the request stays valid.
+        # A continued sample always has some of its length left (a finished one is not
+        # continued; a stale restart has a new seed): the floor of 1 only keeps the request valid.
         params = {**params, "max_new_tokens": max(1, min(limit, total - produced)), "ignore_eos": True}
         return {**request, "sampling_params": params}
 
