@@ -31,6 +31,7 @@ stale, left over at the end).
 
     python bench/async_vs_sync.py --quick --json    # a few minutes: η = 2, 2 seeds, no sweeps
     python bench/async_vs_sync.py                   # everything, 5 seeds (long: see docs/performance.md)
+    python bench/async_vs_sync.py --engine-urls http://gpu:30000,http://gpu:30001   # real engines: bench/gpu.md
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ if str(REPO) not in sys.path:
 from bench.in_memory import InMemoryRollout  # noqa: E402
 from bench.rl_loop import (PAUSE_MODES, WEIGHT_UPDATES, Row, Settings, Tokens, TrainedBatch,  # noqa: E402
                            group_tokens, make_groups, make_row, run_trainer)
+from bench.engine_oracle import LengthOracle  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
 from engines.profiles import PROFILES  # noqa: E402
 from pipeline.ops.audit import audit  # noqa: E402
@@ -146,7 +148,8 @@ class PipelineRollout:
         return (self.workdir / "worker.log").read_text()[-3000:]
 
 
-async def _run(name: str, system: str, eta: int, settings: Settings, fleet: SimFleet, workdir: Path) -> Row:
+async def _run(name: str, system: str, eta: int, settings: Settings, fleet: SimFleet | LengthOracle,
+               workdir: Path) -> Row:
     if system == "pipeline":
         source = PipelineRollout(settings, fleet.urls, eta, workdir)
         try:
@@ -165,9 +168,15 @@ async def _run(name: str, system: str, eta: int, settings: Settings, fleet: SimF
     return make_row(name, system, eta, settings, trainer, tokens)
 
 
-def run_row(name: str, system: str, eta: int, settings: Settings, workdir: Path) -> Row:
+def run_row(name: str, system: str, eta: int, settings: Settings, workdir: Path,
+            engine_urls: list[str] | None = None) -> Row:
+    """On fresh simulators, or on `engine_urls` through a length oracle (a real engine's
+    update costs its preset in real seconds: it runs in real time)."""
     started = time.monotonic()
-    with SimFleet(settings.sim_config(), settings.engines) as fleet:
+    fleet = (LengthOracle(engine_urls, settings.slots_per_engine, settings.median_tokens, settings.p99_tokens,
+                          WEIGHT_UPDATES[settings.weight_update])
+             if engine_urls else SimFleet(settings.sim_config(), settings.engines))
+    with fleet:
         row = asyncio.run(_run(name, system, eta, settings, fleet, workdir))
     log.info("%s seed %d (%s, p99/median %.0f, %s, %s): %.0f trained tok/s, %.1f samples/s, %.0fs", name,
              settings.seed, settings.engine_profile, settings.tail_ratio, settings.pause_mode,
@@ -226,7 +235,7 @@ def _summary(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 4), "range": [round(min(values), 4), round(max(values), 4)]}
 
 
-def run_all(base: Settings, seeds: list[int], arms: list[Arm]) -> dict:
+def run_all(base: Settings, seeds: list[int], arms: list[Arm], engine_urls: list[str] | None = None) -> dict:
     started = time.monotonic()
     runs: dict[tuple[int, int], Row] = {}  # (arm index, seed) -> row
     with tempfile.TemporaryDirectory(prefix="asyncbench-") as tmp:
@@ -235,7 +244,8 @@ def run_all(base: Settings, seeds: list[int], arms: list[Arm]) -> dict:
             for i, arm in enumerate(arms):
                 workdir = next(workdirs)
                 workdir.mkdir()
-                runs[i, seed] = run_row(arm.name, arm.system, arm.eta, replace(arm.settings, seed=seed), workdir)
+                runs[i, seed] = run_row(arm.name, arm.system, arm.eta, replace(arm.settings, seed=seed), workdir,
+                                        engine_urls)
     sync_of = {baseline_key(a.settings): i for i, a in enumerate(arms) if a.system == "sync"}
     rows = []
     for i, arm in enumerate(arms):
@@ -278,6 +288,7 @@ def run_all(base: Settings, seeds: list[int], arms: list[Arm]) -> dict:
             "weight_update_s": round(base.weight_update_s, 4),
             "time_scale": round(base.time_scale, 3),
             "targets": TARGETS,
+            "engine_urls": engine_urls,  # None: the bench's own simulators
             "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
                        f"Python {platform.python_version()}",
             "command": " ".join(["python", "bench/async_vs_sync.py"] + sys.argv[1:]),
@@ -376,6 +387,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     p.add_argument("--pauses", help="pause modes shown (default abort,in_place; --quick none)")
     p.add_argument("--updates", help=f"weight-update presets shown (default {','.join(WEIGHT_UPDATES)}; "
                                      "--quick none)")
+    p.add_argument("--engine-urls", help="URL[,URL...]: run against these SGLang-compatible engines (one per "
+                                         "engine, --engines ignored) instead of starting simulators; lengths "
+                                         "through a length oracle, see bench/engine_oracle.py and bench/gpu.md; "
+                                         "no profile sweep (the engines are what they are)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
 
@@ -384,6 +399,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
 
     args.etas = sorted({int(x) for x in (args.etas or ("2" if args.quick else "0,1,2,4")).split(",")})
     args.tails = [float(x) for x in listed(args.tails, "1,3,10,30").split(",") if x]
+    args.engine_urls = [u for u in (args.engine_urls or "").split(",") if u] or None
+    if args.engine_urls:
+        args.engines = len(args.engine_urls)
+        if args.profiles:
+            p.error("--profiles sweeps the simulator's engine model: not with --engine-urls")
+        args.profiles = ""
     args.profiles = _names(listed(args.profiles, ",".join(PROFILES)), PROFILES, "profile", p)
     args.pauses = _names(listed(args.pauses, "abort,in_place"), PAUSE_MODES, "pause mode", p)
     args.updates = _names(listed(args.updates, ",".join(WEIGHT_UPDATES)), WEIGHT_UPDATES, "weight update", p)
@@ -410,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arms = build_arms(settings, args.etas, args.tails, args.profiles, args.pauses, args.updates)
-    result = run_all(settings, args.seed_list, arms)
+    result = run_all(settings, args.seed_list, arms, args.engine_urls)
     if args.json:
         print(json.dumps(result))
     else:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,85 @@ def test_async_vs_sync_sweeps_compare_each_setting_with_its_own_sync_row():
     assert all(baseline_key(a.settings) in syncs for a in arms)
     slowdowns = [a.settings.slowdown for a in arms[6:10:2]] + [base.slowdown]
     assert slowdowns[0] == 1.0 < slowdowns[2] < slowdowns[1]  # flat < calibrated < heavy
+
+
+@pytest.fixture
+def sim_engines(tmp_path):
+    """Two `rollout sim-engine` processes, treated by the test as external engines."""
+    sys.path.insert(0, str(ROOT))
+    from pipeline.redis_server import free_port
+    from tests.helpers import wait_for
+
+    urls, procs = [], []
+    try:
+        for i in range(2):
+            port = free_port()
+            log = open(tmp_path / f"engine{i}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "cli", "sim-engine", "--port", str(port), "--seed", str(i),
+                 "--max-running", "8", "--decode-rate", "400", "--engine-profile", "h100-llama8b"],
+                cwd=ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
+
+        def healthy(url: str) -> bool:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+        for url in urls:
+            wait_for(lambda: healthy(url), what=f"{url}/health")
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def sim_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
+    """--engine-urls: the rows run on the given engines (nothing else generates), the
+    lengths are the seeded draws whatever the engine would have written (the oracle's
+    max_new_tokens with ignore_eos), and the weight update reaches the engines as
+    /update_weight_version."""
+    steps, batch, n = 2, 4, 2
+    common = ["--slots", "8", "--n-samples", str(n), "--batch", str(batch), "--median", "32", "--steps",
+              str(steps), "--warmup", "1", "--etas", "2", "--tails", "10", "--seeds", "1", "--pauses", "",
+              "--updates", ""]
+    out = run_bench("async_vs_sync.py", *common, "--engine-urls", ",".join(sim_engines), timeout=300)
+    assert out["settings"]["engine_urls"] == sim_engines
+    assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
+    decoded = sum(sim_stats(u)["stats"]["decode_tokens"] for u in sim_engines)
+    generated = sum(r["per_seed"][0]["tokens"]["generated"] for r in out["rows"])
+    assert decoded >= generated > 0  # the rows' tokens were generated on the given engines
+    for row in out["rows"]:
+        p = row["per_seed"][0]
+        assert p["generated_tokens_per_s"] > 0 and 0 < p["generated_utilization"] <= 1.05
+        assert 0 < p["slot_utilization"] <= 1 and p["tokens"]["trained"] > 0
+        assert p["tokens"]["generated"] == p["tokens"]["trained"] + p["tokens"]["left"] + p["tokens"]["wasted"]
+    for url in sim_engines:  # versions set, no weights loaded: the update was emulated
+        stats = sim_stats(url)
+        assert stats["weight_version"] == str(steps + 1) and stats["stats"].get("weight_updates", 0) == 0
+    assert out["rows"][2]["per_seed"][0]["audit"].endswith(": OK")
+    # Sync trains the first groups whole: exactly their seeded lengths.
+    from bench.rl_loop import Settings, make_groups
+    from engines.simulator import draw_output_length
+
+    settings = Settings(n_samples=n, batch_groups=batch, median_tokens=32, p99_tokens=320)
+    drawn = sum(draw_output_length(random.Random(f"sample:{g.sampling_seed(x)}|length"), 32, 320)
+                for g in make_groups(settings, (1 + steps) * batch) for x in g.samples)
+    assert out["rows"][0]["per_seed"][0]["tokens"]["trained"] == drawn
+
+
+def test_step_time_measures_every_batch_through_generate(sim_engines):
+    out = run_bench("step_time.py", "--engine-url", sim_engines[0], "--batches", "1,4,8", "--tokens", "64",
+                    "--prompt-tokens", "8")
+    assert out["engine_url"] == sim_engines[0] and out["tokens"] == 64
+    assert [r["batch"] for r in out["rows"]] == [1, 4, 8]
+    for row in out["rows"]:
+        assert 0 < row["short_s"] and row["step_ms"] > 0 and row["tokens_per_s"] > 0
+    assert out["r"] > 0
