@@ -22,7 +22,7 @@ from workers.engine import EngineSet
 from workers.rewards import Reward
 from workers.tokenizer import ByteTokenizer, encode_prompt
 from workers.sampling import SamplingSettings
-from workers.worker import FINISH_STATUS
+from workers.group_run import FINISH_STATUS
 
 from .rl_loop import Settings, TrainedBatch, Tokens, group_tokens, make_group
 

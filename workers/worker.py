@@ -59,7 +59,7 @@ from .context import WorkerContext
 from .engine import EngineSet
 from .engine_health import EngineHealth
 from .generate_function import GenerateFunction
-from .group_run import FINISH_STATUS, GroupRunner  # noqa: F401 - FINISH_STATUS re-exported (bench/in_memory.py)
+from .group_run import GroupRunner
 from .liveness import Liveness
 from .rewards import Reward, RewardThreads
 from .sampling import SamplingSettings  # noqa: F401 - re-exported: callers build WorkerSettings from here
