@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from pipeline.redis_server import RedisServer
 from pipeline.types import Status
 from tests.conftest import CORE_REDIS_BINARIES
 from tests.groups import claim, publish
+from tests.helpers import cluster_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,21 +41,6 @@ def redis_cli_for(server_binary: str) -> str:
         if c and os.path.exists(c) and os.access(c, os.X_OK):
             return c
     pytest.fail("no redis-cli binary found (needed for `redis-cli --cluster create`)")
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too; Redis refuses ports > 55535."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 30000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 @pytest.fixture(scope="module", params=sorted(CORE_REDIS_BINARIES), ids=lambda v: f"redis-{v}")

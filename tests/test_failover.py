@@ -22,7 +22,7 @@ from pipeline.queue import Place, Published, Queue, text
 from pipeline.retry import Reconnect, RedisUnavailable, is_transient
 from pipeline.redis_server import free_port
 from tests.groups import assert_audit_ok, claim, finish, fresh, produce
-from tests.helpers import outage, wait_for, wait_replicated
+from tests.helpers import cluster_port, outage, wait_for, wait_replicated
 
 SPIN = ("local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 while true do "
         "local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > tonumber(ARGV[1]) then break end "
@@ -66,7 +66,7 @@ def test_masterdown_clusterdown_and_busy_are_transient(redis_factory):
     masterdown = _error(lambda: connect(stale.url).get("k"))
     assert isinstance(masterdown, redis.exceptions.MasterDownError) and is_transient(masterdown)
 
-    no_slots = redis_factory("cluster", aof=False, extra_config=["cluster-enabled yes"])
+    no_slots = redis_factory("cluster", aof=False, port=cluster_port(), extra_config=["cluster-enabled yes"])
     clusterdown = _error(lambda: redis.Redis.from_url(no_slots.url).get("k"))
     assert isinstance(clusterdown, redis.exceptions.ClusterDownError) and is_transient(clusterdown)
 
