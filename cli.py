@@ -485,6 +485,10 @@ _METRICS_HOST_OPTION = click.option(
 @click.option("--reward-timeout", "reward_timeout_s", default=300.0, show_default=True,
               type=Seconds(min=0, min_open=True),
               help="Seconds one group's reward may take; then it is abandoned and the group retried.")
+@click.option("--reward-threads", default=WorkerSettings.reward_threads, show_default=True,
+              type=click.IntRange(min=1),
+              help="Synchronous reward calls running at once. A call past --reward-timeout gives its place back; "
+                   "with twice this many calls still stuck the worker stops (the reward function hangs).")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
 @click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
@@ -507,7 +511,7 @@ _METRICS_HOST_OPTION = click.option(
 def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
-           mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
+           reward_threads, mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
            progress_s, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
@@ -569,7 +573,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
-        mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
+        reward_threads=reward_threads, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
         sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
     )

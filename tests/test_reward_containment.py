@@ -17,7 +17,7 @@ from pipeline.queue import Queue
 from pipeline.types import Group, Sample, Status
 from tests.helpers import WorkerThread, consume_all, wait_for
 from workers.rewards import Reward, RewardError, extract_boxed, math_boxed
-from workers.worker import SamplingSettings, WorkerSettings
+from workers.worker import SamplingSettings, WorkerConfigError, WorkerSettings
 
 FAST = dict(decode_tokens_per_s=20000.0, length_median=24, length_p99=120, prefill_s=0.001)
 ARGS = SimpleNamespace(reward_key=None)
@@ -139,6 +139,33 @@ def test_hung_sync_rewards_do_not_starve_the_groups_after_them(redis_url, queue,
     assert sorted(results(queue)) == [f"good{i}" for i in range(6)]  # the two stuck threads held no place
     assert reward.threads.abandoned == 2
     assert audit(queue).ok
+
+
+def test_a_worker_whose_reward_keeps_hanging_stops_and_hands_back_instead_of_leaking_threads(
+        redis_url, queue, namespace, sim):
+    release = threading.Event()
+
+    def judge(args, sample: Sample) -> float:
+        release.wait()  # every call stuck (until the test ends)
+        return 1.0
+
+    reward = Reward(judge)
+    worker = WorkerThread(settings(redis_url, namespace, sim, reward_threads=1, reward_timeout_s=0.5,
+                                   max_attempts=1, concurrency_per_engine=1), reward=reward)
+    try:
+        push(queue, {f"hang{i}": f"hang {i}" for i in range(4)}, n_samples=1)
+        wait_for(lambda: not worker._thread.is_alive(), timeout=60, what="the worker stopping on its own")
+    finally:
+        release.set()
+    assert reward.threads.abandoned == reward.threads.max_hung == 2  # never a third stuck thread
+    assert isinstance(worker.error, WorkerConfigError)
+    assert "reward-hung" not in str(worker.error) and "the reward function hangs" in str(worker.error)
+    assert "fix the reward function" in str(worker.error)
+    dead = dead_errors(queue)
+    assert sorted(dead) == ["hang0", "hang1"]  # the two abandoned calls' groups, each at its timeout
+    assert queue.redis.llen(queue.keys.prompts) == 2
+    assert queue.redis.xlen(queue.keys.results) == 0
+    assert audit(queue).ok  # the group it held was handed back, not dead-lettered
 
 
 @pytest.mark.timeout(120)  # quadratic would take hours here; linear takes milliseconds

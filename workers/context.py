@@ -18,6 +18,15 @@ from .settings import WorkerSettings
 log = logging.getLogger("workers.worker")
 
 
+@dataclass(frozen=True)
+class Halt:
+    """Why a worker stopped on its own: its configuration, not a group, is at fault."""
+
+    state: str  # the state it shows until it exits ("permission-denied", "reward-hung")
+    reason: str
+    remedy: str  # what the operator does about it
+
+
 @dataclass
 class WorkerCounters:
     groups_claimed: int = 0
@@ -94,17 +103,20 @@ class WorkerContext:
         self.stopping = asyncio.Event()
         self.claim_lock = asyncio.Lock()  # a claim and its tasks' start, vs reconciliation
         self.redis_pool = DaemonPool(6, "redis")  # one of them waits on control events
-        self.refusal: str | None = None  # the first command Redis refused under this worker's ACL
+        self.halted: Halt | None = None  # the first configuration error that stopped it
 
     def refused(self, exc: Exception) -> None:
-        """Redis refused a command under this worker's ACL: a configuration error, not the
-        group's fault. Stop claiming and stop (shutdown hands back what is held) rather
-        than generate every group only to dead-letter it."""
-        if self.refusal is None:
-            self.refusal = str(exc)
-            log.error("worker %s: %s; this is a configuration error (grant the user that command: `rollout acl "
-                      "--role worker` lists what a worker needs): it stops claiming and hands back the groups it "
-                      "holds", self.id, exc)
+        """Redis refused a command under this worker's ACL."""
+        self.halt(Halt("permission-denied", str(exc), "grant the Redis user that command (`rollout acl --role "
+                                                       "worker` prints a user with everything a worker needs)"))
+
+    def halt(self, halt: Halt) -> None:
+        """A configuration error, not a group's fault: stop claiming and stop (shutdown
+        hands back what is held) rather than run every group only to dead-letter it."""
+        if self.halted is None:
+            self.halted = halt
+            log.error("worker %s: %s; this is a configuration error: it stops claiming and hands back the groups "
+                      "it holds; %s", self.id, halt.reason, halt.remedy)
         self.stopping.set()
         self.wake.set()
 

@@ -15,11 +15,11 @@ from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimedGroup, Place, Published, Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
-from .context import WorkerContext
+from .context import Halt, WorkerContext
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .engine_health import EngineHealth
 from .generate_function import GenerateFunction, GenerateFunctionFailed, generate_args
-from .rewards import MissingLabel, Reward, RewardError, validate_reward
+from .rewards import MissingLabel, Reward, RewardError, RewardsHung, validate_reward
 from .tokenizer import encode_prompt
 
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
@@ -161,6 +161,9 @@ class GroupRunner:
             raise
         except PermissionDenied as exc:  # the worker's ACL, not the group: it stays held and is handed back
             self.ctx.refused(exc)
+        except RewardsHung as exc:  # the reward function, not the group: the same
+            self.ctx.halt(Halt("reward-hung", str(exc), "fix the reward function; restarting the worker frees "
+                                                        "the threads of the stuck calls"))
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
             metrics.DEAD_LETTERS.labels("worker_error").inc()

@@ -385,13 +385,19 @@ def _describe(fn: Any) -> str:
 # --------------------------------------------------------------------------- wrapper
 
 
+class RewardsHung(RuntimeError):
+    """So many reward calls are stuck past their timeout that the reward function, not a
+    group, is at fault: the worker stops (a restart frees their threads)."""
+
+
 class RewardThreads:
     """Where synchronous rewards run: each call on a daemon thread of its own, at most
     `size` at a time. A call its caller stops waiting for (the reward timeout) gives its
     place back at once and its thread is abandoned: Python cannot kill a thread, but a
     reward stuck forever then costs one idle thread, not one of `size` places, so hung
     rewards never starve the groups after them. `abandoned` counts the threads
-    abandoned while still running; each is logged."""
+    abandoned while still running; each is logged. Once `max_hung` (2 x size) of them are
+    still running, a new call raises RewardsHung instead of leaking one more thread."""
 
     def __init__(self, size: int, name: str = "reward"):
         if size < 1:
@@ -399,11 +405,22 @@ class RewardThreads:
         self.size = size
         self.name = name
         self.abandoned = 0
+        self.max_hung = 2 * size
+        self._abandoned_threads: list[threading.Thread] = []
         self._places = asyncio.Semaphore(size)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop _places belongs to
         self._serial = itertools.count()
 
+    @property
+    def hung(self) -> int:
+        """Abandoned calls still running."""
+        self._abandoned_threads = [t for t in self._abandoned_threads if t.is_alive()]
+        return len(self._abandoned_threads)
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.hung >= self.max_hung:
+            raise RewardsHung(f"{self.hung} calls of the reward {getattr(fn, '__name__', fn)} are still running "
+                              f"after their timeout (--reward-timeout); the reward function hangs")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a semaphore serves one loop (rq jobs each run in a new one)
             self._places, self._loop = asyncio.Semaphore(self.size), loop
@@ -435,6 +452,7 @@ class RewardThreads:
             except asyncio.CancelledError:
                 if thread.is_alive():
                     self.abandoned += 1
+                    self._abandoned_threads.append(thread)
                     logger.warning("a synchronous reward call (%s) is still running after its caller gave up; "
                                    "its thread is abandoned (%d so far)", getattr(fn, "__name__", fn),
                                    self.abandoned)
@@ -511,6 +529,8 @@ class Reward:
         if self.group:
             try:
                 values = await self._call(args, samples)
+            except RewardsHung:
+                raise
             except Exception as exc:
                 raise self._error(exc, f"group of {len(samples)} samples") from exc
             if not isinstance(values, (list, tuple)) or len(values) != len(samples):
@@ -524,8 +544,8 @@ class Reward:
             results = await asyncio.gather(*(self._call(args, s) for s in samples), return_exceptions=True)
             for sample, result in zip(samples, results):
                 if isinstance(result, BaseException):
-                    if not isinstance(result, Exception):  # CancelledError (_call turned the rest into RewardError)
-                        raise result
+                    if not isinstance(result, Exception) or isinstance(result, RewardsHung):
+                        raise result  # CancelledError (_call turned the rest into RewardError), or the worker's halt
                     where = f"sample group_index={sample.group_index} index={sample.index}"
                     raise self._error(result, where) from result
             values = results

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pipeline import metrics
 from pipeline.control import DEFAULT_HEARTBEAT_S
 
+from .rewards import DEFAULT_REWARD_THREADS
 from .sampling import SamplingSettings
 
 
@@ -30,7 +31,7 @@ class WorkerSettings:
     rm_type: str | None = None  # slime's --rm-type, for a reward that reads it (slime's async_rm)
     reward_queue: str | None = None  # rq queue name: score in rq workers instead of here
     reward_timeout_s: float = 300.0  # a reward call running longer is abandoned and retried
-    reward_threads: int = 16  # threads for synchronous reward functions
+    reward_threads: int = DEFAULT_REWARD_THREADS  # synchronous reward calls at once (--reward-threads)
     max_attempts: int = 3  # engine or reward failures per group before dead-lettering
     backoff_s: float = 0.5  # first retry delay; doubles up to backoff_max_s
     backoff_max_s: float = 30.0

@@ -85,12 +85,13 @@ class WorkerState(StrEnum):
     ENGINE_DOWN = "engine-down"  # stopped claiming until an engine answers /health
     REDIS_DOWN = "redis-down"  # retrying Redis; generation goes on
     STOPPING = "stopping"
-    REFUSED = "permission-denied"  # Redis refused a command under the worker's ACL: it stops
+    # Stopped on a configuration error (workers.context.Halt): "permission-denied" (Redis
+    # refused a command under the worker's ACL), "reward-hung" (too many reward calls stuck).
 
 
 class WorkerConfigError(RuntimeError):
-    """The worker cannot work as configured (its Redis user lacks a command); it stopped
-    after handing back what it held."""
+    """The worker cannot work as configured (its Redis user lacks a command, its reward
+    function hangs); it stopped after handing back what it held."""
 
 
 class Worker:
@@ -188,10 +189,8 @@ class Worker:
             for t in background:
                 t.cancel()
             await self._shutdown()
-        if self.ctx.refusal:
-            raise WorkerConfigError(f"worker {self.id} stopped: {self.ctx.refusal}; grant the Redis user that "
-                                    "command (`rollout acl --role worker` prints a user with everything a worker "
-                                    "needs)")
+        if self.ctx.halted:
+            raise WorkerConfigError(f"worker {self.id} stopped: {self.ctx.halted.reason}; {self.ctx.halted.remedy}")
 
     async def _progress_loop(self) -> None:
         """A line every `progress_s`: what was done since the last one, and what the worker
@@ -245,8 +244,8 @@ class Worker:
     def state(self) -> str:
         """What the worker does or waits on, for status (one line)."""
         runner, claimer = self.runner, self.claimer
-        if self.ctx.refusal:
-            return f"{WorkerState.REFUSED.value}: {self.ctx.refusal}"
+        if self.ctx.halted:
+            return f"{self.ctx.halted.state}: {self.ctx.halted.reason}"
         if self.ctx.stopping.is_set():
             return WorkerState.STOPPING.value
         if self.reconnect.down:
