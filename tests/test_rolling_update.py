@@ -13,9 +13,11 @@ from pipeline.control import read_control
 from pipeline.controller import Controller, WeightUpdateError
 from pipeline.ops.audit import audit
 from pipeline.queue import Queue
+from tests import generate_functions as fns
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from tests.test_weight_update import SLOW, check_sample, push, worker_settings
 from workers.engine import EngineSet
+from workers.sampling import SamplingSettings
 
 GROUPS = 24
 
@@ -124,3 +126,38 @@ def test_an_engine_failing_its_rolling_update_stays_out_and_is_named(sims, queue
         asyncio.run(update())
     assert read_control(queue.redis, queue.keys).draining == (sims[1].url,)
     assert http_json(sims[0].url + "/get_model_info")["weight_version"] == "1"
+
+
+def test_a_rolling_update_moves_generate_function_samples_to_the_other_engine_at_once(sims, redis_url, queue,
+                                                                                     namespace):
+    fns.reset()
+    fns.LONG_TURNS = True  # each call may run to the whole budget: the drain lands mid-call
+    try:
+        ids = push(queue, GROUPS // 2, samples=2)
+        urls = [s.url for s in sims]
+        worker = WorkerThread(worker_settings(redis_url, namespace, urls, sampling=SamplingSettings(max_new_tokens=1200),
+                                              generate_function="tests.generate_functions:three_turns"))
+        engines = WatchedEngines(urls, queue, more=1)
+
+        async def update():
+            try:
+                return await Controller(queue, engines).rolling_update("/ckpt/step1", 1)
+            finally:
+                await engines.close()
+
+        try:
+            wait_for(lambda: worker.worker.ctx.counters.function_calls >= 4, what="function calls under way")
+            asyncio.run(update())
+            got = consume_all(Consumer(queue.redis, namespace), len(ids), 4)
+        finally:
+            worker.stop()
+    finally:
+        fns.LONG_TURNS = False
+    # The calls the drain aborted were continued on the engine left in rotation at once:
+    # not waited on as preemptions, not requeued.
+    counters = worker.worker.ctx.counters
+    assert counters.drained > 0 and counters.preempted == 0
+    assert queue.stats().get("requeue", 0) == 0
+    assert sorted(g.group_id for g in got) == sorted(ids)
+    assert all(s.metadata["turns"] == fns.TURNS for g in got for s in g.samples)
+    assert audit(queue).ok

@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import aiohttp
 from yarl import URL
@@ -745,7 +746,7 @@ class EngineSet:
         self._owns_session = session is None
         self._rr = itertools.count()
         self._gen_clients: list[EngineClient] | None = None
-        self._in_flight: list[int] = []  # generate requests per given URL, from this set
+        self._in_flight = [0] * len(self.urls)  # generate requests (and function calls) per given URL
         self._by_source: dict[str, list[str]] = {}  # given URL -> engines behind it
         self._engine_clients: dict[str, EngineClient] = {}
         # Given URLs out of rotation (a rolling weight update is updating them): new
@@ -814,14 +815,21 @@ class EngineSet:
     ) -> GenerateResult:
         if self._gen_clients is None:
             self._gen_clients = [self._client(u, self.vocab_size) for u in self.urls]
-            self._in_flight = [0] * len(self.urls)
-        # Fewest in flight, not plain round-robin: request times vary a lot, so
-        # round-robin queues requests at one engine while another has free slots.
-        n, start = len(self._gen_clients), next(self._rr)
+        with self.next_url() as i:
+            return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
+
+    @contextlib.contextmanager
+    def next_url(self) -> Iterator[int]:
+        """The given URL (its index) a new request goes to, counted in flight while the
+        block runs: engines in rotation first (a rolling update drains one), then the
+        fewest requests in flight, not plain round-robin: request times vary a lot, so
+        round-robin queues requests at one engine while another has free slots. Generate
+        functions, which make their own calls, get their address here too."""
+        n, start = len(self.urls), next(self._rr)
         i = min(range(n), key=lambda j: (self.urls[j] in self.draining, self._in_flight[j], (j - start) % n))
         self._in_flight[i] += 1
         try:
-            return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
+            yield i
         finally:
             self._in_flight[i] -= 1
 

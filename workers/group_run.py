@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
@@ -69,7 +68,6 @@ class GroupRunner:
         # A user's function makes each sample's engine calls; it holds the sample's slot
         # from its first turn to its last.
         self.generate_function = generate_function
-        self._function_urls = itertools.cycle(engines.urls)  # the address each call is given
         self.running: dict[tuple[str, str], Running] = {}  # (namespace, group id) -> what works on it
         self.inflight_samples = 0
         self._serial = 0
@@ -355,17 +353,18 @@ class GroupRunner:
                 return [sample]  # as in _generate_sample: requeued, continued later
             if sample.status == Status.ABORTED and sample.response_length and s.mask_offpolicy_prefix:
                 sample.loss_mask = [0] * sample.response_length  # slime's generate_and_rm does the same
-            url = next(self._function_urls)
-            args = generate_args(s, url, group.n_samples, self.reward_args)
             known = (len(sample.weight_versions), sample.response_length)
             self.ctx.counters.function_calls += 1
-            try:
-                produced = await self.generate_function.call(
-                    args, sample, s.sampling.params(s.sampling.max_new_tokens),
-                    evaluation=run.queue is self.ctx.eval_queue, timeout_s=s.sample_timeout_s)
-            except GenerateFunctionFailed as exc:
-                self.ctx.counters.function_errors += 1
-                raise GroupFailed(str(exc), "generate_function") from None
+            with self.engines.next_url() as i:  # the address the call is given, as for a request
+                url = self.engines.urls[i]
+                try:
+                    produced = await self.generate_function.call(
+                        generate_args(s, url, group.n_samples, self.reward_args), sample,
+                        s.sampling.params(s.sampling.max_new_tokens), evaluation=run.queue is self.ctx.eval_queue,
+                        timeout_s=s.sample_timeout_s)
+                except GenerateFunctionFailed as exc:
+                    self.ctx.counters.function_errors += 1
+                    raise GroupFailed(str(exc), "generate_function") from None
             self.last_answer = time.monotonic()
             for p in produced:
                 await self._stamp_versions(p, url, *(known if p is sample else (0, 0)))
@@ -378,6 +377,9 @@ class GroupRunner:
             sample.status = Status.ABORTED  # what a multi-agent call left in it is continued
             if await self.engine_health.pause_explains_abort():
                 return [sample]
+            if self.engine_health.drained(url):
+                self.ctx.counters.drained += 1
+                continue  # a rolling weight update took that engine out: the next call goes elsewhere
             # Unannounced (slime's updaters, an abort_all): a preemption when the engine made
             # something since the last call, as in _generate_sample; called again with the sample.
             progressed = (sample.response_length, len(sample.weight_versions)) != (known[1], known[0])
