@@ -39,6 +39,8 @@ import json
 import threading
 import logging
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,6 +123,53 @@ class DiskWaitSampler:
         return self.blocked / self.samples if self.samples else 0.0
 
 
+#: The main thread's system calls counted with `perf stat` (when perf and its tracepoints are
+#: usable): fsyncs of the AOF, event-loop passes, socket and AOF reads and writes.
+SYSCALLS = ("fdatasync", "epoll_wait", "read", "write")
+
+
+class SyscallCounter:
+    """Counts the SYSCALLS of one thread over a window with `perf stat -t`; `counts` is
+    None where perf or its syscall tracepoints are not available (the rest still runs).
+    `groups` is what `committed()` grew by while perf ran, to divide the counts by."""
+
+    def __init__(self, pid: int, path: Path, committed):
+        self.pid, self.path, self.committed = pid, path, committed
+        self.proc: subprocess.Popen | None = None
+        self.counts: dict[str, int] | None = None
+        self.groups = 0
+
+    def __enter__(self) -> SyscallCounter:
+        perf = shutil.which("perf")
+        if perf:
+            events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+            self.proc = subprocess.Popen([perf, "stat", "-x", ",", "-e", events, "-t", str(self.pid),
+                                          "-o", str(self.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.2)  # perf attaches
+            if self.proc.poll() is not None:
+                self.proc = None
+            self.groups = -self.committed()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.groups += self.committed()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return
+        counts = {}
+        for line in self.path.read_text().splitlines():
+            parts = line.split(",")
+            if len(parts) > 2 and parts[2].startswith("syscalls:sys_enter_") and parts[0].isdigit():
+                counts[parts[2].removeprefix("syscalls:sys_enter_")] = int(parts[0])
+        self.counts = counts if set(counts) == set(SYSCALLS) else None
+
+
 # -- the client processes --------------------------------------------------------------------
 
 
@@ -179,7 +228,7 @@ def trainer(args: argparse.Namespace, queue: Queue, content) -> dict:
             continue
         consumer.commit(batch)
         batches += 1
-    return {"batches": batches}
+    return {"batches": batches, "groups": batches * args.batch}
 
 
 def observer(args: argparse.Namespace, queue: Queue, content) -> dict:
@@ -198,10 +247,27 @@ def observer(args: argparse.Namespace, queue: Queue, content) -> dict:
 ROLES = {"feeder": feeder, "worker": worker, "trainer": trainer, "observer": observer}
 
 
+def count_round_trips() -> list[int]:
+    """Counts this process's round trips to Redis (a pipeline or MULTI is one)."""
+    import redis.connection
+
+    count = [0]
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, *a, **kw):
+        count[0] += 1
+        return send(self, *a, **kw)
+
+    redis.connection.AbstractConnection.send_packed_command = counted
+    return count
+
+
 def run_child(args: argparse.Namespace) -> None:
+    round_trips = count_round_trips()
     queue = Queue(connect(args.redis_url), args.namespace)
     content = make_content(0, args.sample_tokens) if args.role in ("feeder", "worker") else None
     result = ROLES[args.role](args, queue, content)
+    result["round_trips"] = round_trips[0]
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -214,6 +280,7 @@ class ServerSnapshot:
     cpu_s: float  # the main thread's user + system CPU
     committed: int
     commands: dict[str, tuple[int, float]]  # command -> (calls, usec)
+    stats: dict[str, int]  # INFO stats / persistence counters (STAT_FIELDS)
 
     @classmethod
     def take(cls, queue: Queue) -> ServerSnapshot:
@@ -224,7 +291,15 @@ class ServerSnapshot:
         stats = {name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"]))
                  for name, v in r.info("commandstats").items()}
         committed = int(r.hget(queue.keys.stats, "committed") or 0)
-        return cls(time.monotonic(), sum(float(cpu[k]) for k in keys), committed, stats)
+        info = {**r.info("stats"), **r.info("persistence")}
+        counters = {k: int(info.get(k, 0)) for k in STAT_FIELDS}
+        return cls(time.monotonic(), sum(float(cpu[k]) for k in keys), committed, stats, counters)
+
+
+#: INFO fields whose change over a window, per group, is reported (aof_current_size falls
+#: back when an AOF rewrite finishes in the window: aof_bytes_per_group is None then).
+STAT_FIELDS = ("total_commands_processed", "total_net_input_bytes", "total_net_output_bytes",
+               "aof_current_size", "aof_base_size")
 
 
 @dataclass
@@ -236,6 +311,12 @@ class Phase:
     server_us_per_group: float  # main-thread CPU
     fsync_blocked_us_per_group: float  # main thread in disk sleep (fdatasync)
     commands_us_per_group: dict[str, float]
+    commands_calls_per_group: dict[str, float] = field(default_factory=dict)  # INFO commandstats calls
+    # commands processed, bytes in and out of the sockets, bytes appended to the AOF, per group
+    counters_per_group: dict[str, float | None] = field(default_factory=dict)
+    syscalls_per_group: dict[str, float] | None = None  # the main thread's, by perf (None: no perf)
+    # each role's round trips over its whole run / the groups it pushed, published or committed
+    round_trips_per_group: dict[str, float] = field(default_factory=dict)
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: publish -> readable
 
 
@@ -280,7 +361,9 @@ class Bench:
                     raise RuntimeError("the clients committed nothing within 60 s (or one exited)")
                 time.sleep(0.05)
             time.sleep(s.warmup_s)
-            with DiskWaitSampler(server.process.pid) as disk:
+            with DiskWaitSampler(server.process.pid) as disk, \
+                    SyscallCounter(server.process.pid, self.workdir / "perf.txt",
+                                   lambda: int(queue.redis.hget(queue.keys.stats, "committed") or 0)) as syscalls:
                 before = ServerSnapshot.take(queue)
                 time.sleep(s.window_s)
                 after = ServerSnapshot.take(queue)
@@ -302,16 +385,32 @@ class Bench:
             results[role].append(json.loads(out.read_text()))
         groups = after.committed - before.committed
         wall = after.at - before.at
-        per_group = {}
+        per_group, calls_per_group = {}, {}
         for name, (calls, usec) in after.commands.items():
             calls0, usec0 = before.commands.get(name, (0, 0.0))
             if calls > calls0:
                 per_group[name] = round((usec - usec0) / groups, 2)
+                calls_per_group[name] = round((calls - calls0) / groups, 3)
+        counters: dict[str, float | None] = {
+            name.removeprefix("total_") + "_per_group": round((after.stats[name] - before.stats[name]) / groups, 1)
+            for name in ("total_commands_processed", "total_net_input_bytes", "total_net_output_bytes")}
+        rewritten = after.stats["aof_base_size"] != before.stats["aof_base_size"]
+        counters["aof_bytes_per_group"] = None if rewritten else round(
+            (after.stats["aof_current_size"] - before.stats["aof_current_size"]) / groups, 1)
         phase = Phase(workers=workers, rate=rate, groups_per_s=groups / wall,
                       server_cpu=(after.cpu_s - before.cpu_s) / wall,
                       server_us_per_group=1e6 * (after.cpu_s - before.cpu_s) / groups,
                       fsync_blocked_us_per_group=1e6 * disk.fraction * wall / groups,
-                      commands_us_per_group=dict(sorted(per_group.items(), key=lambda kv: -kv[1])))
+                      commands_us_per_group=dict(sorted(per_group.items(), key=lambda kv: -kv[1])),
+                      commands_calls_per_group=dict(sorted(calls_per_group.items(), key=lambda kv: -kv[1])),
+                      counters_per_group=counters,
+                      syscalls_per_group=None if syscalls.counts is None else {
+                          name: round(n / max(1, syscalls.groups), 2) for name, n in syscalls.counts.items()})
+        handled = {"feeder": lambda r: r["pushed"], "worker": lambda r: len(r["published"]),
+                   "trainer": lambda r: r["groups"]}
+        phase.round_trips_per_group = {
+            role: round(sum(r["round_trips"] for r in results[role]) / max(1, sum(map(count, results[role]))), 3)
+            for role, count in handled.items()}
         if rate:
             phase.latency_ms = _latency(results, before.at, after.at)
         log.info("%d-token samples, %s workers, rate %s: %.0f groups/s, server %.0f%% of a core, %.0f us/group "
@@ -346,6 +445,10 @@ class Bench:
             "engine_tokens_per_s": round(rate),
             "engines_per_core": round(per_core * N_SAMPLES * sample_tokens / rate),
             "commands_us_per_group": best.commands_us_per_group,
+            "commands_calls_per_group": best.commands_calls_per_group,
+            "counters_per_group": best.counters_per_group,
+            "syscalls_per_group": best.syscalls_per_group,
+            "round_trips_per_group": best.round_trips_per_group,
         }
 
     def fsync_mode(self, fsync: Fsync) -> dict:
