@@ -60,7 +60,7 @@ from pipeline.codec import encode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
 from pipeline.control import configure  # noqa: E402
-from pipeline.queue import Place, Queue  # noqa: E402
+from pipeline.queue import Place, Publish, Queue  # noqa: E402
 from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import Group  # noqa: E402
 
@@ -207,6 +207,15 @@ def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
         if not claim.groups:
             time.sleep(0.001)
             continue
+        if args.publish_together:  # what a worker publishing its finished groups in one call would cost
+            items = [Publish(c.group_id, c.token, payload.replace(TEMPLATE_GID.encode(), c.group_id.encode()),
+                             Place.RESULTS) for c in claim.groups]
+            if interval:
+                next_at += interval * len(items)
+                time.sleep(max(0.0, next_at - time.monotonic()))
+            published.update({c.group_id: time.monotonic() for c in claim.groups})
+            queue.publish_many(name, items)
+            continue
         for claimed in claim.groups:
             if interval:
                 next_at += interval
@@ -330,6 +339,7 @@ class Settings:
     fsync: tuple[Fsync, ...] = (Fsync.ALWAYS, Fsync.EVERYSEC)  # the first gives the top-level figures
     loads: tuple[float, ...] = (0.5, 0.9)
     sample_tokens: tuple[int, ...] = SAMPLE_TOKENS  # the by-fsync phases use the last
+    publish_together: bool = False  # workers publish each claim's groups in one call (publish_many)
 
 
 class Bench:
@@ -352,7 +362,7 @@ class Bench:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--redis-url", server.url,
                    "--namespace", NAMESPACE, "--out", str(out), "--index", str(index), "--claim", str(s.claim),
                    "--batch", str(s.batch), "--rate", str(rate / workers if rate else 0),
-                   "--sample-tokens", str(sample_tokens)]
+                   "--sample-tokens", str(sample_tokens)] + (["--publish-together"] if s.publish_together else [])
             procs.append((role, out, subprocess.Popen(cmd, cwd=REPO)))
         try:
             deadline = time.monotonic() + 60
@@ -554,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-workers", type=int, help=f"most worker processes (default {d.max_workers}, --quick 2)")
     p.add_argument("--batch", type=int, default=d.batch, help="groups per trainer batch")
     p.add_argument("--sample-tokens", type=int, default=RESPONSE_TOKENS, help=argparse.SUPPRESS)
+    p.add_argument("--publish-together", action="store_true",
+                   help="workers publish each claim's groups in one call (Queue.publish_many), not one by one")
     p.add_argument("-v", "--verbose", action="store_true")
     # a client process
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
@@ -572,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(window_s=args.window or (3.0 if args.quick else d.window_s),
                         warmup_s=1.0 if args.quick else d.warmup_s,
                         max_workers=args.max_workers or (2 if args.quick else d.max_workers),
-                        batch=args.batch)
+                        batch=args.batch, publish_together=args.publish_together)
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
         result = Bench(settings, Path(tmp)).run()
     if args.json:

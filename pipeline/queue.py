@@ -30,7 +30,7 @@ from .types import Group, ReleasePolicy, VersionClock
 log = logging.getLogger(__name__)
 
 COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
-STAGED_TTL_S = 3600  # a staged result outlives its publish only if the worker died in between
+STAGED_TTL_S = 3600  # a staged result outlives its MULTI only if the publish script failed (NOSCRIPT twice)
 #: A dead letter larger than this keeps only its first DEAD_LETTER_HEAD bytes and its size:
 #: a 50 MB poison row must not become a 50 MB dead letter.
 DEAD_LETTER_MAX_BYTES = 1 << 20
