@@ -39,6 +39,8 @@ import json
 import threading
 import logging
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +60,7 @@ from pipeline.codec import encode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
 from pipeline.control import configure  # noqa: E402
-from pipeline.queue import Place, Queue  # noqa: E402
+from pipeline.queue import Place, Publish, Queue  # noqa: E402
 from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import Group  # noqa: E402
 
@@ -121,6 +123,53 @@ class DiskWaitSampler:
         return self.blocked / self.samples if self.samples else 0.0
 
 
+#: The main thread's system calls counted with `perf stat` (when perf and its tracepoints are
+#: usable): fsyncs of the AOF, event-loop passes, socket and AOF reads and writes.
+SYSCALLS = ("fdatasync", "epoll_wait", "read", "write")
+
+
+class SyscallCounter:
+    """Counts the SYSCALLS of one thread over a window with `perf stat -t`; `counts` is
+    None where perf or its syscall tracepoints are not available (the rest still runs).
+    `groups` is what `committed()` grew by while perf ran, to divide the counts by."""
+
+    def __init__(self, pid: int, path: Path, committed):
+        self.pid, self.path, self.committed = pid, path, committed
+        self.proc: subprocess.Popen | None = None
+        self.counts: dict[str, int] | None = None
+        self.groups = 0
+
+    def __enter__(self) -> SyscallCounter:
+        perf = shutil.which("perf")
+        if perf:
+            events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+            self.proc = subprocess.Popen([perf, "stat", "-x", ",", "-e", events, "-t", str(self.pid),
+                                          "-o", str(self.path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.2)  # perf attaches
+            if self.proc.poll() is not None:
+                self.proc = None
+            self.groups = -self.committed()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.groups += self.committed()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return
+        counts = {}
+        for line in self.path.read_text().splitlines():
+            parts = line.split(",")
+            if len(parts) > 2 and parts[2].startswith("syscalls:sys_enter_") and parts[0].isdigit():
+                counts[parts[2].removeprefix("syscalls:sys_enter_")] = int(parts[0])
+        self.counts = counts if set(counts) == set(SYSCALLS) else None
+
+
 # -- the client processes --------------------------------------------------------------------
 
 
@@ -158,6 +207,15 @@ def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
         if not claim.groups:
             time.sleep(0.001)
             continue
+        if args.publish_together:  # what a worker publishing its finished groups in one call would cost
+            items = [Publish(c.group_id, c.token, payload.replace(TEMPLATE_GID.encode(), c.group_id.encode()),
+                             Place.RESULTS) for c in claim.groups]
+            if interval:
+                next_at += interval * len(items)
+                time.sleep(max(0.0, next_at - time.monotonic()))
+            published.update({c.group_id: time.monotonic() for c in claim.groups})
+            queue.publish_many(name, items)
+            continue
         for claimed in claim.groups:
             if interval:
                 next_at += interval
@@ -179,7 +237,7 @@ def trainer(args: argparse.Namespace, queue: Queue, content) -> dict:
             continue
         consumer.commit(batch)
         batches += 1
-    return {"batches": batches}
+    return {"batches": batches, "groups": batches * args.batch}
 
 
 def observer(args: argparse.Namespace, queue: Queue, content) -> dict:
@@ -198,10 +256,27 @@ def observer(args: argparse.Namespace, queue: Queue, content) -> dict:
 ROLES = {"feeder": feeder, "worker": worker, "trainer": trainer, "observer": observer}
 
 
+def count_round_trips() -> list[int]:
+    """Counts this process's round trips to Redis (a pipeline or MULTI is one)."""
+    import redis.connection
+
+    count = [0]
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, *a, **kw):
+        count[0] += 1
+        return send(self, *a, **kw)
+
+    redis.connection.AbstractConnection.send_packed_command = counted
+    return count
+
+
 def run_child(args: argparse.Namespace) -> None:
+    round_trips = count_round_trips()
     queue = Queue(connect(args.redis_url), args.namespace)
     content = make_content(0, args.sample_tokens) if args.role in ("feeder", "worker") else None
     result = ROLES[args.role](args, queue, content)
+    result["round_trips"] = round_trips[0]
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -214,6 +289,7 @@ class ServerSnapshot:
     cpu_s: float  # the main thread's user + system CPU
     committed: int
     commands: dict[str, tuple[int, float]]  # command -> (calls, usec)
+    stats: dict[str, int]  # INFO stats / persistence counters (STAT_FIELDS)
 
     @classmethod
     def take(cls, queue: Queue) -> ServerSnapshot:
@@ -224,7 +300,15 @@ class ServerSnapshot:
         stats = {name.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"]))
                  for name, v in r.info("commandstats").items()}
         committed = int(r.hget(queue.keys.stats, "committed") or 0)
-        return cls(time.monotonic(), sum(float(cpu[k]) for k in keys), committed, stats)
+        info = {**r.info("stats"), **r.info("persistence")}
+        counters = {k: int(info.get(k, 0)) for k in STAT_FIELDS}
+        return cls(time.monotonic(), sum(float(cpu[k]) for k in keys), committed, stats, counters)
+
+
+#: INFO fields whose change over a window, per group, is reported (aof_current_size falls
+#: back when an AOF rewrite finishes in the window: aof_bytes_per_group is None then).
+STAT_FIELDS = ("total_commands_processed", "total_net_input_bytes", "total_net_output_bytes",
+               "aof_current_size", "aof_base_size")
 
 
 @dataclass
@@ -236,6 +320,12 @@ class Phase:
     server_us_per_group: float  # main-thread CPU
     fsync_blocked_us_per_group: float  # main thread in disk sleep (fdatasync)
     commands_us_per_group: dict[str, float]
+    commands_calls_per_group: dict[str, float] = field(default_factory=dict)  # INFO commandstats calls
+    # commands processed, bytes in and out of the sockets, bytes appended to the AOF, per group
+    counters_per_group: dict[str, float | None] = field(default_factory=dict)
+    syscalls_per_group: dict[str, float] | None = None  # the main thread's, by perf (None: no perf)
+    # each role's round trips over its whole run / the groups it pushed, published or committed
+    round_trips_per_group: dict[str, float] = field(default_factory=dict)
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: publish -> readable
 
 
@@ -249,6 +339,7 @@ class Settings:
     fsync: tuple[Fsync, ...] = (Fsync.ALWAYS, Fsync.EVERYSEC)  # the first gives the top-level figures
     loads: tuple[float, ...] = (0.5, 0.9)
     sample_tokens: tuple[int, ...] = SAMPLE_TOKENS  # the by-fsync phases use the last
+    publish_together: bool = False  # workers publish each claim's groups in one call (publish_many)
 
 
 class Bench:
@@ -271,7 +362,7 @@ class Bench:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--redis-url", server.url,
                    "--namespace", NAMESPACE, "--out", str(out), "--index", str(index), "--claim", str(s.claim),
                    "--batch", str(s.batch), "--rate", str(rate / workers if rate else 0),
-                   "--sample-tokens", str(sample_tokens)]
+                   "--sample-tokens", str(sample_tokens)] + (["--publish-together"] if s.publish_together else [])
             procs.append((role, out, subprocess.Popen(cmd, cwd=REPO)))
         try:
             deadline = time.monotonic() + 60
@@ -280,7 +371,9 @@ class Bench:
                     raise RuntimeError("the clients committed nothing within 60 s (or one exited)")
                 time.sleep(0.05)
             time.sleep(s.warmup_s)
-            with DiskWaitSampler(server.process.pid) as disk:
+            with DiskWaitSampler(server.process.pid) as disk, \
+                    SyscallCounter(server.process.pid, self.workdir / "perf.txt",
+                                   lambda: int(queue.redis.hget(queue.keys.stats, "committed") or 0)) as syscalls:
                 before = ServerSnapshot.take(queue)
                 time.sleep(s.window_s)
                 after = ServerSnapshot.take(queue)
@@ -302,16 +395,32 @@ class Bench:
             results[role].append(json.loads(out.read_text()))
         groups = after.committed - before.committed
         wall = after.at - before.at
-        per_group = {}
+        per_group, calls_per_group = {}, {}
         for name, (calls, usec) in after.commands.items():
             calls0, usec0 = before.commands.get(name, (0, 0.0))
             if calls > calls0:
                 per_group[name] = round((usec - usec0) / groups, 2)
+                calls_per_group[name] = round((calls - calls0) / groups, 3)
+        counters: dict[str, float | None] = {
+            name.removeprefix("total_") + "_per_group": round((after.stats[name] - before.stats[name]) / groups, 1)
+            for name in ("total_commands_processed", "total_net_input_bytes", "total_net_output_bytes")}
+        rewritten = after.stats["aof_base_size"] != before.stats["aof_base_size"]
+        counters["aof_bytes_per_group"] = None if rewritten else round(
+            (after.stats["aof_current_size"] - before.stats["aof_current_size"]) / groups, 1)
         phase = Phase(workers=workers, rate=rate, groups_per_s=groups / wall,
                       server_cpu=(after.cpu_s - before.cpu_s) / wall,
                       server_us_per_group=1e6 * (after.cpu_s - before.cpu_s) / groups,
                       fsync_blocked_us_per_group=1e6 * disk.fraction * wall / groups,
-                      commands_us_per_group=dict(sorted(per_group.items(), key=lambda kv: -kv[1])))
+                      commands_us_per_group=dict(sorted(per_group.items(), key=lambda kv: -kv[1])),
+                      commands_calls_per_group=dict(sorted(calls_per_group.items(), key=lambda kv: -kv[1])),
+                      counters_per_group=counters,
+                      syscalls_per_group=None if syscalls.counts is None else {
+                          name: round(n / max(1, syscalls.groups), 2) for name, n in syscalls.counts.items()})
+        handled = {"feeder": lambda r: r["pushed"], "worker": lambda r: len(r["published"]),
+                   "trainer": lambda r: r["groups"]}
+        phase.round_trips_per_group = {
+            role: round(sum(r["round_trips"] for r in results[role]) / max(1, sum(map(count, results[role]))), 3)
+            for role, count in handled.items()}
         if rate:
             phase.latency_ms = _latency(results, before.at, after.at)
         log.info("%d-token samples, %s workers, rate %s: %.0f groups/s, server %.0f%% of a core, %.0f us/group "
@@ -346,6 +455,10 @@ class Bench:
             "engine_tokens_per_s": round(rate),
             "engines_per_core": round(per_core * N_SAMPLES * sample_tokens / rate),
             "commands_us_per_group": best.commands_us_per_group,
+            "commands_calls_per_group": best.commands_calls_per_group,
+            "counters_per_group": best.counters_per_group,
+            "syscalls_per_group": best.syscalls_per_group,
+            "round_trips_per_group": best.round_trips_per_group,
         }
 
     def fsync_mode(self, fsync: Fsync) -> dict:
@@ -451,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-workers", type=int, help=f"most worker processes (default {d.max_workers}, --quick 2)")
     p.add_argument("--batch", type=int, default=d.batch, help="groups per trainer batch")
     p.add_argument("--sample-tokens", type=int, default=RESPONSE_TOKENS, help=argparse.SUPPRESS)
+    p.add_argument("--publish-together", action="store_true",
+                   help="workers publish each claim's groups in one call (Queue.publish_many), not one by one")
     p.add_argument("-v", "--verbose", action="store_true")
     # a client process
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
@@ -469,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(window_s=args.window or (3.0 if args.quick else d.window_s),
                         warmup_s=1.0 if args.quick else d.warmup_s,
                         max_workers=args.max_workers or (2 if args.quick else d.max_workers),
-                        batch=args.batch)
+                        batch=args.batch, publish_together=args.publish_together)
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
         result = Bench(settings, Path(tmp)).run()
     if args.json:

@@ -36,10 +36,18 @@ class ExplainingPipeline(redis.client.Pipeline):
     """A pipeline whose refusals say "permission denied" (redis-py names the command)."""
 
     def execute(self, raise_on_error: bool = True):
+        stack = [c[0] if isinstance(c, tuple) else c.args for c in self.command_stack]  # execute() resets it
         try:
             return super().execute(raise_on_error)
         except redis.exceptions.NoPermissionError as exc:
-            raise PermissionDenied(f"permission denied for Redis user {_user(self)!r}: {exc}") from None
+            # redis-py's text quotes the refused command's arguments (a payload, say): name it and its key.
+            text = str(exc)
+            found = re.match(r"Command # (\d+) \(.*?\) of pipeline caused error: ", text, re.DOTALL)
+            if found and 0 < int(found.group(1)) <= len(stack):
+                args = stack[int(found.group(1)) - 1]
+                command = str(args[0]).upper() + (f" {_shown(args[1])}" if len(args) > 1 else "")
+                text = f"{command}: {text[found.end():]}"
+            raise PermissionDenied(f"permission denied for Redis user {_user(self)!r}: {text}") from None
 
 
 class ExplainingRedis(redis.Redis):

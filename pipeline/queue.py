@@ -30,7 +30,7 @@ from .types import Group, ReleasePolicy, VersionClock
 log = logging.getLogger(__name__)
 
 COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
-STAGED_TTL_S = 3600  # a staged result outlives its publish only if the worker died in between
+STAGED_TTL_S = 3600  # a staged result outlives its MULTI only if the publish script failed (NOSCRIPT twice)
 #: A dead letter larger than this keeps only its first DEAD_LETTER_HEAD bytes and its size:
 #: a 50 MB poison row must not become a 50 MB dead letter.
 DEAD_LETTER_MAX_BYTES = 1 << 20
@@ -125,6 +125,19 @@ class StreamEntry:
 
 
 @dataclass
+class Publish:
+    """One finished group for Queue.publish_many: where it goes and, for a dead letter,
+    why (`reason` is the short category: `dead list`, the `dead_<reason>` counter)."""
+
+    group_id: str | bytes
+    token: str
+    payload: bytes
+    place: Place
+    error: str | None = None
+    reason: str = ""
+
+
+@dataclass
 class Settle:
     """One stream entry leaving its stream; see lua/settle.lua for the actions."""
 
@@ -208,35 +221,55 @@ class Queue:
         """Move a group out of `worker`'s in-flight hash into a stream, if the worker
         still holds it under `token`. A dead letter's `reason` is its short category
         (for `dead list` and the `dead_<reason>` counter behind the metrics)."""
+        return self.publish_many(worker, [Publish(group_id, token, payload, place, error, reason)])[0]
+
+    def publish_many(self, worker: str, items: list[Publish]) -> list[Published]:
+        """Publish several groups of `worker` in one round trip: one MULTI holding, per
+        group, the staged SET of a result and the publish script (lua/publish.lua), so
+        Redis runs them in one event-loop pass, one AOF write and, under appendfsync
+        always, one fsync for all. Each group is checked and moved on its own (a refused
+        one does not stop the others), and a retry of the whole call is safe: what went
+        through answers `already`. Returns an outcome per item, in order."""
         k = self.keys
-        stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[place]
-        keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history]
-        if place == Place.DEAD:
-            payload, note = bounded_dead_letter(payload)
-            error = (error or "dead") + note
-        args = [group_id, token, payload, place.value, error or "", worker, reason]
-        if place == Place.RESULTS:
-            # Staged with a plain SET, then renamed by the script: see lua/publish.lua.
-            # It expires if this process dies before the script runs.
-            staged = k.staged(text(group_id), token)
-            self.redis.set(staged, payload, ex=STAGED_TTL_S)
-            keys += [staged, k.result(text(group_id), token)]
-            args[2] = b""
-        try:
-            reply = self._scripts["publish"](keys=keys, args=args)
-        except redis.ResponseError as exc:
-            if place != Place.RESULTS or "is missing" not in str(exc):
-                raise
-            # The staged SET was acknowledged by a primary that failed over before the new one
-            # had it (the script refuses before any write): stage it again, once.
-            log.warning("group %s: its staged result was lost (a failover?); staging it again", text(group_id))
-            self.redis.set(staged, payload, ex=STAGED_TTL_S)
-            reply = self._scripts["publish"](keys=keys, args=args)
-        outcome = Published(text(reply[0]))
-        if outcome == Published.REFUSED:
-            log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
-                        "not publishing", text(group_id), worker, token)
-        return outcome
+        calls = []  # (staged key or None, payload, script keys, script args)
+        for it in items:
+            stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[it.place]
+            keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history]
+            payload, error = it.payload, it.error
+            if it.place == Place.DEAD:
+                payload, note = bounded_dead_letter(payload)
+                error = (error or "dead") + note
+            args = [it.group_id, it.token, payload, it.place.value, error or "", worker, it.reason]
+            staged = None
+            if it.place == Place.RESULTS:
+                # Staged with a plain SET in the same MULTI, then renamed by the script: see
+                # lua/publish.lua. Its expiry matters only if the script call fails (NOSCRIPT).
+                staged = k.staged(text(it.group_id), it.token)
+                keys += [staged, k.result(text(it.group_id), it.token)]
+                args[2] = b""
+            calls.append((staged, payload, keys, args))
+        script = self._scripts["publish"]
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=True)
+            for staged, payload, keys, args in calls:
+                if staged is not None:
+                    pipe.set(staged, payload, ex=STAGED_TTL_S)
+                script.queue(pipe, keys, args)
+            replies = _script_replies(pipe.execute(raise_on_error=False), calls)
+            if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+                script.load()  # a restarted or flushed server forgot it: the SETs went through, again is fine
+                continue
+            break
+        outcomes = []
+        for it, reply in zip(items, replies):
+            if isinstance(reply, Exception):
+                raise reply
+            outcome = Published(text(reply[0]))
+            if outcome == Published.REFUSED:
+                log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
+                            "not publishing", text(it.group_id), worker, it.token)
+            outcomes.append(outcome)
+        return outcomes
 
     def publish_group(self, worker: str, group: Group, token: str, place: Place, error: str | None = None,
                       keep_response_text: bool = False, reason: str = "") -> Published:
@@ -479,6 +512,16 @@ def parse_history(lines: str) -> list[tuple[int, str, str, str]]:
         parts = line.split(" ", 3)
         if len(parts) >= 3 and parts[0].isdigit():
             out.append((int(parts[0]), parts[1], parts[2], parts[3] if len(parts) > 3 else ""))
+    return out
+
+
+def _script_replies(replies: list, calls: list) -> list:
+    """The publish scripts' replies from a publish_many MULTI's (a staged SET before some)."""
+    out, i = [], 0
+    for staged, *_ in calls:
+        i += staged is not None
+        out.append(replies[i])
+        i += 1
     return out
 
 

@@ -160,11 +160,31 @@ class PipelineScript:
         self.name = name
         self._run: Script | FunctionScript | None = None
 
-    def __call__(self, keys=(), args=(), client: redis.Redis | None = None):
+    def _resolve(self) -> Script | FunctionScript:
         if self._run is None:
             self._run = (FunctionScript(self.client, self.name) if uses_functions(self.client)
                          else self.client.register_script(source(self.name)))
-        return self._run(keys=keys, args=args, client=client)
+        return self._run
+
+    def __call__(self, keys=(), args=(), client: redis.Redis | None = None):
+        return self._resolve()(keys=keys, args=args, client=client)
+
+    def queue(self, pipe, keys=(), args=()) -> None:
+        """Add a call to `pipe` (a pipeline or MULTI of this script's client), as FCALL or
+        as a bare EVALSHA: redis-py's Script on a pipeline asks SCRIPT EXISTS first, an
+        extra round trip per execute. A server that does not know the script answers that
+        call with NoScriptError: `load()` and run the pipeline again."""
+        run = self._resolve()
+        if isinstance(run, FunctionScript):
+            pipe.fcall(run.function, len(keys), *keys, *args)
+        else:
+            pipe.evalsha(run.sha, len(keys), *keys, *args)
+
+    def load(self) -> None:
+        """SCRIPT LOAD this script (after a NoScriptError from a queued call)."""
+        run = self._resolve()
+        if not isinstance(run, FunctionScript):
+            run.sha = self.client.script_load(run.script)
 
 
 def load(client: redis.Redis, *names: str) -> dict[str, PipelineScript]:

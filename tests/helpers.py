@@ -100,6 +100,23 @@ class LoseReplies:
             raise redis.ConnectionError("reply lost (test)")
         return result
 
+    def queue(self, pipe, keys=(), args=()) -> None:
+        """A call queued on a pipeline (Queue.publish_many): while armed, the whole
+        pipeline runs and then its reply is lost."""
+        self.script.queue(pipe, keys, args)
+        if self.armed:
+            self.armed -= 1
+            execute = pipe.execute
+
+            def run_then_lose(*a, **kw):
+                execute(*a, **kw)
+                raise redis.ConnectionError("reply lost (test)")
+
+            pipe.execute = run_then_lose
+
+    def __getattr__(self, name):  # load() and the rest: the script's own
+        return getattr(self.script, name)
+
 
 def holds_for(predicate, seconds: float, what: str) -> None:
     """Assert that `predicate` stays true for a whole window, checked throughout (for

@@ -460,26 +460,6 @@ def test_a_token_that_prefixes_another_is_not_taken_for_its_publish(queue):
     assert_audit_ok(queue)
 
 
-def test_a_staged_result_lost_in_a_failover_is_staged_again(queue, monkeypatch):
-    """The staging SET was acknowledged by a primary that then failed over without it;
-    the publish script, on the new primary, finds no staged payload. Before, the worker
-    dead-lettered the finished group; now the result is staged again and published."""
-    queue.push_groups(fresh(1))
-    [held] = claim(queue, "w", 1).groups
-    publish_script = queue._scripts["publish"]
-    lost = []
-
-    def failover_then_publish(keys, args):
-        if not lost:
-            lost.append(queue.redis.delete(keys[7]))  # the staged key, gone with the old primary
-        return publish_script(keys=keys, args=args)
-
-    monkeypatch.setitem(queue._scripts, "publish", failover_then_publish)
-    assert queue.publish_group("w", finish(held.group), held.token, Place.RESULTS) == Published.OK
-    assert lost == [1] and queue.redis.xlen(queue.keys.dead) == 0
-    assert assert_audit_ok(queue).results_undelivered == 1
-
-
 def test_a_worker_cut_off_longer_than_its_lease_renews_before_it_reaps(redis_factory):
     """Issue 21 o8, worker side: the worker's own link is down past its lease while Redis
     and the rest of the fleet are fine (no silence, so no grace). When the link is back,

@@ -14,7 +14,7 @@ from pipeline.codec import decode_group, encode_group
 from pipeline.control import (DEFAULT_LEASE_S, configure, read_control, set_paused, set_weight_version,
                               staleness_limit)
 from pipeline.keys import CONSUMER_GROUP
-from pipeline.queue import ClaimStatus, Place, Published, Queue, SessionFenced, Settle, TrainerSession
+from pipeline.queue import ClaimStatus, Place, Publish, Published, Queue, SessionFenced, Settle, TrainerSession
 from pipeline.retry import Reconnect
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
@@ -334,6 +334,52 @@ def test_publish_while_held(queue, place, stream, counter):
     # A retry of the same publish (its reply was lost) is told it went through.
     assert publish(queue, "w", c, place, group=g, error=error) == Published.ALREADY
     assert queue.redis.xlen(getattr(queue.keys, stream)) == 1
+    assert_audit_ok(queue)
+
+
+def test_publish_many_moves_each_group_in_one_round_trip_and_refuses_only_the_stale_one(queue, monkeypatch):
+    """Several finished groups go in one MULTI (their staged SETs and publish scripts: one
+    event-loop pass, one fsync under appendfsync always); a group held under another token
+    is refused on its own, the others are published."""
+    import redis.connection
+
+    queue.push_groups(fresh(5))
+    first, *held = claim(queue, "w", 5).groups
+    assert publish(queue, "w", first, group=finish(first.group)) == Published.OK  # the script is loaded now
+    items = [Publish(c.group_id, c.token, encode_group(finish(c.group), False), Place.RESULTS) for c in held[:2]]
+    items.append(Publish(held[2].group_id, "w:other", encode_group(finish(held[2].group), False), Place.RESULTS))
+    items.append(Publish(held[3].group_id, held[3].token, held[3].payload, Place.DEAD, "engine failed", "engine"))
+    sent = []
+    send = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
+                        lambda self, *a, **kw: sent.append(1) or send(self, *a, **kw))
+    assert queue.publish_many("w", items) == [Published.OK, Published.OK, Published.REFUSED, Published.OK]
+    assert len(sent) == 1
+    monkeypatch.undo()
+    assert [e.group_id for e in queue.read_stream(queue.keys.results)] == ["g0", "g1", "g2"]
+    assert [(e.group_id, e.reason) for e in queue.read_stream(queue.keys.dead)] == [("g4", "engine")]
+    assert inflight(queue, "w") == {"g3"}
+    assert not list(queue.redis.scan_iter(match=queue.keys.staged("*", "*")))  # the refused one's staging too
+    # Retried whole (its reply was lost): what went through answers already.
+    assert queue.publish_many("w", items) == [Published.ALREADY, Published.ALREADY, Published.REFUSED,
+                                              Published.ALREADY]
+    assert queue.redis.xlen(queue.keys.results) == 3
+    assert_audit_ok(queue)
+
+
+def test_a_publish_after_the_server_forgot_its_scripts_loads_them_again(queue):
+    """A restarted (or SCRIPT FLUSHed) server answers the MULTI's EVALSHA with NOSCRIPT,
+    after the staged SET ran: the script is loaded and the whole MULTI sent again."""
+    queue.push_groups(fresh(2))
+    held = claim(queue, "w", 2).groups
+    assert publish(queue, "w", held[0], group=finish(held[0].group)) == Published.OK
+    queue.redis.script_flush()
+    if not scripts.uses_functions(queue.redis):
+        with pytest.raises(redis.exceptions.NoScriptError):
+            queue.redis.evalsha(queue._scripts["publish"]._run.sha, 0)
+    assert publish(queue, "w", held[1], group=finish(held[1].group)) == Published.OK
+    assert [e.group_id for e in queue.read_stream(queue.keys.results)] == ["g0", "g1"]
+    assert not list(queue.redis.scan_iter(match=queue.keys.staged("*", "*")))
     assert_audit_ok(queue)
 
 

@@ -4,9 +4,10 @@
 -- (KEYS[3] is the target stream; the staged and the result payload keys come for results only)
 -- ARGV: group id, token, encoded group ('' when staged), place, error text ('' for none), worker,
 --       a dead letter's reason category ('' for none: counted under `dead` only, else also `dead_<reason>`)
--- Results entries carry the group id and token; the payload, staged with a plain SET, is
--- renamed into its result key: Redis would copy a large argument into Lua (about 1.6 us per
--- KB, more than all the rest of a publish), a RENAME moves a pointer.
+-- Results entries carry the group id and token; the payload, staged with a plain SET in
+-- the same MULTI (Queue.publish_many), is renamed into its result key: Redis would copy a
+-- large argument into Lua (about 1.6 us per KB, more than all the rest of a publish), a
+-- RENAME moves a pointer.
 -- Returns {'ok', entry id}, {'already'} (a retry of a publish that went through) or {'refused'}.
 local gid, token, place, worker, reason = ARGV[1], ARGV[2], ARGV[4], ARGV[6], ARGV[7] or ''
 local staged = #KEYS == 9
