@@ -175,10 +175,13 @@ class PipelineScript:
         extra round trip per execute. A server that does not know the script answers that
         call with NoScriptError: `load()` and run the pipeline again."""
         run = self._resolve()
+        # As plain commands: redis-py's cluster pipeline refuses its evalsha() (a script may
+        # have to be loaded on several nodes); a pipeline's keys share one hash tag, so one
+        # node runs the whole MULTI.
         if isinstance(run, FunctionScript):
-            pipe.fcall(run.function, len(keys), *keys, *args)
+            pipe.execute_command("FCALL", run.function, len(keys), *keys, *args)
         else:
-            pipe.evalsha(run.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", run.sha, len(keys), *keys, *args)
 
     def load(self) -> None:
         """SCRIPT LOAD this script (after a NoScriptError from a queued call)."""
