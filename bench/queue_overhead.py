@@ -17,7 +17,7 @@ generated tokens, a 256-token prompt, response text, rewards, log-probs) through
               bare:     the same encode_group inside its publish step (any queue must
                         serialize what it carries); a third loop, "pre-encoded", sends
                         one payload as is and never decodes, for comparison
-  publish     pipeline: Queue.publish (SET of the staged payload, then publish.lua:
+  publish     pipeline: Queue.publish (one MULTI: SET of the staged payload and publish.lua:
                         ownership check, RENAME into the result key, XADD of the id)
               bare:     pipelined SET result key + SREM + HDEL + XADD id, one round trip
   next_batch  pipeline: Consumer.next_batch(B) (XREADGROUP + MGET of the payloads,

@@ -565,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help="groups per trainer batch")
     p.add_argument("--sample-tokens", type=int, default=RESPONSE_TOKENS, help=argparse.SUPPRESS)
     p.add_argument("--publish-together", action="store_true",
-                   help="workers publish each claim's groups in one call (Queue.publish_many), not one by one")
+                   help="workers publish each claim's groups in one call (Queue.publish_many), not one by one: "
+                        "the worker's publisher near saturation, where a publish is out most of the time")
     p.add_argument("-v", "--verbose", action="store_true")
     # a client process
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)

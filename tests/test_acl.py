@@ -216,7 +216,7 @@ def test_a_write_outside_the_namespace_is_refused_naming_the_command(admin, serv
         for key in ("{other}:control", "plain"):
             with pytest.raises(PermissionDenied, match=r"permission denied .*HSET.*keys"):
                 client.hset(key, "paused", 1)
-            with pytest.raises(PermissionDenied, match=rf"permission denied .*HSET {re.escape(key)} paused 1"):
+            with pytest.raises(PermissionDenied, match=rf"permission denied .*HSET '{re.escape(key)}': .*keys"):
                 client.pipeline().hset(key, "paused", 1).execute()
             assert not admin.exists(key)
         own = f"{{{namespace}}}:history" if role == Role.WORKER else f"{{{namespace}}}:control"

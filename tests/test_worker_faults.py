@@ -83,14 +83,14 @@ def test_a_task_that_dies_without_publishing_is_reconciled(redis_url, queue, nam
     back, and a group that keeps doing it reaches max_claims."""
     configure(queue.redis, queue.keys, max_claims=3)
     push(queue, 2)
-    real = Queue.publish
+    real = Queue.publish_many
 
-    def broken(self, worker, group_id, *args, **kwargs):
-        if group_id == "g0":
+    def broken(self, worker, items):
+        if any(it.group_id == "g0" for it in items):
             raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")  # a bug: not transient
-        return real(self, worker, group_id, *args, **kwargs)
+        return real(self, worker, items)
 
-    monkeypatch.setattr(Queue, "publish", broken)
+    monkeypatch.setattr(Queue, "publish_many", broken)
     worker = WorkerThread(settings(redis_url, namespace, [sim.url]))
     try:
         wait_for(lambda: queue.redis.xlen(queue.keys.dead) == 1 and queue.redis.xlen(queue.keys.results) == 1,

@@ -11,13 +11,14 @@ from typing import Any
 from pipeline import metrics
 from pipeline.codec import EncodeError, encode_group
 from pipeline.permissions import PermissionDenied
-from pipeline.queue import ClaimedGroup, Place, Published, Queue
+from pipeline.queue import ClaimedGroup, Place, Publish, Published, Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
 from .context import Halt, WorkerContext
 from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
 from .engine_health import EngineHealth
 from .generate_function import GenerateFunction, GenerateFunctionFailed, generate_args
+from .publisher import Publisher
 from .rewards import MissingLabel, Reward, RewardError, RewardsHung, validate_reward
 from .tokenizer import encode_prompt
 
@@ -68,6 +69,7 @@ class GroupRunner:
         # A user's function makes each sample's engine calls; it holds the sample's slot
         # from its first turn to its last.
         self.generate_function = generate_function
+        self.publisher = Publisher(ctx)
         self.running: dict[tuple[str, str], Running] = {}  # (namespace, group id) -> what works on it
         self.inflight_samples = 0
         self._serial = 0
@@ -170,9 +172,9 @@ class GroupRunner:
             # reconciliation gives it back (and max_claims ends a group that keeps doing it).
             run.publishing = True
             try:
-                outcome = await self.ctx.redis(run.queue.publish, self.ctx.id, group.group_id, run.token,
-                                               run.payload, Place.DEAD, f"worker error: {type(exc).__name__}: {exc}",
-                                               "worker_error")
+                outcome = await self.publisher.publish(run.queue, Publish(
+                    group.group_id, run.token, run.payload, Place.DEAD, f"worker error: {type(exc).__name__}: {exc}",
+                    "worker_error"))
             except Exception as again:
                 log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
                           group.group_id, again)
@@ -196,8 +198,8 @@ class GroupRunner:
             metrics.DEAD_LETTERS.labels(failure.reason).inc()
         error, reason = (None, "") if failure is None else (str(failure), failure.reason)
         run.publishing = True
-        outcome = await self.ctx.redis(run.queue.publish, self.ctx.id, group.group_id, run.token, payload, place,
-                                       error, reason)
+        outcome = await self.publisher.publish(run.queue, Publish(group.group_id, run.token, payload, place, error,
+                                                                  reason))
         metrics.GROUPS_PUBLISHED.labels(place.value if outcome != Published.REFUSED else "lost").inc()
         counters = self.ctx.counters
         if outcome == Published.REFUSED:
