@@ -23,7 +23,7 @@ import click
 import redis
 
 from pipeline.ops.acl import Role
-from pipeline.connection import ConnectionFailed, connect, scrub
+from pipeline.connection import STARTUP_WAIT_S, ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
@@ -76,9 +76,10 @@ class Context:
                 "or start a local stack with `rollout up`")
         return local
 
-    def queue(self) -> Queue:
+    def queue(self, wait_s: float = 0.0) -> Queue:
+        """`wait_s`: a long-running command waits that long for a Redis it cannot reach yet."""
         try:
-            return Queue(connect(self.url()), self.namespace)
+            return Queue(connect(self.url(), wait_s=wait_s), self.namespace)
         except ConnectionFailed as exc:
             raise click.ClickException(self.scrub(str(exc))) from None
 
@@ -313,7 +314,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                        max_prompt_bytes=max_prompt_bytes, context_length=context_length,
                        count_tokens=_token_counter(tokenizer, apply_chat_template) if tokenizer else None,
                        restart_cursor=restart_cursor)
-    queue = obj.queue()
+    queue = obj.queue(wait_s=STARTUP_WAIT_S if max_queued else 0.0)  # a feeder waits for Redis like a worker
     # Each chunk and its cursor move in one script: stopping anywhere loses nothing.
     # Exit 130 (as a shell reports Ctrl-C): a script must be able to tell the push stopped early.
     with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor",
