@@ -144,9 +144,20 @@ class Consumer:
     def _start_session(self, deadline: float | None) -> None:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
         session_id = TrainerSession.new_id()
-        generation, consumer, taken = self.call(
-            self._scripts["session"], keys=[self.keys.trainer, self.keys.results],
-            args=[CONSUMER_GROUP, self.name, info, session_id], deadline=deadline)
+
+        def start() -> list:
+            reply = self._scripts["session"](keys=[self.keys.trainer, self.keys.results],
+                                             args=[CONSUMER_GROUP, self.name, info, session_id])
+            if self.replicas:
+                # Until a replica has the start: a failover that forgot it would leave an
+                # earlier session current, which fences this one. Retried whole: a start
+                # the new primary never saw is made there again, under the same id.
+                pipe = self.redis.pipeline(transaction=False)
+                self._wait_replicas(pipe, "last_session", session_id)
+                self._replicated(pipe.execute()[1], f"start of trainer session {session_id}")
+            return reply
+
+        generation, consumer, taken = self.call(start, deadline=deadline)
         self.session = TrainerSession(text(consumer), int(generation), session_id)
         self.reconnect.what = f"trainer session {self.session.consumer}"
         if int(taken):

@@ -110,7 +110,8 @@ class SentinelDeployment:
                 last = exc
                 continue
             if addr:
-                return str(addr[0]), int(addr[1])
+                host = addr[0].decode() if isinstance(addr[0], bytes) else str(addr[0])
+                return host, int(addr[1])
         raise DeploymentError(f"no Sentinel names the primary of {self.service!r}: {last}")
 
     def primary_port(self) -> int:
