@@ -165,10 +165,15 @@ class WorkerStop(Fault):
         r, now = self.record, time.time()
         if self.proc.stopped:
             reaped = self.wid not in c.call(c.queue.workers)
-            if not reaped and now < self.deadline:
+            # A Redis fault meanwhile moves the reap on: after a silence longer than the
+            # lease every worker gets a lease to renew first, and a failover can forget a
+            # reap; so 5 leases count from the last such fault's end as well.
+            later = c.fleet.redis_fault_ended + 5 * c.settings.lease_s
+            if not reaped and (now < max(self.deadline, later) or c.fleet.redis_busy):
                 return False
             if not reaped:
-                r.problem = f"worker {self.wid} was not reaped within {5 * c.settings.lease_s:g}s of SIGSTOP"
+                r.problem = (f"worker {self.wid} was not reaped within {5 * c.settings.lease_s:g}s of SIGSTOP or of "
+                             "the last Redis fault")
             self._continue()
             self.deadline = now + REREGISTER_S
             return False
@@ -328,6 +333,11 @@ def _take_redis(c: Campaign) -> bool:
     return True
 
 
+def _release_redis(c: Campaign) -> None:
+    c.fleet.redis_busy = False
+    c.fleet.redis_fault_ended = time.time()
+
+
 class RedisKill(Fault):
     """kill -9 of the primary, then the same server again from its AOF: back before
     Sentinel's down-after, so it stays the primary (no failover)."""
@@ -340,7 +350,7 @@ class RedisKill(Fault):
         try:
             self._kill(c)
         finally:
-            c.fleet.redis_busy = False
+            _release_redis(c)
         return True
 
     def _kill(self, c: Campaign) -> None:
@@ -391,7 +401,7 @@ class LongOutage(Fault):
             except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
                 self.error = f"{type(exc).__name__}: {exc}"
             finally:
-                c.fleet.redis_busy = False
+                _release_redis(c)
 
         self.error = ""
         self.restart = threading.Thread(target=back, daemon=True)
@@ -463,7 +473,7 @@ class Failover(Fault):
                     except Exception:  # noqa: BLE001 - down: a restart has no pause
                         pass
             finally:
-                c.fleet.redis_busy = False
+                _release_redis(c)
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()

@@ -128,6 +128,7 @@ class Fleet:
         self.redis = SentinelDeployment(run_dir / "redis", aof=True, fsync=settings.fsync,
                                         down_after_ms=SENTINEL_DOWN_AFTER_MS)
         self.redis_busy = False  # a fault holds data nodes down or moves the primary: one at a time
+        self.redis_fault_ended = 0.0  # time.time() when the last such fault ended
         self.proxies = ProxyThread()
         self.queue: Queue | None = None
         self.sim_ports: list[int] = []
