@@ -8,6 +8,10 @@ simulated training step → `commit` → the commit to the ledger → a weight u
 first pushes the current version's weights to the engines, as a restarted trainer
 loads its checkpoint: that also resumes a pipeline a killed trainer left paused.
 
+Redis is behind Sentinel: the consumer waits for the replica (`--replicas`, 1 by default)
+before it hands a batch out and before a commit returns, so a failover to a replica that
+missed the last writes cannot make it train a batch twice.
+
 A newer session fencing this one (a rolling restart) ends it cleanly: `fenced` in the
 ledger, exit code 0. Once the drain file exists it takes what is left in smaller
 batches and exits with `drained` when every pushed group is settled.

@@ -180,6 +180,24 @@ def test_a_group_counts_as_trained_once_per_committed_batch(tmp_path):
     assert (once, twice, lost, strangers) == (["b", "c", "d"], ["a"], ["g"], [])
 
 
+def test_a_commit_a_failover_forgot_counts_its_groups_trained_twice(tmp_path):
+    """What the campaign's trainer prevents with Consumer(replicas=1), and what the report
+    would show without it: batch 1 is committed on a primary that dies before its replica
+    has the commit; the promoted replica delivers the same groups again, and they are
+    committed as batch 2. The ledger holds both commits: each group counts twice."""
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/1", groups=["a", "b"])
+    ledger.append(LedgerEvent.COMMIT, batch="s.1/1")  # acknowledged by the primary alone
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/2", groups=["a", "b"])  # the new primary's delivery
+    ledger.append(LedgerEvent.COMMIT, batch="s.1/2")
+    ledger.close()
+    records, _ = read_ledger(tmp_path / "ledger.jsonl")
+    batches = committed_batches(records, lambda batch, groups: False)
+    trained = Counter(g for groups in batches.values() for g in groups)
+    once, twice, lost, _ = Tally(trained, dead={}, dropped={}).classify(["a", "b", "c"])
+    assert (once, twice, lost) == ([], ["a", "b"], ["c"])
+
+
 def test_the_ledger_reader_leaves_a_line_being_written_for_the_next_read(tmp_path):
     path = tmp_path / "ledger.jsonl"
     ledger = Ledger(path)
@@ -232,3 +250,7 @@ def test_a_90_second_campaign_trains_every_group_once_through_every_fault(tmp_pa
     assert report["faults"] == {kind.value: 2 for kind in FaultKind}  # two windows of 45 s
     assert report["trained_once"] + report["dead"] + report["dropped"] == report["pushed"] > 0
     assert report["audit_ok"] and not report["problems"]
+    # On Redis behind Sentinel: two failovers, one to a replica that missed the last writes.
+    failovers = next(line for line in report["checks"] if line.startswith("failover:"))
+    assert failovers.startswith("failover: 2 promotions by Sentinel (1 to a replica that missed "), failovers
+    assert report["by_kind"]["failover"]["affected"] > 0  # bytes of writes the failover lost
