@@ -33,7 +33,7 @@ from .connection import socket_timeout_of
 from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
-from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
+from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect, RedisUnavailable
 from .types import Group, VersionClock
 
@@ -474,8 +474,9 @@ class Consumer:
                 # With replicas: done once a replica has the commit. WAIT confirms the
                 # writes of the primary it runs on: after a failover that is a new primary,
                 # which may never have seen the commit (its replica had not when the old
-                # one died), so the confirmation also reads the commit back, and a commit
-                # the failover forgot is made again, on the primary that has the delivery.
+                # one died), so the confirmation also reads this batch's commit back, and
+                # a commit the failover forgot is made again, on the primary that has the
+                # delivery (or refused as FENCED if a newer session took the batch over).
                 if not self.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
                     break
                 log.warning("trainer session %s: the commit of batch %s was lost with a failover; committing it "
@@ -504,13 +505,18 @@ class Consumer:
 
     def _replicate(self, batch_id: str, group_ids: list[str]) -> bool:
         """Until `replicas` replicas have every write of the primary so far; then whether
-        the batch's groups are committed there (False: a failover lost the commit)."""
+        the batch's groups are committed there *by this batch* (their histories say so).
+        False: a failover lost the commit; another session may have committed the groups
+        since (it took them over), which makes this session's commit again raise
+        SessionFenced rather than count them twice."""
         pipe = self.redis.pipeline(transaction=False)
         self._wait_replicas(pipe, "last_commit", batch_id)
-        pipe.zmscore(self.keys.committed, group_ids)
-        _, acked, scores = pipe.execute()
+        pipe.hmget(self.keys.history, group_ids)
+        _, acked, histories = pipe.execute()
         self._replicated(acked, f"commit of batch {batch_id}")
-        return all(score is not None for score in scores)
+        return all(any(event == "committed" and detail == batch_id
+                       for _, event, _, detail in parse_history(text(h) or ""))
+                   for h in histories)
 
     def _confirm_delivery(self, taken: list[_Held], deadline: float | None) -> set[str]:
         """With replicas: until a replica has the delivery of these entries (and the

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from pipeline.connection import ConnectionFailed, connect, sentinel_target
-from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
@@ -181,3 +181,38 @@ def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on
     assert trainer.commit(second) == 2
     report = audit(Queue(connect(url), ns))
     assert report.ok and report.committed == 4, report.summary()
+
+
+@pytest.mark.slow
+def test_a_forgotten_commit_is_not_confirmed_by_the_newer_session_that_committed_the_batch(deployment):
+    """Found by rollout chaos: a commit waits for the replica, the primary dies, the
+    promoted replica never saw the commit; a newer trainer session starts there, takes the
+    batch over and commits it. The older commit must not then return because the groups
+    read as committed (the batch would count as trained by both): it is refused as fenced."""
+    url, ns = deployment.url, "taken"
+    produce(Queue(connect(url, socket_timeout=5), ns), 2)
+    older = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
+    batch = older.next_batch(2, timeout=10)
+    deployment.pause_replication(deployment.replica)
+    outcome: list[object] = []
+
+    def commit() -> None:
+        try:
+            outcome.append(older.commit(batch))
+        except SessionFenced as exc:
+            outcome.append(exc)
+
+    committing = threading.Thread(target=commit)
+    committing.start()
+    wait_for(lambda: older.reconnect.down, what="the commit waiting for the replica")
+    old = deployment.kill_primary()
+    deployment.wait_promoted(deployment.replica)
+    newer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2)  # no replica to wait for yet
+    again = newer.next_batch(2, timeout=30)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in batch.groups]
+    assert newer.commit(again) == 2
+    deployment.start_node(old)
+    committing.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], SessionFenced), outcome
+    report = audit(Queue(connect(url), ns))
+    assert report.ok and report.committed == 2, report.summary()
