@@ -972,10 +972,13 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
 def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     """Run a fault campaign against a real pipeline on this machine, and prove what happened.
 
-    Starts redis-server (AOF), two simulators behind the real sglang-router,
-    worker processes (through fault proxies), a feeder and a trainer process
-    that records every batch in a ledger. Injects, each once per minute at a
-    seeded moment: kill -9 of a worker, the trainer, a simulator and Redis;
+    Starts Redis behind Sentinel (a primary and a replica with AOFs, three
+    Sentinels), two simulators behind the real sglang-router, worker processes
+    (through fault proxies), a feeder and a trainer process that records every
+    batch in a ledger. Injects, each once per minute at a seeded moment: kill -9
+    of a worker, the trainer, a simulator and the Redis primary; a Sentinel
+    failover (every other one to a replica that missed the last writes); every
+    Redis node down for 1.5-3 leases; a large audit beside the pipeline;
     SIGSTOP of a worker past its lease; a second trainer; dropped replies,
     resets and latency on the workers' links; engine 5xx and hangs. Then
     drains and checks that every pushed group was trained exactly once or is a
@@ -988,6 +991,7 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     """
     from chaos.campaign import ChaosError, ChaosSettings, run_campaign
     from local.router import RouterError
+    from pipeline.redis_sentinel import DeploymentError
 
     settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
                              keep=keep)
@@ -995,7 +999,7 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     with _stop_on_sigterm(lambda: "chaos campaign stopped before its end: nothing proven", exit_code=1):
         try:
             report = run_campaign(settings, say=lambda msg: click.echo(msg, err=True))
-        except (ChaosError, RouterError, RedisServerError) as exc:
+        except (ChaosError, RouterError, RedisServerError, DeploymentError) as exc:
             raise click.ClickException(str(exc)) from None
     click.echo(_dump(report.to_dict()) if as_json else report.render())
     if not report.ok:

@@ -118,7 +118,11 @@ class Campaign:
 
     def _tick(self) -> None:
         self.read_ledger()
-        for event in self.fleet.supervise(self.ended_cleanly, self.drained):
+        def ledger() -> tuple[set[int], bool]:
+            self.read_ledger()
+            return self.ended_cleanly, self.drained
+
+        for event in self.fleet.supervise(ledger):
             self.say(f"[{time.time() - self.t0:7.1f}s] {event}")
 
     # -- the run -------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ class TrainerRolling(Fault):
             r.problem = f"the older trainer (pid {self.old.pid}) still ran {TRAINER_WAIT_S:g}s after a newer one started"
             self.old.busy = True
             self.old.kill()
-        elif self.old.popen.returncode != 0 or self.old.pid not in c.fenced_pids:
+        elif (self.old.popen.returncode != 0 or self.old.pid not in c.fenced_pids) and not self._read_fence(c):
             r.problem = (f"the older trainer (pid {self.old.pid}) exited with code {self.old.popen.returncode} "
                          f"{'after' if self.old.pid in c.fenced_pids else 'without'} recording that it was fenced")
         r.ended = time.time()
@@ -285,6 +285,12 @@ class TrainerRolling(Fault):
         r.affected = int(taken.group(1)) if taken else 0
         c.trainer_fault = None
         return True
+
+    def _read_fence(self, c: Campaign) -> bool:
+        """Whether the older trainer exited cleanly after recording its fence, reading the
+        ledger again: it may have written the record after the campaign's last read."""
+        c.read_ledger()
+        return self.old.popen.returncode == 0 and self.old.pid in c.fenced_pids
 
     def lift(self, c: Campaign) -> None:
         c.trainer_fault = None

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,10 +262,11 @@ class Fleet:
         self.redis.start_node(node)
         return node.port, time.monotonic() - started
 
-    def supervise(self, ended_cleanly: set[int], drained: bool) -> list[str]:
+    def supervise(self, ledger: Callable[[], tuple[set[int], bool]]) -> list[str]:
         """Replace processes that died unasked; returns what happened, one line each.
-        `ended_cleanly`: trainer pids that recorded `fenced` or `drained`; `drained`: a
-        trainer finished the drain (no trainer is needed any more)."""
+        `ledger()` reads the ledger and returns the trainer pids that recorded `fenced` or
+        `drained`, and whether a trainer finished the drain (no trainer is needed any more).
+        It is read after a trainer was seen gone: it wrote its last record before it exited."""
         events = []
         for i, w in enumerate(self.workers):
             if w.alive or w.killed:
@@ -277,9 +279,9 @@ class Fleet:
             if not sim.alive and not sim.busy:
                 self._incident(events, sim)
                 self.respawn_sim(i)
-        for t in list(self.trainers):
-            if t.alive:
-                continue
+        gone = [t for t in self.trainers if not t.alive]
+        ended_cleanly, drained = ledger()
+        for t in gone:
             self.trainers.remove(t)
             if not (t.popen.returncode == 0 and t.pid in ended_cleanly) and not t.killed:
                 self._incident(events, t)

@@ -479,8 +479,9 @@ class Consumer:
                 # delivery (or refused as FENCED if a newer session took the batch over).
                 if not self.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
                     break
-                log.warning("trainer session %s: the commit of batch %s was lost with a failover; committing it "
-                            "again", self.session.consumer, batch.batch_id)
+                log.warning("trainer session %s: the commit of batch %s is not on the primary (a failover lost it, "
+                            "or a newer session took the batch over); committing it again", self.session.consumer,
+                            batch.batch_id)
         except RedisUnavailable as exc:
             raise RedisUnavailable(f"{exc}; batch {batch.batch_id} is not committed: call commit() with it again "
                                    f"once Redis is back (a commit is idempotent)") from exc

@@ -175,7 +175,7 @@ def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on
     deployment.start_node(old)
     commit.join(60)
     assert committed == [2]
-    assert "was lost with a failover; committing it again" in caplog.text
+    assert "is not on the primary (a failover lost it" in caplog.text
     second = trainer.next_batch(2, timeout=30)
     assert {g.group_id for g in second.groups}.isdisjoint(g.group_id for g in first.groups)
     assert trainer.commit(second) == 2
