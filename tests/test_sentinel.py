@@ -5,7 +5,6 @@ audit is clean."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import redis
