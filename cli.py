@@ -23,7 +23,7 @@ import click
 import redis
 
 from pipeline.ops.acl import Role
-from pipeline.connection import ConnectionFailed, connect, scrub
+from pipeline.connection import STARTUP_WAIT_S, ConnectionFailed, connect, scrub
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
@@ -76,9 +76,10 @@ class Context:
                 "or start a local stack with `rollout up`")
         return local
 
-    def queue(self) -> Queue:
+    def queue(self, wait_s: float = 0.0) -> Queue:
+        """`wait_s`: a long-running command waits that long for a Redis it cannot reach yet."""
         try:
-            return Queue(connect(self.url()), self.namespace)
+            return Queue(connect(self.url(), wait_s=wait_s), self.namespace)
         except ConnectionFailed as exc:
             raise click.ClickException(self.scrub(str(exc))) from None
 
@@ -313,7 +314,7 @@ def push(obj: Context, file: Path, input_key, label_key, metadata_key, n_samples
                        max_prompt_bytes=max_prompt_bytes, context_length=context_length,
                        count_tokens=_token_counter(tokenizer, apply_chat_template) if tokenizer else None,
                        restart_cursor=restart_cursor)
-    queue = obj.queue()
+    queue = obj.queue(wait_s=STARTUP_WAIT_S if max_queued else 0.0)  # a feeder waits for Redis like a worker
     # Each chunk and its cursor move in one script: stopping anywhere loses nothing.
     # Exit 130 (as a shell reports Ctrl-C): a script must be able to tell the push stopped early.
     with _stop_on_sigterm(lambda: "push stopped; pushing the same dataset again resumes from its cursor",
@@ -975,10 +976,13 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
 def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     """Run a fault campaign against a real pipeline on this machine, and prove what happened.
 
-    Starts redis-server (AOF), two simulators behind the real sglang-router,
-    worker processes (through fault proxies), a feeder and a trainer process
-    that records every batch in a ledger. Injects, each once per minute at a
-    seeded moment: kill -9 of a worker, the trainer, a simulator and Redis;
+    Starts Redis behind Sentinel (a primary and a replica with AOFs, three
+    Sentinels), two simulators behind the real sglang-router, worker processes
+    (through fault proxies), a feeder and a trainer process that records every
+    batch in a ledger. Injects, each once per minute at a seeded moment: kill -9
+    of a worker, the trainer, a simulator and the Redis primary; a Sentinel
+    failover (every other one to a replica that missed the last writes); every
+    Redis node down for 1.5-3 leases; a large audit beside the pipeline;
     SIGSTOP of a worker past its lease; a second trainer; dropped replies,
     resets and latency on the workers' links; engine 5xx and hangs. Then
     drains and checks that every pushed group was trained exactly once or is a
@@ -991,6 +995,7 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     """
     from chaos.campaign import ChaosError, ChaosSettings, run_campaign
     from local.router import RouterError
+    from pipeline.redis_sentinel import DeploymentError
 
     settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
                              keep=keep)
@@ -998,7 +1003,7 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     with _stop_on_sigterm(lambda: "chaos campaign stopped before its end: nothing proven", exit_code=1):
         try:
             report = run_campaign(settings, say=lambda msg: click.echo(msg, err=True))
-        except (ChaosError, RouterError, RedisServerError) as exc:
+        except (ChaosError, RouterError, RedisServerError, DeploymentError) as exc:
             raise click.ClickException(str(exc)) from None
     click.echo(_dump(report.to_dict()) if as_json else report.render())
     if not report.ok:

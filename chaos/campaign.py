@@ -1,7 +1,8 @@
 """`rollout chaos --minutes N --seed S`: a fault campaign against a real pipeline on this
 machine, and the proof of what happened.
 
-The fleet (chaos/fleet.py) runs redis-server with its AOF, simulators behind the
+The fleet (chaos/fleet.py) runs Redis behind Sentinel (a primary and a replica with their
+AOFs, three Sentinels), simulators behind the
 real sglang-router, three or more workers (reaching Redis and the router through fault
 proxies), a feeder and a trainer process that writes every batch to a ledger before it
 commits and updates weights through Controller after every step. The campaign injects
@@ -31,8 +32,8 @@ from pipeline.producer import PushOptions, epoch_order, group_id, read_cursor
 from pipeline.queue import Queue, text
 from pipeline.retry import Reconnect
 
-from .faults import Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
-from .fleet import DATASET, DATASET_ROWS, Fleet, FleetSettings
+from .faults import Failover, Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
+from .fleet import DATASET, DATASET_ROWS, DIRECT_WORKERS, Fleet, FleetSettings
 from .report import ChaosReport, Tally, committed_batches, kind_rows, reason_of, set_recovery
 from .ledger import LedgerEvent, Record, read_ledger
 
@@ -117,7 +118,11 @@ class Campaign:
 
     def _tick(self) -> None:
         self.read_ledger()
-        for event in self.fleet.supervise(self.ended_cleanly, self.drained):
+        def ledger() -> tuple[set[int], bool]:
+            self.read_ledger()
+            return self.ended_cleanly, self.drained
+
+        for event in self.fleet.supervise(ledger):
             self.say(f"[{time.time() - self.t0:7.1f}s] {event}")
 
     # -- the run -------------------------------------------------------------------------------
@@ -129,8 +134,10 @@ class Campaign:
         ok = False
         try:
             self.fleet.start()
-            self.say(f"redis {self.fleet.redis_url} | engines {' '.join(self.fleet.sim_urls)} behind router "
-                     f"{self.fleet.router.url} | {s.workers} workers via proxies {self.fleet.redis_proxy.address}, "
+            d = self.fleet.redis
+            self.say(f"redis {self.fleet.redis_url} (primary :{d.primary.port}, replica :{d.replica.port}) | engines "
+                     f"{' '.join(self.fleet.sim_urls)} behind router {self.fleet.router.url} | {s.workers} workers "
+                     f"({DIRECT_WORKERS} through the Sentinel URL) via proxies {self.fleet.redis_proxy.address}, "
                      f"{self.fleet.router_proxy.address}")
             self._warm_up()
             self._inject()
@@ -280,9 +287,15 @@ class Campaign:
             lines.append(f"redis_kill: {len(redis_kills)} kill -9, each restarted from its AOF and answering again "
                          f"after {statistics.median(downtimes):.2f}s (median), {max(downtimes):.2f}s at most; "
                          f"aof_delayed_fsync at most {max(f.delayed_fsyncs for f in redis_kills)} before a kill")
-        if failed := self.fleet.startup_failures:
-            lines.append(f"worker startup: {len(failed)} workers could not reach Redis as they started (their link "
-                         "was faulty) and were run again")
+        if failovers := injected(Failover):
+            lossy = [f for f in failovers if f.lossy]
+            promoted = [f.promoted_s for f in failovers if f.promoted_s]
+            lines.append(f"failover: {len(failovers)} promotions by Sentinel ({len(lossy)} to a replica that missed "
+                         f"{sum(f.record.affected for f in lossy)} bytes of writes), the new primary named after "
+                         + (f"{statistics.median(promoted):.2f}s (median), {max(promoted):.2f}s at most; "
+                            if promoted else "-; ")
+                         + f"{sum(1 for f in failovers if f.rejoined_s)} old primaries rejoined as replicas; the "
+                         "trainer's deliveries and commits waited for the replica (WAIT)")
         return lines
 
     def _report(self) -> ChaosReport:

@@ -12,7 +12,14 @@ one connection, as they arrive. Set at runtime (`LinkFaults`):
 * `reset_rate`: a chunk from the client is not forwarded; the connection is reset (RST).
 
 `reset_all()` resets every open connection at once. A connection whose upstream cannot
-be reached (Redis restarting) is reset. It lives in workers/ beside its only user, the
+be reached (Redis restarting) is reset.
+
+The upstream is fixed, or found by `resolve()` (a callable returning host, port) for each
+new connection: the campaign's Redis proxy asks Sentinel for the current primary, so
+proxied workers follow a failover as a `redis+sentinel://` client does. Every
+FOLLOW_S the proxy asks again and resets the connections still open to a server that is no
+longer the answer (a Sentinel client drops a connection to a demoted primary on its
+READONLY reply); those are counted as `rerouted`, not as `resets`. It lives in workers/ beside its only user, the
 campaign; pipeline/ owns Redis state, which this does not touch.
 """
 from __future__ import annotations
@@ -23,7 +30,7 @@ import random
 import socket
 import struct
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +38,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 16
+#: How often a proxy with a resolver asks where its upstream is now.
+FOLLOW_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class ProxyStats:
     resets: int = 0  # connections reset: by reset_rate, reset_all() or an unreachable upstream
     replies_dropped: int = 0
     chunks_delayed: int = 0
+    rerouted: int = 0  # connections reset because their upstream is no longer the resolver's answer
 
 
 def _reset(writer: asyncio.StreamWriter | None) -> None:
@@ -72,6 +82,7 @@ def _reset(writer: asyncio.StreamWriter | None) -> None:
 class _Connection:
     client: asyncio.StreamWriter
     upstream: asyncio.StreamWriter | None = None
+    address: tuple[str, int] | None = None  # the upstream it reached
     reply_doomed: bool = False  # a request went through under drop_reply: its reply will be cut
 
     def reset(self) -> None:
@@ -90,11 +101,33 @@ class FaultProxy:
     faults: LinkFaults = field(default_factory=LinkFaults)  # replaced whole, from any thread
     stats: ProxyStats = field(default_factory=ProxyStats)
     port: int = 0  # the listening port, once started
+    #: Where the upstream is now (host, port), asked for each new connection (on a thread:
+    #: it may block); None: upstream_host:upstream_port.
+    resolve: Callable[[], tuple[str, int]] | None = None
 
     def __post_init__(self) -> None:
         self._rng = random.Random(f"{self.seed}|{self.name}")
         self._open: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._follow: asyncio.Task | None = None
+
+    async def _upstream(self) -> tuple[str, int]:
+        if self.resolve is None:
+            return self.upstream_host, self.upstream_port
+        return await asyncio.get_running_loop().run_in_executor(None, self.resolve)
+
+    async def _follow_upstream(self) -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                current = await self._upstream()
+            except Exception as exc:  # noqa: BLE001 - nobody answers now: ask again later
+                log.debug("proxy %s: upstream unknown (%s)", self.name, exc)
+                continue
+            stale = [c for c in self._open if c.address is not None and c.address != current]
+            for conn in stale:
+                conn.reset()
+            self.stats.rerouted += len(stale)
 
     @property
     def address(self) -> str:
@@ -103,8 +136,12 @@ class FaultProxy:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.resolve is not None:
+            self._follow = asyncio.create_task(self._follow_upstream())
 
     async def close(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
         if self._server is not None:
             self._server.close()
         self.reset_all()
@@ -123,10 +160,10 @@ class FaultProxy:
         self._open.add(conn)
         try:
             try:
-                up_reader, conn.upstream = await asyncio.open_connection(self.upstream_host, self.upstream_port)
-            except OSError as exc:
-                log.debug("proxy %s: upstream %s:%d unreachable (%s)", self.name, self.upstream_host,
-                          self.upstream_port, exc)
+                conn.address = await self._upstream()
+                up_reader, conn.upstream = await asyncio.open_connection(*conn.address)
+            except Exception as exc:  # noqa: BLE001 - unreachable, or the resolver has no answer
+                log.debug("proxy %s: upstream %s unreachable (%s)", self.name, conn.address, exc)
                 self.stats.resets += 1
                 conn.reset()
                 return
@@ -176,8 +213,9 @@ class ProxyThread:
         future: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result(timeout=10)
 
-    def start(self, name: str, upstream_host: str, upstream_port: int, seed: int = 0) -> FaultProxy:
-        proxy = FaultProxy(name, upstream_host, upstream_port, seed)
+    def start(self, name: str, upstream_host: str = "", upstream_port: int = 0, seed: int = 0,
+              resolve: Callable[[], tuple[str, int]] | None = None) -> FaultProxy:
+        proxy = FaultProxy(name, upstream_host, upstream_port, seed, resolve=resolve)
         self._run(proxy.start())
         self.proxies.append(proxy)
         return proxy

@@ -21,7 +21,7 @@ from enum import StrEnum
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from pipeline.connection import ConnectionFailed, connect
+from pipeline.connection import STARTUP_WAIT_S, ConnectionFailed, connect
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.ops.admin import purge
 from pipeline.ops.audit import audit
@@ -73,8 +73,9 @@ class FaultKind(StrEnum):
     TRAINER_KILL = "trainer_kill"  # kill -9 of the trainer between next_batch and commit
     TRAINER_ROLLING = "trainer_rolling"  # a second trainer while the first runs
     SIM_KILL = "sim_kill"  # kill -9 of a simulator, restarted on its port
-    REDIS_KILL = "redis_kill"  # kill -9 of redis-server, restarted from its AOF
-    LONG_OUTAGE = "long_outage"  # redis-server down for 1.5-3 leases, then restarted from its AOF
+    REDIS_KILL = "redis_kill"  # kill -9 of the primary, restarted from its AOF (no failover)
+    LONG_OUTAGE = "long_outage"  # every data node down for 1.5-3 leases, then restarted from their AOFs
+    FAILOVER = "failover"  # kill -9 of the primary: Sentinel promotes the replica (every other one lagging)
     AUDIT_LOAD = "audit_load"  # a large namespace on the same server audited while the pipeline runs
     REDIS_DROP_REPLY = "redis_drop_reply"  # worker <-> Redis: requests done, replies lost
     REDIS_RESET = "redis_reset"  # worker <-> Redis: connections reset
@@ -164,10 +165,15 @@ class WorkerStop(Fault):
         r, now = self.record, time.time()
         if self.proc.stopped:
             reaped = self.wid not in c.call(c.queue.workers)
-            if not reaped and now < self.deadline:
+            # A Redis fault meanwhile moves the reap on: after a silence longer than the
+            # lease every worker gets a lease to renew first, and a failover can forget a
+            # reap; so 5 leases count from the last such fault's end as well.
+            later = c.fleet.redis_fault_ended + 5 * c.settings.lease_s
+            if not reaped and (now < max(self.deadline, later) or c.fleet.redis_busy):
                 return False
             if not reaped:
-                r.problem = f"worker {self.wid} was not reaped within {5 * c.settings.lease_s:g}s of SIGSTOP"
+                r.problem = (f"worker {self.wid} was not reaped within {5 * c.settings.lease_s:g}s of SIGSTOP or of "
+                             "the last Redis fault")
             self._continue()
             self.deadline = now + REREGISTER_S
             return False
@@ -270,7 +276,7 @@ class TrainerRolling(Fault):
             r.problem = f"the older trainer (pid {self.old.pid}) still ran {TRAINER_WAIT_S:g}s after a newer one started"
             self.old.busy = True
             self.old.kill()
-        elif self.old.popen.returncode != 0 or self.old.pid not in c.fenced_pids:
+        elif (self.old.popen.returncode != 0 or self.old.pid not in c.fenced_pids) and not self._read_fence(c):
             r.problem = (f"the older trainer (pid {self.old.pid}) exited with code {self.old.popen.returncode} "
                          f"{'after' if self.old.pid in c.fenced_pids else 'without'} recording that it was fenced")
         r.ended = time.time()
@@ -279,6 +285,12 @@ class TrainerRolling(Fault):
         r.affected = int(taken.group(1)) if taken else 0
         c.trainer_fault = None
         return True
+
+    def _read_fence(self, c: Campaign) -> bool:
+        """Whether the older trainer exited cleanly after recording its fence, reading the
+        ledger again: it may have written the record after the campaign's last read."""
+        c.read_ledger()
+        return self.old.popen.returncode == 0 and self.old.pid in c.fenced_pids
 
     def lift(self, c: Campaign) -> None:
         c.trainer_fault = None
@@ -319,12 +331,35 @@ class SimKill(Fault):
         return True
 
 
+def _take_redis(c: Campaign) -> bool:
+    """Reserve the data nodes for one fault that kills them or moves the primary."""
+    if c.fleet.redis_busy:
+        return False
+    c.fleet.redis_busy = True
+    return True
+
+
+def _release_redis(c: Campaign) -> None:
+    c.fleet.redis_busy = False
+    c.fleet.redis_fault_ended = time.time()
+
+
 class RedisKill(Fault):
-    """kill -9 of redis-server, then the same server again from its AOF."""
+    """kill -9 of the primary, then the same server again from its AOF: back before
+    Sentinel's down-after, so it stays the primary (no failover)."""
 
     kind = FaultKind.REDIS_KILL
 
     def begin(self, c: Campaign) -> bool:
+        if not _take_redis(c):
+            return False
+        try:
+            self._kill(c)
+        finally:
+            _release_redis(c)
+        return True
+
+    def _kill(self, c: Campaign) -> None:
         q, k = c.queue, c.queue.keys
         inflight = c.call(q.inflight_count)
         try:
@@ -336,35 +371,45 @@ class RedisKill(Fault):
         self.delayed_fsyncs = int(c.call(q.redis.info, "persistence").get("aof_delayed_fsync", 0))
         r = self.record
         r.started = r.ended = time.time()
-        self.downtime_s = c.fleet.restart_redis()
-        r.target = f"redis-server ({c.settings.fsync.value})"
+        port, self.downtime_s = c.fleet.restart_redis()
+        r.target = f"primary 127.0.0.1:{port} ({c.settings.fsync.value})"
         r.affected = inflight + pending
         r.note = f"answered again after {self.downtime_s:.2f}s; aof_delayed_fsync was {self.delayed_fsyncs}"
-        return True
+        if (now := c.fleet.redis.primary_port()) != port:
+            r.problem = f"Sentinel failed over to 127.0.0.1:{now} during the restart (down-after too short)"
 
 
 class LongOutage(Fault):
-    """kill -9 of redis-server, the same server again from its AOF 1.5-3 leases later: the
-    server's clock ran on while nobody could renew, and no live worker may be reaped for
-    it (issue 21, o8). The restart runs on a thread of its own: the campaign's own calls
-    wait Redis out meanwhile."""
+    """kill -9 of every data node, the same servers again from their AOFs 1.5-3 leases
+    later (the primary first, then its replica): the server's clock ran on while nobody
+    could renew, and no live worker may be reaped for it (issue 21, o8). Sentinel sees the
+    primary down past its down-after but has no replica to promote. The restart runs on a
+    thread of its own: the campaign's own calls wait Redis out meanwhile."""
 
     kind = FaultKind.LONG_OUTAGE
 
     def begin(self, c: Campaign) -> bool:
+        if not _take_redis(c):
+            return False
         inflight = c.call(c.queue.inflight_count)
         leases = c.rng.uniform(1.5, 3.0)
         self.down_s = leases * c.settings.lease_s
         r = self.record
         r.started = time.time()
-        r.target = f"redis-server, {self.down_s:.1f}s ({leases:.1f} leases)"
+        r.target = f"every data node, {self.down_s:.1f}s ({leases:.1f} leases)"
         r.affected, r.unit = inflight, "groups in flight"
         c.fleet.stop_redis()
 
         def back() -> None:
             time.sleep(self.down_s)
-            c.fleet.start_redis()
+            try:
+                c.fleet.start_redis()
+            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
+                self.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                _release_redis(c)
 
+        self.error = ""
         self.restart = threading.Thread(target=back, daemon=True)
         self.restart.start()
         return True
@@ -373,10 +418,85 @@ class LongOutage(Fault):
         if self.restart.is_alive():
             return False
         self.record.ended = time.time()
+        self.record.problem = self.error
         return True
 
     def lift(self, c: Campaign) -> None:
         self.restart.join()
+
+
+#: How long a lossy failover lets the primary acknowledge writes its replica does not apply.
+LAG_S = 1.5
+
+
+class Failover(Fault):
+    """kill -9 of the primary; Sentinel promotes the replica (after its down-after), and
+    the old primary is started again from its AOF as the new primary's replica, so the next
+    failover has a replica too. Every other failover (`lossy`, the first one seeded) goes
+    to a replica that missed the last writes: for LAG_S it stops applying the primary's
+    writes (CLIENT PAUSE WRITE on it), which the primary goes on acknowledging, and drops
+    them when the primary dies. Workers' publishes and claims, the feeder's pushes and
+    heartbeats are lost with them; the trainer's deliveries and commits are not (they wait
+    for the replica: Consumer(replicas=1)). Runs on a thread of its own; `ended` is the
+    kill."""
+
+    kind = FaultKind.FAILOVER
+    lossy = False  # set by schedule()
+    promoted_s = rejoined_s = 0.0
+
+    def begin(self, c: Campaign) -> bool:
+        if not _take_redis(c):
+            return False
+        d = c.fleet.redis
+        old = d.primary_node()
+        new = d.other(old)
+        r = self.record
+        r.started = time.time()
+        r.unit = "bytes of writes lost"
+        r.target = (f"primary 127.0.0.1:{old.port} -> 127.0.0.1:{new.port}"
+                    + (f", which missed the last {LAG_S:g}s of writes" if self.lossy else ""))
+        self.error = ""
+
+        def run() -> None:
+            try:
+                if self.lossy:
+                    d.pause_replication(new)
+                    time.sleep(LAG_S)
+                    r.affected = d.missed_bytes(old, new)
+                r.ended = time.time()
+                d.kill_primary()
+                d.wait_promoted(new, timeout_s=60)
+                self.promoted_s = time.time() - r.ended
+                d.start_node(old)
+                d.wait_synced(new, old, timeout_s=60)
+                self.rejoined_s = time.time() - r.ended
+            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
+                log.exception("failover")
+                self.error = f"{type(exc).__name__}: {exc}"
+                if self.lossy:  # never leave a node refusing writes behind
+                    try:
+                        d.resume_replication(new)
+                    except Exception:  # noqa: BLE001 - down: a restart has no pause
+                        pass
+            finally:
+                _release_redis(c)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        if self.thread.is_alive():
+            return False
+        r = self.record
+        r.problem = self.error
+        if not self.error:
+            r.note = (f"promoted after {self.promoted_s:.1f}s; the old primary rejoined as its replica after "
+                      f"{self.rejoined_s:.1f}s")
+        return True
+
+    def lift(self, c: Campaign) -> None:
+        self.thread.join()
 
 
 #: Queued groups of the namespace an `audit_load` fault audits (on the campaign's server).
@@ -400,12 +520,11 @@ class AuditLoad(Fault):
 
         def load() -> None:
             reconnect = Reconnect(f"audit load {namespace}")
-            while True:  # another fault may hold Redis down as this one starts
-                try:
-                    client = connect(c.fleet.server.url, socket_timeout=60)
-                    break
-                except ConnectionFailed:
-                    time.sleep(0.5)
+            try:  # another fault may hold Redis down as this one starts
+                client = connect(c.fleet.redis_url, socket_timeout=60, wait_s=STARTUP_WAIT_S)
+            except ConnectionFailed as exc:
+                self.outcome["error"] = str(exc)
+                return
             try:
                 q = reconnect.call(Queue, client, namespace)  # (asks the server which scripts it has)
                 for start in range(0, AUDIT_LOAD_GROUPS, 5000):
@@ -545,7 +664,7 @@ ENGINE_FAULTS = {
 PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
                   FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
                   FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill,
-                  FaultKind.LONG_OUTAGE: LongOutage, FaultKind.AUDIT_LOAD: AuditLoad}
+                  FaultKind.LONG_OUTAGE: LongOutage, FaultKind.FAILOVER: Failover, FaultKind.AUDIT_LOAD: AuditLoad}
 
 
 def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:
@@ -564,4 +683,10 @@ def schedule(minutes: float, seed: int) -> list[Fault]:
     length = minutes * 60 / windows
     faults = [make_fault(kind, FaultRecord(kind.value, round(w * length + rng.uniform(0.02, 0.75) * length, 2)))
               for w in range(windows) for kind in FaultKind]
-    return sorted(faults, key=lambda f: f.record.at_s)
+    faults.sort(key=lambda f: f.record.at_s)
+    # Every other failover loses writes, the first one chosen by the seed: a run of two
+    # minutes or more has both.
+    first = rng.randrange(2)
+    for i, f in enumerate(f for f in faults if isinstance(f, Failover)):
+        f.lossy = (i + first) % 2 == 1
+    return faults

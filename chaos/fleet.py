@@ -1,11 +1,13 @@
 """The processes of a fault campaign (`rollout chaos`), each one a real process the
-campaign can kill: redis-server with its AOF, `rollout sim-engine` simulators behind the
+campaign can kill: Redis behind Sentinel (a primary and a replica, each with its AOF, and
+three Sentinels: pipeline/redis_sentinel.py), `rollout sim-engine` simulators behind the
 real sglang-router, `rollout worker` processes, a feeder (`rollout push --max-queued`)
 and trainer processes (`python -m chaos.trainer`).
 
-The workers reach Redis and the router through fault proxies (chaos/fault_proxy.py);
-the trainer and the feeder talk to Redis directly. `supervise()` replaces what died by
-itself and records it: a process that dies unasked is an incident.
+The feeder, the trainer and worker 0 reach Redis through its `redis+sentinel://` URL; the
+other workers reach Redis and the router through fault proxies (chaos/fault_proxy.py),
+whose Redis side asks Sentinel for the primary on each new connection. `supervise()`
+replaces what died by itself and records it: a process that dies unasked is an incident.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.connection import connect
 from pipeline.control import configure
 from pipeline.queue import Queue
-from pipeline.redis_server import Fsync, RedisServer, free_port
+from pipeline.redis_server import Fsync, free_port
+from pipeline.redis_sentinel import SentinelDeployment
 
 from .fault_proxy import FaultProxy, ProxyThread
 from local.processes import REDIS_URL_ENV, start_worker_process, stop_processes, wait_healthy
@@ -37,10 +41,12 @@ DATASET = "chaos"  # the feeder's dataset name: group ids are chaos:<epoch>:<row
 DATASET_ROWS = 2000
 #: Epochs sized so the feeder never runs dry: this many groups per second at most.
 MAX_GROUPS_PER_S = 100
-#: A worker that exits this soon after it started, unable to reach Redis (a faulty link
-#: while it connects), is run again as a supervisor would: `rollout worker` fails fast
-#: at startup, with a clear error, rather than wait. Counted, not an incident.
-STARTUP_S = 10.0
+#: Sentinel's down-after-milliseconds: longer than a redis_kill's restart takes to listen
+#: again (Sentinel counts a LOADING reply as up), so a restart is never a failover; a
+#: failover or a long_outage lasts longer.
+SENTINEL_DOWN_AFTER_MS = 5000
+#: Workers that reach Redis through its Sentinel URL; the rest go through the fault proxy.
+DIRECT_WORKERS = 1
 
 
 @dataclass
@@ -120,9 +126,10 @@ class Fleet:
         self.drain_file = run_dir / "drain"
         self.dataset_path = run_dir / "prompts.jsonl"
         self.epochs = 1 + int(MAX_GROUPS_PER_S * settings.minutes * 60) // DATASET_ROWS
-        self.server = RedisServer(run_dir / "redis", port=free_port(), fsync=settings.fsync)
-        self.redis_held_down = False  # a long_outage fault keeps it down on purpose
-        self.redis_down_at = float("inf")  # when the last long_outage began (minus STARTUP_S)
+        self.redis = SentinelDeployment(run_dir / "redis", aof=True, fsync=settings.fsync,
+                                        down_after_ms=SENTINEL_DOWN_AFTER_MS)
+        self.redis_busy = False  # a fault holds data nodes down or moves the primary: one at a time
+        self.redis_fault_ended = 0.0  # time.time() when the last such fault ended
         self.proxies = ProxyThread()
         self.queue: Queue | None = None
         self.sim_ports: list[int] = []
@@ -135,14 +142,14 @@ class Fleet:
         self.feeder: Proc | None = None
         self.feeder_done = False
         self.incidents: list[str] = []
-        self.startup_failures: list[str] = []  # workers that could not reach Redis as they started
+        self.sentinels_gone: set[int] = set()
         self.spawned: Counter = Counter()  # role -> processes started
 
     # -- URLs ------------------------------------------------------------------------------
 
     @property
     def redis_url(self) -> str:
-        return self.server.url
+        return self.redis.url
 
     @property
     def sim_urls(self) -> list[str]:
@@ -155,7 +162,7 @@ class Fleet:
     # -- starting ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.server.start()
+        self.redis.start()
         self.queue = Queue(connect(self.redis_url), NAMESPACE)
         configure(self.queue.redis, self.queue.keys, lease_s=self.s.lease_s, max_ready=self.s.max_ready)
         for i in range(self.s.simulators):
@@ -167,7 +174,7 @@ class Fleet:
         # default: one 3-second burst of 5xx would stall generation for a minute.
         self.router = RouterProcess(self.sim_urls, self.logs / "router.log", ["--cb-timeout-duration-secs", "5"])
         self.router.wait_ready(self.sim_urls)
-        self.redis_proxy = self.proxies.start("redis", "127.0.0.1", self.server.port, self.s.seed)
+        self.redis_proxy = self.proxies.start("redis", seed=self.s.seed, resolve=self.redis.primary_address)
         self.router_proxy = self.proxies.start("router", "127.0.0.1", self.router.port, self.s.seed)
         write_dataset(self.dataset_path, DATASET_ROWS, self.s.seed)
         self.feeder = self._spawn_feeder()
@@ -195,8 +202,9 @@ class Fleet:
     def _spawn_worker(self, i: int) -> Proc:
         role = f"worker {i}"
         path = self._log_path(role)
+        url = self.redis_url if i < DIRECT_WORKERS else f"redis://{self.redis_proxy.address}"
         popen = start_worker_process(
-            f"redis://{self.redis_proxy.address}", NAMESPACE, [f"http://{self.router_proxy.address}"], path,
+            url, NAMESPACE, [f"http://{self.router_proxy.address}"], path,
             ["--concurrency", str(self.s.concurrency), "--max-new-tokens", "256",
              "--heartbeat", str(self.s.heartbeat_s), "--request-timeout", str(self.s.request_timeout_s),
              "--max-attempts", "5"])
@@ -232,51 +240,48 @@ class Fleet:
         return trainer
 
     def stop_redis(self) -> None:
-        """kill -9 of redis-server, left down (a long outage) until start_redis(): the
-        supervisor does not restart it meanwhile."""
-        self.redis_held_down = True
-        self.redis_down_at = time.time() - STARTUP_S  # a worker starting just before finds it gone too
-        self.server.kill()
+        """kill -9 of every data node (a long outage), left down until start_redis(): the
+        supervisor does not restart them meanwhile (the caller holds redis_busy)."""
+        for node in self.redis.nodes:
+            node.kill()
 
     def start_redis(self) -> None:
-        self.server.start()
-        self.redis_held_down = False
+        """The primary Sentinel still names first, from its AOF, then the other node as its
+        replica."""
+        primary = self.redis.primary_node()
+        self.redis.start_node(primary)
+        self.redis.start_node(self.redis.other(primary))
 
-    def restart_redis(self) -> float:
-        """kill -9 of redis-server, then the same server again from its AOF; returns the
-        seconds until it answered."""
-        self.server.kill()
+    def restart_redis(self) -> tuple[int, float]:
+        """kill -9 of the primary, then the same server again from its AOF, still the
+        primary (Sentinel's down-after is longer); returns its port and the seconds until
+        it answered."""
+        node = self.redis.primary_node()
+        node.kill()
         started = time.monotonic()
-        self.server.start()
-        return time.monotonic() - started
+        self.redis.start_node(node)
+        return node.port, time.monotonic() - started
 
-    def supervise(self, ended_cleanly: set[int], drained: bool) -> list[str]:
+    def supervise(self, ledger: Callable[[], tuple[set[int], bool]]) -> list[str]:
         """Replace processes that died unasked; returns what happened, one line each.
-        `ended_cleanly`: trainer pids that recorded `fenced` or `drained`; `drained`: a
-        trainer finished the drain (no trainer is needed any more)."""
+        `ledger()` reads the ledger and returns the trainer pids that recorded `fenced` or
+        `drained`, and whether a trainer finished the drain (no trainer is needed any more).
+        It is read after a trainer was seen gone: it wrote its last record before it exited."""
         events = []
         for i, w in enumerate(self.workers):
             if w.alive or w.killed:
                 continue
-            if "cannot reach Redis" in w.last_line() and w.started >= self.redis_down_at:
-                # Started into a long_outage: a process that starts finds Redis or says it
-                # cannot (a long-running one waits it out). Replaced once Redis is back.
-                if self.redis_held_down:
-                    continue
-                events.append(f"{w.role} (pid {w.pid}) started while Redis was held down; replaced")
-            elif time.time() - w.started < STARTUP_S and "cannot reach Redis" in w.last_line():
-                self.startup_failures.append(f"{w.role} (pid {w.pid}): {w.last_line()}")
-                events.append(f"{w.role} (pid {w.pid}) could not reach Redis as it started; run again")
-            else:
-                self._incident(events, w)
+            # A worker started while Redis is down or failing over waits for it
+            # (connect(wait_s=STARTUP_WAIT_S)): any exit is an incident.
+            self._incident(events, w)
             self.respawn_worker(i)
         for i, sim in enumerate(self.sims):
             if not sim.alive and not sim.busy:
                 self._incident(events, sim)
                 self.respawn_sim(i)
-        for t in list(self.trainers):
-            if t.alive:
-                continue
+        gone = [t for t in self.trainers if not t.alive]
+        ended_cleanly, drained = ledger()
+        for t in gone:
             self.trainers.remove(t)
             if not (t.popen.returncode == 0 and t.pid in ended_cleanly) and not t.killed:
                 self._incident(events, t)
@@ -289,10 +294,17 @@ class Fleet:
             else:  # a feeder rides out Redis restarts: its exit is an incident
                 self._incident(events, self.feeder)
                 self.feeder = self._spawn_feeder()
-        if not self.redis_held_down and self.server.process is not None and self.server.process.poll() is not None:
-            self.incidents.append(f"redis-server exited by itself with code {self.server.process.returncode}")
-            events.append(self.incidents[-1] + "; restarting it")
-            self.server.start()
+        for node in self.redis.nodes:
+            if not self.redis_busy and node.process is not None and node.process.poll() is not None:
+                self.incidents.append(f"redis-server 127.0.0.1:{node.port} exited by itself with code "
+                                      f"{node.process.returncode}")
+                events.append(self.incidents[-1] + "; restarting it")
+                self.redis.start_node(node)
+        for i, sentinel in enumerate(self.redis.sentinels):
+            if sentinel.poll() is not None and i not in self.sentinels_gone:
+                self.sentinels_gone.add(i)
+                self.incidents.append(f"Sentinel {i} exited by itself with code {sentinel.returncode}")
+                events.append(self.incidents[-1])
         if self.router is not None and self.router.proc.poll() is not None:
             self.incidents.append(f"the router exited with code {self.router.proc.returncode}")
             events.append(self.incidents[-1])
@@ -331,4 +343,4 @@ class Fleet:
             self.proxies.close()
             if self.queue is not None:
                 self.queue.redis.close()
-            self.server.stop()
+            self.redis.stop()

@@ -8,6 +8,10 @@ simulated training step → `commit` → the commit to the ledger → a weight u
 first pushes the current version's weights to the engines, as a restarted trainer
 loads its checkpoint: that also resumes a pipeline a killed trainer left paused.
 
+Redis is behind Sentinel: the consumer waits for the replica (`--replicas`, 1 by default)
+before it hands a batch out and before a commit returns, so a failover to a replica that
+missed the last writes cannot make it train a batch twice.
+
 A newer session fencing this one (a rolling restart) ends it cleanly: `fenced` in the
 ledger, exit code 0. Once the drain file exists it takes what is left in smaller
 batches and exits with `drained` when every pushed group is settled.
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import redis
 
-from pipeline.connection import ConnectionFailed, connect
+from pipeline.connection import STARTUP_WAIT_S, connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import read_control
 from pipeline.controller import Controller, WeightUpdateError
@@ -49,6 +53,9 @@ BATCH_WAIT_S = 5.0
 #: with exit code 1; the campaign counts it as an unexpected exit.
 UPDATE_DEADLINE_S = 120.0
 CONTROL_TIMEOUT_S = 30.0
+#: One WAIT for the replica blocks this long at most; then it is asked again (of the
+#: primary Sentinel names then).
+REPLICA_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -59,6 +66,7 @@ class TrainerSettings:
     batch_size: int
     step_s: float  # the simulated training step
     drain_file: Path
+    replicas: int = 1  # WAIT for this many replicas before handing a batch out and before a commit returns
     filter: str | None = "dapo"  # DAPO's dynamic sampling: drops groups whose rewards are all equal
 
 
@@ -73,24 +81,15 @@ def outstanding(queue: Queue) -> int:
     return int(pushed or 0) - int(committed or 0) - int(dropped or 0) - int(discarded or 0) - dead
 
 
-def connect_patiently(url: str, deadline_s: float = 60.0) -> redis.Redis:
-    """A trainer started while Redis restarts waits for it, as its Redis calls do later."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            return connect(url)
-        except ConnectionFailed as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("%s; retrying", exc)
-            time.sleep(0.5)
-
-
 class ChaosTrainer:
     def __init__(self, settings: TrainerSettings, redis_url: str):
         self.settings = settings
-        client = connect_patiently(redis_url)
-        self.consumer = Consumer(client, settings.namespace, consumer=CONSUMER, filter=settings.filter)
+        client = connect(redis_url, wait_s=STARTUP_WAIT_S)  # started while Redis restarts: waits
+        # replicas=1: a batch is handed out, and a commit returns, only once the replica has
+        # it, so a failover to a replica that missed the last writes cannot make it train a
+        # batch twice (docs/chaos.md, failover).
+        self.consumer = Consumer(client, settings.namespace, consumer=CONSUMER, filter=settings.filter,
+                                 replicas=settings.replicas, replica_timeout_s=REPLICA_TIMEOUT_S)
         self.queue = self.consumer.queue
         self.controller = Controller(self.queue, EngineSet([settings.engine_url], timeout_s=CONTROL_TIMEOUT_S))
         self.ledger = Ledger(settings.ledger)
@@ -159,8 +158,10 @@ def parse_args(argv: list[str] | None) -> TrainerSettings:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--step-s", type=float, default=0.2, help="simulated training step (seconds)")
     p.add_argument("--drain-file", type=Path, required=True, help="once it exists: train what is left, then exit")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replicas that must have a batch's delivery and its commit (WAIT); 0: the primary's word")
     a = p.parse_args(argv)
-    return TrainerSettings(a.namespace, a.engine_url, a.ledger, a.batch_size, a.step_s, a.drain_file)
+    return TrainerSettings(a.namespace, a.engine_url, a.ledger, a.batch_size, a.step_s, a.drain_file, a.replicas)
 
 
 def main(argv: list[str] | None = None) -> int:

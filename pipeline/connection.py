@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import time
 from dataclasses import dataclass
 from functools import cache
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
@@ -22,6 +23,7 @@ from redis.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection, UnixDoma
 from redis.sentinel import Sentinel
 
 from .permissions import ExplainingRedis
+from .retry import is_transient
 from .tls import check_tls_options
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,19 @@ _CONNECTION_CLASSES = {"redis": redis.Connection, "rediss": SSLConnection, "unix
 SENTINEL_PORT = 26379
 
 
+#: How long a long-running process (worker, feeder, the chaos trainer) started while Redis
+#: is down, restarting or failing over waits for it before it gives up: the same limit as
+#: a trainer's wait through an outage (pipeline/retry.TRAINER_OUTAGE_LIMIT_S).
+STARTUP_WAIT_S = 300.0
+
+
 class ConnectionFailed(RuntimeError):
-    """Redis could not be reached or the URL is wrong; the message says which."""
+    """Redis could not be reached or the URL is wrong; the message says which.
+    `transient`: waiting may help (Redis down or loading), not a wrong URL or password."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 #: Query parameters that carry credentials (redis-py reads `?password=` and `?username=`).
@@ -175,6 +188,12 @@ def sentinel_target(url: str) -> SentinelTarget:
 
 
 def _failure(url: str, exc: Exception) -> ConnectionFailed:
+    failure = _described(url, exc)
+    failure.transient = is_transient(exc)
+    return failure
+
+
+def _described(url: str, exc: Exception) -> ConnectionFailed:
     shown = redact(url)
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return ConnectionFailed(f"permission denied at Redis {shown}: {exc} (grant the user that command)")
@@ -186,9 +205,29 @@ def _failure(url: str, exc: Exception) -> ConnectionFailed:
     return ConnectionFailed(f"cannot reach Redis at {shown}: {exc}")
 
 
-def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S) -> redis.Redis | RedisCluster:
+def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S,
+            wait_s: float = 0.0) -> redis.Redis | RedisCluster:
     """A client for `url` (redis://, rediss://, unix://, redis+sentinel://). Returns a cluster client
-    when the server runs in cluster mode. Raises ConnectionFailed with the reason."""
+    when the server runs in cluster mode. Raises ConnectionFailed with the reason. With
+    `wait_s`, a Redis that cannot be reached yet (down, loading, failing over, a link that
+    resets) is tried again with backoff for up to that long, saying so once in the log; a
+    wrong URL or password fails at once."""
+    deadline = time.monotonic() + wait_s
+    delay, said = 0.1, False
+    while True:
+        try:
+            return _connect(url, socket_timeout)
+        except ConnectionFailed as exc:
+            if not exc.transient or time.monotonic() + delay > deadline:
+                raise
+            if not said:
+                log.warning("%s; waiting for it (up to %gs)", exc, wait_s)
+                said = True
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+def _connect(url: str, socket_timeout: float | None) -> redis.Redis | RedisCluster:
     check_url(url)
     probe_timeout = PROBE_TIMEOUT_S if socket_timeout is None else min(socket_timeout, PROBE_TIMEOUT_S)
     if url.startswith(SENTINEL_SCHEME + "://"):

@@ -33,7 +33,7 @@ from .connection import socket_timeout_of
 from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
-from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, text
+from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect, RedisUnavailable
 from .types import Group, VersionClock
 
@@ -144,9 +144,20 @@ class Consumer:
     def _start_session(self, deadline: float | None) -> None:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
         session_id = TrainerSession.new_id()
-        generation, consumer, taken = self.call(
-            self._scripts["session"], keys=[self.keys.trainer, self.keys.results],
-            args=[CONSUMER_GROUP, self.name, info, session_id], deadline=deadline)
+
+        def start() -> list:
+            reply = self._scripts["session"](keys=[self.keys.trainer, self.keys.results],
+                                             args=[CONSUMER_GROUP, self.name, info, session_id])
+            if self.replicas:
+                # Until a replica has the start: a failover that forgot it would leave an
+                # earlier session current, which fences this one. Retried whole: a start
+                # the new primary never saw is made there again, under the same id.
+                pipe = self.redis.pipeline(transaction=False)
+                self._wait_replicas(pipe, "last_session", session_id)
+                self._replicated(pipe.execute()[1], f"start of trainer session {session_id}")
+            return reply
+
+        generation, consumer, taken = self.call(start, deadline=deadline)
         self.session = TrainerSession(text(consumer), int(generation), session_id)
         self.reconnect.what = f"trainer session {self.session.consumer}"
         if int(taken):
@@ -399,6 +410,15 @@ class Consumer:
                 block = max(0.001, min(block, started + self.fallback_wait_s - time.monotonic()))
             self._wait_for_new(newest, block, deadline)
         taken, self._held = self._held[:n], self._held[n:]
+        if self.replicas:
+            lost = self._confirm_delivery(taken, deadline)
+            if lost:  # a failover forgot their delivery: read again (they are undelivered there)
+                log.warning("trainer session %s: %d groups of the batch were delivered by a primary that failed "
+                            "over before a replica had the delivery; reading again", self.session.consumer,
+                            len(lost))
+                self._held = [h for h in taken if h.entry.entry_id not in lost] + self._held
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return self.next_batch(n, remaining)
         self._drop_fallback(metrics, deadline)
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started
@@ -447,31 +467,76 @@ class Consumer:
         # that list, and pairing it with the entries would settle one group's entry under
         # another's id (orphaning payloads in the audit).
         items = [Settle("commit", e.entry_id, e.group_id, batch.batch_id, token=e.token) for e in batch.entries]
+        gids = [e.group_id or "?" for e in batch.entries]
         try:
-            settled, already = self._settle(items, deadline)
+            while True:
+                settled, already = self._settle(items, deadline)
+                # With replicas: done once a replica has the commit. WAIT confirms the
+                # writes of the primary it runs on: after a failover that is a new primary,
+                # which may never have seen the commit (its replica had not when the old
+                # one died), so the confirmation also reads this batch's commit back, and
+                # a commit the failover forgot is made again, on the primary that has the
+                # delivery (or refused as FENCED if a newer session took the batch over).
+                if not self.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
+                    break
+                log.warning("trainer session %s: the commit of batch %s is not on the primary (a failover lost it, "
+                            "or a newer session took the batch over); committing it again", self.session.consumer,
+                            batch.batch_id)
         except RedisUnavailable as exc:
             raise RedisUnavailable(f"{exc}; batch {batch.batch_id} is not committed: call commit() with it again "
                                    f"once Redis is back (a commit is idempotent)") from exc
         for e in batch.entries:
             self._uncommitted.pop(e.entry_id, None)
-        if self.replicas:
-            self.call(self._replicate, batch.batch_id, deadline=deadline)
         if settled + already != len(items):
             raise RuntimeError(f"commit of batch {batch.batch_id}: {len(items) - settled - already} of "
                                f"{len(items)} entries are no longer this session's (settled elsewhere)")
         return settled + already
 
-    def _replicate(self, batch_id: str) -> None:
-        """Until `replicas` replicas have every write so far. WAIT counts the writes of its
-        own connection, so a write goes with it on one connection (the commit came before
-        it, so a replica that has this write has the commit)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.trainer, "last_commit", batch_id)
+    def _wait_replicas(self, pipe, mark: str, value: str) -> None:
+        """Queue on `pipe`: a write of this connection (WAIT counts the writes of its own
+        connection, so one goes first: a replica that has it has every earlier write of
+        this primary), then WAIT."""
+        pipe.hset(self.keys.trainer, mark, value)
         pipe.wait(self.replicas, int(self.replica_timeout_s * 1000))
-        acked = pipe.execute()[1]
+
+    def _replicated(self, acked: int, what: str) -> None:
         if acked < self.replicas:
-            raise NotReplicated(f"commit of batch {batch_id} reached {acked} of {self.replicas} replicas within "
+            raise NotReplicated(f"{what} reached {acked} of {self.replicas} replicas within "
                                 f"{self.replica_timeout_s:g}s")
+
+    def _replicate(self, batch_id: str, group_ids: list[str]) -> bool:
+        """Until `replicas` replicas have every write of the primary so far; then whether
+        the batch's groups are committed there *by this batch* (their histories say so).
+        False: a failover lost the commit; another session may have committed the groups
+        since (it took them over), which makes this session's commit again raise
+        SessionFenced rather than count them twice."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._wait_replicas(pipe, "last_commit", batch_id)
+        pipe.hmget(self.keys.history, group_ids)
+        _, acked, histories = pipe.execute()
+        self._replicated(acked, f"commit of batch {batch_id}")
+        return all(any(event == "committed" and detail == batch_id
+                       for _, event, _, detail in parse_history(text(h) or ""))
+                   for h in histories)
+
+    def _confirm_delivery(self, taken: list[_Held], deadline: float | None) -> set[str]:
+        """With replicas: until a replica has the delivery of these entries (and the
+        session start), so a failover cannot forget it after the batch was handed out;
+        returns the entry ids no longer delivered to this session (a failover forgot them
+        before a replica had them)."""
+        ids = [h.entry.entry_id for h in taken]
+
+        def confirm() -> set[str]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._wait_replicas(pipe, "last_read", ids[-1] if ids else "")
+            for eid in ids:
+                pipe.xpending_range(self.keys.results, CONSUMER_GROUP, min=eid, max=eid, count=1)
+            _, acked, *rows = pipe.execute()
+            self._replicated(acked, f"delivery of {len(ids)} entries")
+            return {eid for eid, row in zip(ids, rows)
+                    if not (row and text(row[0]["consumer"]) == self.session.consumer)}
+
+        return self.call(confirm, deadline=deadline) if ids else set()
 
     def commit_trained(self, entry_ids: set[str], batch_id: str) -> int:
         """Commit entries delivered to earlier sessions that their trainer did train (a

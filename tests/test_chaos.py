@@ -123,6 +123,29 @@ def test_a_dropped_http_reply_leaves_the_request_done_at_the_engine(proxies):
         sim.stop()
 
 
+def test_a_proxy_with_a_resolver_follows_its_upstream(proxies, tmp_path):
+    """The campaign's Redis proxy asks Sentinel for the primary: each new connection goes
+    where the resolver says, and one still open to a server that is no longer the answer
+    is reset (a Sentinel client drops a demoted primary's connection)."""
+    from pipeline.redis_server import RedisServer, free_port
+
+    a, b = (RedisServer(tmp_path / name, port=free_port(), aof=False).__enter__() for name in "ab")
+    try:
+        target = [("127.0.0.1", a.port)]
+        proxy = proxies.start("redis", resolve=lambda: target[0])
+        old = through(proxy)
+        old.set("where", "a")
+        assert old.get("where") == b"a"
+        target[0] = ("127.0.0.1", b.port)
+        wait_for(lambda: proxy.stats.rerouted == 1, what="the connection to the old upstream reset")
+        assert old.get("where") is None  # its connection was reset; the new one reached b
+        assert through(proxy).get("where") is None
+        assert proxy.stats.resets == 0
+    finally:
+        a.__exit__(None, None, None)
+        b.__exit__(None, None, None)
+
+
 def test_link_fault_settings_are_checked():
     with pytest.raises(ValueError, match="drop_reply_rate"):
         LinkFaults(drop_reply_rate=1.5)
@@ -157,6 +180,24 @@ def test_a_group_counts_as_trained_once_per_committed_batch(tmp_path):
     assert (once, twice, lost, strangers) == (["b", "c", "d"], ["a"], ["g"], [])
 
 
+def test_a_commit_a_failover_forgot_counts_its_groups_trained_twice(tmp_path):
+    """What the campaign's trainer prevents with Consumer(replicas=1), and what the report
+    would show without it: batch 1 is committed on a primary that dies before its replica
+    has the commit; the promoted replica delivers the same groups again, and they are
+    committed as batch 2. The ledger holds both commits: each group counts twice."""
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/1", groups=["a", "b"])
+    ledger.append(LedgerEvent.COMMIT, batch="s.1/1")  # acknowledged by the primary alone
+    ledger.append(LedgerEvent.TRAIN, batch="s.1/2", groups=["a", "b"])  # the new primary's delivery
+    ledger.append(LedgerEvent.COMMIT, batch="s.1/2")
+    ledger.close()
+    records, _ = read_ledger(tmp_path / "ledger.jsonl")
+    batches = committed_batches(records, lambda batch, groups: False)
+    trained = Counter(g for groups in batches.values() for g in groups)
+    once, twice, lost, _ = Tally(trained, dead={}, dropped={}).classify(["a", "b", "c"])
+    assert (once, twice, lost) == ([], ["a", "b"], ["c"])
+
+
 def test_the_ledger_reader_leaves_a_line_being_written_for_the_next_read(tmp_path):
     path = tmp_path / "ledger.jsonl"
     ledger = Ledger(path)
@@ -179,8 +220,14 @@ def test_dead_letter_reasons_are_cut_to_their_kind():
 
 
 def test_every_fault_kind_is_scheduled_once_per_minute_at_seeded_moments():
-    plan = [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=7)]
+    faults = schedule(2.5, seed=7)
+    plan = [(f.record.kind, f.record.at_s) for f in faults]
     assert Counter(kind for kind, _ in plan) == {kind.value: 3 for kind in FaultKind}
+    # Every other failover goes to a replica that missed the last writes, the first seeded.
+    lossy = [f.lossy for f in faults if f.record.kind == FaultKind.FAILOVER]
+    assert lossy in ([True, False, True], [False, True, False])
+    assert {tuple(f.lossy for f in schedule(2.5, seed) if f.record.kind == FaultKind.FAILOVER)
+            for seed in range(10)} == {(True, False, True), (False, True, False)}
     assert plan == [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=7)]
     assert plan != [(f.record.kind, f.record.at_s) for f in schedule(2.5, seed=8)]
     assert all(0 < at < 150 for _, at in plan)
@@ -203,3 +250,7 @@ def test_a_90_second_campaign_trains_every_group_once_through_every_fault(tmp_pa
     assert report["faults"] == {kind.value: 2 for kind in FaultKind}  # two windows of 45 s
     assert report["trained_once"] + report["dead"] + report["dropped"] == report["pushed"] > 0
     assert report["audit_ok"] and not report["problems"]
+    # On Redis behind Sentinel: two failovers, one to a replica that missed the last writes.
+    failovers = next(line for line in report["checks"] if line.startswith("failover:"))
+    assert failovers.startswith("failover: 2 promotions by Sentinel (1 to a replica that missed "), failovers
+    assert report["by_kind"]["failover"]["affected"] > 0  # bytes of writes the failover lost

@@ -569,3 +569,30 @@ def test_a_registration_retried_after_a_heartbeat_rewrote_the_info_is_its_own(qu
         queue.register("w#2", json.dumps({"state": "starting", "registration": "n2"}))
     with pytest.raises(ValueError, match="registered already"):
         queue.register("w#2", "{}")
+
+
+def test_connect_waits_for_a_redis_that_is_not_up_yet_and_not_for_a_wrong_url(tmp_path):
+    """A worker, the feeder or the trainer started while Redis is down (a failover, a
+    long outage) waits for it (issue 21: a worker started into a reset exited); a URL that
+    can never work fails at once."""
+    import threading
+
+    from pipeline.connection import ConnectionFailed, connect
+    from pipeline.redis_server import RedisServer, free_port
+
+    server = RedisServer(tmp_path / "late", port=free_port(), aof=False)
+    with pytest.raises(ConnectionFailed, match="cannot reach Redis"):
+        connect(server.url)  # without wait_s: at once, as one-shot commands do
+    later = threading.Timer(1.0, server.start)
+    later.start()
+    try:
+        started = time.monotonic()
+        assert connect(server.url, wait_s=60).ping()
+        assert 0.9 <= time.monotonic() - started < 30
+        started = time.monotonic()
+        with pytest.raises(ConnectionFailed, match="port must be a number"):
+            connect("redis://127.0.0.1:0", wait_s=60)
+        assert time.monotonic() - started < 1
+    finally:
+        later.join()
+        server.stop()

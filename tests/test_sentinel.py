@@ -4,87 +4,22 @@ trainer connected through `redis+sentinel://` carry on against the new primary, 
 audit is clean."""
 from __future__ import annotations
 
-import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 import redis
 
 from pipeline.connection import ConnectionFailed, connect, sentinel_target
-from pipeline.consumer import BatchTimeout, Consumer
+from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
-from pipeline.redis_server import RedisServer, find_redis_server, free_port
+from pipeline.redis_server import free_port
+from pipeline.redis_sentinel import SentinelDeployment
 from pipeline.retry import Reconnect
 from pipeline.ops.audit import audit
 from tests.groups import produce
-from tests.helpers import Forwarder, wait_for, wait_replicated
-
-SERVICE = "rollout"
-
-
-class SentinelDeployment:
-    """A primary, a replica and three Sentinels (quorum 2) watching them, started from the
-    redis-server binary the project uses (`redis-server <conf> --sentinel`)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.primary = RedisServer(root / "a", port=free_port(), aof=False)
-        # The replication link runs through a forwarder, so a test can cut it (a partition,
-        # or a replica lagging behind) while Sentinel still sees both servers.
-        self.link = Forwarder(self.primary.port)
-        self.replica = RedisServer(root / "b", port=free_port(), aof=False,
-                                   extra_config=[f"replicaof 127.0.0.1 {self.link.port}"])
-        self.sentinel_ports = [free_port() for _ in range(3)]
-        self.sentinels: list[subprocess.Popen] = []
-
-    @property
-    def url(self) -> str:
-        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{SERVICE}"
-
-    def start(self) -> SentinelDeployment:
-        self.primary.start()
-        self.replica.start()
-        wait_replicated(redis.Redis(port=self.primary.port), redis.Redis(port=self.replica.port))
-        for i, port in enumerate(self.sentinel_ports):
-            folder = self.root / f"s{i}"
-            folder.mkdir(parents=True)
-            conf = folder / "sentinel.conf"
-            conf.write_text("\n".join([
-                f"port {port}", "bind 127.0.0.1", f"dir {folder}", f"logfile {folder / 'sentinel.log'}",
-                f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2",
-                f"sentinel down-after-milliseconds {SERVICE} 1000",
-                f"sentinel failover-timeout {SERVICE} 10000",
-            ]) + "\n")
-            self.sentinels.append(subprocess.Popen([find_redis_server(), str(conf), "--sentinel"],
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.sentinel_ports:  # each knows the replica and the other two
-            s = redis.Redis(port=port, socket_timeout=2)
-            wait_for(lambda s=s: _answers(s) and int(s.sentinel_master(SERVICE)["num-other-sentinels"]) == 2
-                     and int(s.sentinel_master(SERVICE)["num-slaves"]) == 1, what="Sentinels in agreement")
-        return self
-
-    def primary_port(self) -> int:
-        host, port = redis.Redis(port=self.sentinel_ports[0]).sentinel_get_master_addr_by_name(SERVICE)
-        return int(port)
-
-    def stop(self) -> None:
-        self.link.switch(None)
-        for p in self.sentinels:
-            p.kill()
-            p.wait()
-        self.primary.kill()
-        self.replica.kill()
-
-
-def _answers(client) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
+from tests.helpers import wait_for, wait_replicated
 
 @pytest.fixture
 def deployment(tmp_path):
@@ -173,11 +108,11 @@ def test_a_failover_to_a_replica_that_missed_writes_redelivers_and_stays_consist
     first = trainer.next_batch(2, timeout=10)
     assert trainer.commit(first) == 2
     wait_replicated(redis.Redis(port=deployment.primary.port), redis.Redis(port=deployment.replica.port))
-    deployment.link.switch(None)  # the replica misses everything from here on
+    deployment.pause_replication(deployment.replica)  # the replica misses everything from here on
     second = trainer.next_batch(2, timeout=10)
     assert trainer.commit(second) == 2  # acknowledged by the primary only
     old_primary = deployment.primary_port()
-    deployment.primary.kill()
+    deployment.kill_primary()
     again = trainer.next_batch(2, timeout=60)  # waits out the failover
     assert deployment.primary_port() == deployment.replica.port != old_primary
     assert [g.group_id for g in again.groups] == [g.group_id for g in second.groups]  # the lost commit
@@ -196,20 +131,87 @@ def test_commits_that_wait_for_the_replica_survive_a_lost_write_failover(deploym
     produce(q, 4)
     trainer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
     assert trainer.commit(trainer.next_batch(2, timeout=10)) == 2
-    deployment.link.switch(None)  # the replica misses everything from here on ...
     second = trainer.next_batch(2, timeout=10)
+    deployment.pause_replication(deployment.replica)  # the replica misses everything from here on ...
     restored = threading.Thread(target=lambda: (wait_for(lambda: trainer.reconnect.down, what="an unreplicated commit"),
-                                                deployment.link.switch(deployment.primary.port)))
+                                                deployment.resume_replication(deployment.replica)))
     restored.start()  # ... until the commit has waited for it
     assert trainer.commit(second) == 2
     restored.join()
     assert "reached 0 of 1 replicas" in trainer.reconnect.last_error
     produce(q, 1, prefix="after")
     wait_replicated(redis.Redis(port=deployment.primary.port), redis.Redis(port=deployment.replica.port))
-    deployment.primary.kill()
+    old = deployment.kill_primary()
+    deployment.wait_promoted(deployment.replica)
+    deployment.start_node(old)  # rejoins as the replica: batches are handed out once a replica has them
     batch = trainer.next_batch(1, timeout=60)
     assert [g.group_id for g in batch.groups] == ["after0"]  # not the second batch again
-    trainer.replicas = 0  # the promoted replica has no replica of its own: no commit could be confirmed
     assert trainer.commit(batch) == 1
     report = audit(Queue(connect(url), ns))
     assert report.ok and report.committed == 5, report.summary()
+
+
+@pytest.mark.slow
+def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on_the_new_primary(deployment, caplog):
+    """Consumer(replicas=1), and the primary dies while a commit waits for the replica,
+    which never got it: the promoted replica has the batch's delivery (a batch is handed
+    out only once a replica has it) but not its commit. The commit must not return on the
+    new primary's WAIT alone: it reads the commit back, finds it missing, commits again.
+    The batch is never delivered again (it would be trained twice)."""
+    url, ns = deployment.url, "again"
+    q = Queue(connect(url, socket_timeout=5), ns)
+    produce(q, 4)
+    trainer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
+    first = trainer.next_batch(2, timeout=10)
+    deployment.pause_replication(deployment.replica)
+    committed: list[int] = []
+    commit = threading.Thread(target=lambda: committed.append(trainer.commit(first)))
+    commit.start()
+    wait_for(lambda: trainer.reconnect.down, what="the commit waiting for the replica")
+    old = deployment.kill_primary()  # the replica drops the commit it had not applied
+    deployment.wait_promoted(deployment.replica)
+    assert not committed  # no replica of the new primary yet: nothing can be confirmed
+    deployment.start_node(old)
+    commit.join(60)
+    assert committed == [2]
+    assert "is not on the primary (a failover lost it" in caplog.text
+    second = trainer.next_batch(2, timeout=30)
+    assert {g.group_id for g in second.groups}.isdisjoint(g.group_id for g in first.groups)
+    assert trainer.commit(second) == 2
+    report = audit(Queue(connect(url), ns))
+    assert report.ok and report.committed == 4, report.summary()
+
+
+@pytest.mark.slow
+def test_a_forgotten_commit_is_not_confirmed_by_the_newer_session_that_committed_the_batch(deployment):
+    """Found by rollout chaos: a commit waits for the replica, the primary dies, the
+    promoted replica never saw the commit; a newer trainer session starts there, takes the
+    batch over and commits it. The older commit must not then return because the groups
+    read as committed (the batch would count as trained by both): it is refused as fenced."""
+    url, ns = deployment.url, "taken"
+    produce(Queue(connect(url, socket_timeout=5), ns), 2)
+    older = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
+    batch = older.next_batch(2, timeout=10)
+    deployment.pause_replication(deployment.replica)
+    outcome: list[object] = []
+
+    def commit() -> None:
+        try:
+            outcome.append(older.commit(batch))
+        except SessionFenced as exc:
+            outcome.append(exc)
+
+    committing = threading.Thread(target=commit)
+    committing.start()
+    wait_for(lambda: older.reconnect.down, what="the commit waiting for the replica")
+    old = deployment.kill_primary()
+    deployment.wait_promoted(deployment.replica)
+    newer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2)  # no replica to wait for yet
+    again = newer.next_batch(2, timeout=30)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in batch.groups]
+    assert newer.commit(again) == 2
+    deployment.start_node(old)
+    committing.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], SessionFenced), outcome
+    report = audit(Queue(connect(url), ns))
+    assert report.ok and report.committed == 2, report.summary()

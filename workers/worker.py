@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline import metrics, scripts
-from pipeline.connection import connect
+from pipeline.connection import STARTUP_WAIT_S, connect
 from pipeline.control import HEARTBEATS_PER_LEASE
 from pipeline.keys import eval_namespace
 from pipeline.permissions import PermissionDenied
@@ -99,7 +99,9 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings, reward: Reward | Any | None = None):
         self.settings = settings
-        queue = Queue(connect(settings.redis_url), settings.namespace)
+        # Started while Redis is down, restarting or failing over: wait for it, as every
+        # later call does (up to STARTUP_WAIT_S, then a clear error), rather than exit.
+        queue = Queue(connect(settings.redis_url, wait_s=STARTUP_WAIT_S), settings.namespace)
         # Eval passes go through a companion namespace with books of their own: claimed
         # first whenever it has prompts, so evaluation never waits behind training.
         eval_queue = Queue(queue.redis, eval_namespace(settings.namespace)) if settings.serve_eval else None
