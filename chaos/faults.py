@@ -452,7 +452,7 @@ class Failover(Fault):
         new = d.other(old)
         r = self.record
         r.started = time.time()
-        r.unit = "bytes of writes lost"
+        r.unit = "bytes lost"  # of writes the promoted replica never had
         r.target = (f"primary 127.0.0.1:{old.port} -> 127.0.0.1:{new.port}"
                     + (f", which missed the last {LAG_S:g}s of writes" if self.lossy else ""))
         self.error = ""
