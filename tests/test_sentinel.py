@@ -45,7 +45,11 @@ def test_sentinel_urls_are_parsed_and_checked():
 def test_a_worker_feeder_and_trainer_carry_on_through_a_sentinel_failover(deployment, tmp_path):
     """Kill the primary while a worker generates, the feeder tops the queue up and the
     trainer commits: Sentinel promotes the replica, everyone follows it through the
-    redis+sentinel URL, every group of the dataset is trained once, the audit is clean."""
+    redis+sentinel URL, every group of the dataset is trained once, the audit is clean.
+    The trainer waits for the replica (replicas=1): replication is asynchronous, so
+    without it a kill -9 of the primary can take its last commit along, and that batch is
+    delivered again (CI once saw 4 groups trained twice); the old primary rejoins as the
+    replica the commits after the failover wait for."""
     from engines.simulator import SimConfig, start_simulator
     from tests.helpers import WorkerThread
     from workers.worker import SamplingSettings, WorkerSettings
@@ -69,13 +73,20 @@ def test_a_worker_feeder_and_trainer_carry_on_through_a_sentinel_failover(deploy
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    consumer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2)
+    consumer = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
     trained: list[str] = []
     old_primary = deployment.primary_port()
+
+    def failover() -> None:
+        old = deployment.kill_primary()
+        deployment.wait_promoted(deployment.other(old))
+        deployment.start_node(old)
+
+    failing = threading.Thread(target=failover, daemon=True)
     try:
         while len(trained) < total:
-            if len(trained) >= total // 3 and deployment.primary.process.poll() is None:
-                deployment.primary.kill()  # the failover, mid-run
+            if len(trained) >= total // 3 and failing.ident is None:
+                failing.start()  # the failover, mid-run
             try:
                 batch = consumer.next_batch(4 if total - len(trained) >= 4 else total - len(trained), timeout=60)
             except BatchTimeout:
@@ -83,6 +94,7 @@ def test_a_worker_feeder_and_trainer_carry_on_through_a_sentinel_failover(deploy
             consumer.commit(batch)
             trained += [g.group_id for g in batch.groups]
         feeder.join(60)
+        failing.join(60)
     finally:
         worker.stop()
         sim.stop()
