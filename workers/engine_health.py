@@ -89,7 +89,7 @@ class EngineHealth:
         joining or leaving (every REDISCOVER_S, and every time while down)."""
         await self.check()
         if self.engines.draining:  # so a missed event cannot keep an engine out of rotation
-            await self.read_draining()
+            await self.refresh_control()
         if time.monotonic() - self.last_discovery >= REDISCOVER_S or self.down is not None:
             self.last_discovery = time.monotonic()
             await self.discover()
@@ -100,10 +100,11 @@ class EngineHealth:
         engines draining are read on the way: see drained().)"""
         if self.ctx.paused:
             return True
-        await self.read_draining()
+        await self.refresh_control()
         return self.ctx.paused
 
-    async def read_draining(self) -> None:
+    async def refresh_control(self) -> None:
+        """Read what the control hash says of admission (paused) and of the engines (draining)."""
         control = await self.ctx.redis(read_control, self.ctx.queue.redis, self.ctx.queue.keys)
         self.ctx.paused = control.paused
         self.engines.draining = frozenset(control.draining)
