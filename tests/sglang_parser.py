@@ -32,7 +32,8 @@ DIR = Path(os.environ.get("ROLLOUT_SGLANG_PARSER_DIR",
                           / "rollout-queue" / f"sglang-{VERSION}"))
 #: What the modules behind `prepare_server_args` import, besides torch and numpy.
 PARSER_IMPORTS = ["msgspec", "pybase64", "pillow", "pyzmq", "orjson", "psutil", "requests", "starlette",
-                  "pydantic", "tqdm", "packaging", "typing_extensions", "anyio", "ipython"]
+                  "pydantic", "tqdm", "packaging", "typing_extensions", "anyio", "ipython",
+                  "sniffio", "httpx", "distro", "jiter"]  # the last four: what openai (no deps below) imports
 #: Imported at the top of those modules by 0.5.20 but only used when serving: installed without
 #: their dependencies (xgrammar's include torch builds).
 PARSER_IMPORTS_NO_DEPS = ["openai", "partial_json_parser", "xgrammar", "apache-tvm-ffi"]
@@ -40,9 +41,13 @@ _REPO = Path(__file__).resolve().parent.parent
 _MARKER = "installed"
 
 
+#: How `install` fills DIR; another layout means another installation.
+_LAYOUT = "self-contained"
+
+
 def _stamp() -> str:
     """What an installation holds: another list of imports means another installation."""
-    return " ".join([VERSION, *PARSER_IMPORTS, *PARSER_IMPORTS_NO_DEPS]) + "\n"
+    return " ".join([VERSION, _LAYOUT, *PARSER_IMPORTS, *PARSER_IMPORTS_NO_DEPS]) + "\n"
 
 
 def installed() -> bool:
@@ -53,7 +58,10 @@ def install() -> None:
     if installed():
         return
     shutil.rmtree(DIR, ignore_errors=True)  # pip --target does not replace what is there
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(DIR)]
+    # --ignore-installed: every dependency goes into DIR, also those the installing
+    # environment has (anyio's sniffio, say): DIR is shared by every environment on the
+    # machine, and a virtual environment without them would find the parser broken.
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--ignore-installed", "--target", str(DIR)]
     subprocess.run(pip + PARSER_IMPORTS, check=True)
     subprocess.run(pip + ["--no-deps", f"sglang=={VERSION}", *PARSER_IMPORTS_NO_DEPS], check=True)
     (DIR / _MARKER).write_text(_stamp())
