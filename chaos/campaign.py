@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pipeline.ops.audit import audit
+from pipeline.ops.status import snapshot
 from pipeline.producer import PushOptions, epoch_order, group_id, read_cursor
 from pipeline.queue import Queue, text
 from pipeline.retry import Reconnect
@@ -225,11 +226,21 @@ class Campaign:
         while not self.drained:
             if time.time() > deadline:
                 self.problems.append(f"the drain did not finish within {self.settings.drain_timeout_s:g}s: "
-                                     f"{self.call(audit, self.queue).summary()}")
+                                     f"{self.call(audit, self.queue).summary()}; {self._stuck()}")
                 return
             self._tick()
             time.sleep(TICK_S)
         self.say(f"[{time.time() - self.t0:7.1f}s] drained")
+
+    def _stuck(self) -> str:
+        """Why nothing moves, for the problem line: admission, each worker's state as it
+        reports it, and each live process's last log line."""
+        snap = self.call(snapshot, self.queue)
+        states = "; ".join(f"{w.worker}: {w.state}" for w in snap.workers) or "no workers registered"
+        procs = [p for p in self.fleet.workers + self.fleet.trainers if p.alive]
+        lines = " | ".join(f"{p.role} (pid {p.pid}): {p.last_line()}" for p in procs)
+        return (f"paused {snap.paused}, weight version {snap.weight_version}; workers: {states}; "
+                f"last log lines: {lines}")
 
     # -- the proof -----------------------------------------------------------------------------
 

@@ -261,6 +261,11 @@ class TrainerRolling(Fault):
         old = _take_trainer(c, self)
         if old is None:
             return False
+        if c.last_batch(old.pid, after=0) is None:
+            # Its session may not have started yet (a trainer just replaced, waiting out an
+            # outage): the newer one could start first and fence it, the other way round.
+            c.trainer_fault = None
+            return False
         self.old = old
         self.new = new = c.fleet.spawn_trainer()
         r = self.record

@@ -34,7 +34,7 @@ from .control import ControlState, read_control
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
-from .retry import TRAINER_OUTAGE_LIMIT_S, NotReplicated, Reconnect, RedisUnavailable
+from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect, RedisUnavailable
 from .types import Group, VersionClock
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ class Consumer:
         # A commit returns once this many replicas have it (WAIT): a failover to one of
         # them cannot forget it, so the batch is never delivered (and trained) again
         # (docs/operations.md, Durability). 0: the primary's acknowledgement is enough.
-        self.replicas = replicas
-        self.replica_timeout_s = replica_timeout_s
+        self.durability = Durability(replicas, replica_timeout_s)
         # Stay under the socket timeout, or a long BLOCK reads as a dead connection.
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
@@ -148,13 +147,13 @@ class Consumer:
         def start() -> list:
             reply = self._scripts["session"](keys=[self.keys.trainer, self.keys.results],
                                              args=[CONSUMER_GROUP, self.name, info, session_id])
-            if self.replicas:
+            if self.durability.replicas:
                 # Until a replica has the start: a failover that forgot it would leave an
                 # earlier session current, which fences this one. Retried whole: a start
                 # the new primary never saw is made there again, under the same id.
                 pipe = self.redis.pipeline(transaction=False)
                 self._wait_replicas(pipe, "last_session", session_id)
-                self._replicated(pipe.execute()[1], f"start of trainer session {session_id}")
+                self.durability.check(pipe.execute()[1], f"start of trainer session {session_id}")
             return reply
 
         generation, consumer, taken = self.call(start, deadline=deadline)
@@ -410,7 +409,7 @@ class Consumer:
                 block = max(0.001, min(block, started + self.fallback_wait_s - time.monotonic()))
             self._wait_for_new(newest, block, deadline)
         taken, self._held = self._held[:n], self._held[n:]
-        if self.replicas:
+        if self.durability.replicas:
             lost = self._confirm_delivery(taken, deadline)
             if lost:  # a failover forgot their delivery: read again (they are undelivered there)
                 log.warning("trainer session %s: %d groups of the batch were delivered by a primary that failed "
@@ -477,7 +476,7 @@ class Consumer:
                 # one died), so the confirmation also reads this batch's commit back, and
                 # a commit the failover forgot is made again, on the primary that has the
                 # delivery (or refused as FENCED if a newer session took the batch over).
-                if not self.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
+                if not self.durability.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
                     break
                 log.warning("trainer session %s: the commit of batch %s is not on the primary (a failover lost it, "
                             "or a newer session took the batch over); committing it again", self.session.consumer,
@@ -497,12 +496,7 @@ class Consumer:
         connection, so one goes first: a replica that has it has every earlier write of
         this primary), then WAIT."""
         pipe.hset(self.keys.trainer, mark, value)
-        pipe.wait(self.replicas, int(self.replica_timeout_s * 1000))
-
-    def _replicated(self, acked: int, what: str) -> None:
-        if acked < self.replicas:
-            raise NotReplicated(f"{what} reached {acked} of {self.replicas} replicas within "
-                                f"{self.replica_timeout_s:g}s")
+        self.durability.queue_wait(pipe)
 
     def _replicate(self, batch_id: str, group_ids: list[str]) -> bool:
         """Until `replicas` replicas have every write of the primary so far; then whether
@@ -514,7 +508,7 @@ class Consumer:
         self._wait_replicas(pipe, "last_commit", batch_id)
         pipe.hmget(self.keys.history, group_ids)
         _, acked, histories = pipe.execute()
-        self._replicated(acked, f"commit of batch {batch_id}")
+        self.durability.check(acked, f"commit of batch {batch_id}")
         return all(any(event == "committed" and detail == batch_id
                        for _, event, _, detail in parse_history(text(h) or ""))
                    for h in histories)
@@ -532,7 +526,7 @@ class Consumer:
             for eid in ids:
                 pipe.xpending_range(self.keys.results, CONSUMER_GROUP, min=eid, max=eid, count=1)
             _, acked, *rows = pipe.execute()
-            self._replicated(acked, f"delivery of {len(ids)} entries")
+            self.durability.check(acked, f"delivery of {len(ids)} entries")
             return {eid for eid, row in zip(ids, rows)
                     if not (row and text(row[0]["consumer"]) == self.session.consumer)}
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from .keys import Keys
+from .retry import Durability
 from .types import Group, ReleasePolicy, VersionClock, member
 
 log = logging.getLogger(__name__)
@@ -189,34 +190,55 @@ def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
     client.publish(keys.events, json.dumps(state.to_dict()))
 
 
-def set_paused(client: redis.Redis, keys: Keys, paused: bool) -> None:
-    client.hset(keys.control, "paused", 1 if paused else 0)
+def _write(client: redis.Redis, keys: Keys, what: str, durability: Durability | None,
+           fields: dict[str, int | str] | None = None, remove: str | None = None) -> None:
+    """One write of control state, then announced. With `durability`, WAIT for its replicas
+    in the same pipeline (one connection: WAIT counts this write). A failover that forgets
+    the write (it left with the old primary before a replica had it) fails the pipeline or
+    the WAIT, and the caller's Reconnect writes it again on the new primary: control state
+    must not roll back (a lost resume leaves the pipeline paused with nobody to resume it)."""
+    pipe = client.pipeline(transaction=False)
+    if fields:
+        pipe.hset(keys.control, mapping=fields)
+    if remove:
+        pipe.hdel(keys.control, remove)
+    if durability and durability.replicas:
+        durability.queue_wait(pipe)
+        durability.check(pipe.execute()[-1], what)
+    else:
+        pipe.execute()
     _announce(client, keys, read_control(client, keys))
 
 
-def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str]) -> None:
+def set_paused(client: redis.Redis, keys: Keys, paused: bool, durability: Durability | None = None) -> None:
+    _write(client, keys, "pause" if paused else "resume", durability, {"paused": 1 if paused else 0})
+
+
+def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str], durability: Durability | None = None) -> None:
     """Take these engines out of the workers' rotation (none: every engine back in).
     Stored space-separated: a URL has no spaces."""
     if engine_urls:
-        client.hset(keys.control, "draining", " ".join(engine_urls))
+        _write(client, keys, "draining", durability, {"draining": " ".join(engine_urls)})
     else:
-        client.hdel(keys.control, "draining")
-    _announce(client, keys, read_control(client, keys))
+        _write(client, keys, "draining", durability, remove="draining")
 
 
-def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart_budget: bool = False) -> None:
+def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart_budget: bool = False,
+                       durability: Durability | None = None) -> None:
     """Set the trainer's weight version. `restart_budget`: a trainer (re)starts at
     `version`, e.g. resumed from an older checkpoint or a new run in a used namespace: the
     staleness budget counts as if `version` batches had been committed since version 0,
     not the namespace's lifetime count (which would block admission for good)."""
-    if not restart_budget:
-        client.hset(keys.control, "weight_version", version)
-    else:
-        def rebase(pipe: redis.client.Pipeline) -> None:
+    fields: dict[str, int | str] = {"weight_version": version}
+    if restart_budget:
+        # Read, then written with the version (WATCH: a commit in between reads again).
+        def rebase(pipe: redis.client.Pipeline) -> int:
             committed = _number(pipe.hget(keys.stats, "committed"), "stats.committed", keys) or 0
             batch = _number(pipe.hget(keys.control, "batch_size"), "batch_size", keys) or 0
             pipe.multi()
-            pipe.hset(keys.control, mapping={"weight_version": version, "budget_base": committed - version * batch})
+            pipe.hset(keys.control, "budget_base", committed - version * batch)
+            return committed - version * batch
 
-        client.transaction(rebase, keys.stats, keys.control)
-    _announce(client, keys, read_control(client, keys))
+        fields["budget_base"] = client.transaction(rebase, keys.stats, keys.control, value_from_callable=True)
+    # The version (and the base, again) in a write of its own: the one WAIT confirms.
+    _write(client, keys, f"weight version {version}", durability, fields)

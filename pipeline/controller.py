@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .control import read_control, set_draining, set_paused, set_weight_version
-from .retry import TRAINER_OUTAGE_LIMIT_S, Reconnect
+from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect
 from .types import PauseMode, ReleasePolicy, member
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class Controller:
 
     def __init__(self, queue: "Queue", engines: EngineControl | None = None,
                  release_policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, settle_s: float = 0.25,
-                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S):
+                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int = 0,
+                 replica_timeout_s: float = 5.0):
         self.queue = queue
         self.redis = queue.redis
         self.keys = queue.keys
@@ -96,13 +97,17 @@ class Controller:
         # a version, counting, releasing what the requeue stream holds.)
         self.reconnect = Reconnect(f"controller {queue.keys.namespace}", limit_s=outage_limit_s)
         self._call = self.reconnect.call
+        # Behind Sentinel: every control write (pause, version, resume, draining) returns once
+        # this many replicas have it, so a failover cannot roll the pipeline's state back
+        # (docs/operations.md, Durability). Use the trainer Consumer's `replicas`.
+        self.durability = Durability(replicas, replica_timeout_s)
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT, timeout_s: float = 60.0) -> PauseReport:
         """Stop admission, then pause every engine. With `abort`, wait until the
         workers have requeued every interrupted group."""
         mode = member(PauseMode, mode, "pause mode")
         started = time.monotonic()
-        self._call(set_paused, self.redis, self.keys, True)
+        self._call(set_paused, self.redis, self.keys, True, self.durability)
         if self.engines is not None:
             await self.engines.pause_generation(mode.value)
         remaining = 0
@@ -134,13 +139,13 @@ class Controller:
         head of the prompt list, reopen admission. Returns at once: timing the first
         claim after a resume is the benchmark's business (bench/pause.py)."""
         if weight_version is not None:
-            self._call(set_weight_version, self.redis, self.keys, weight_version)
+            self._call(set_weight_version, self.redis, self.keys, weight_version, durability=self.durability)
         if self.engines is not None:
             await self.engines.continue_generation()
         # Recorded so the workers' own releases (of groups aborted later) follow it too.
         self._call(self.redis.hset, self.keys.control, "release_policy", self.release_policy.value)
         released = self._call(self.queue.release, self.release_policy)
-        self._call(set_paused, self.redis, self.keys, False)
+        self._call(set_paused, self.redis, self.keys, False, self.durability)
         return ResumeReport(self._call(read_control, self.redis, self.keys).weight_version, released)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int,
@@ -169,13 +174,13 @@ class Controller:
             raise WeightUpdateError("no engines configured for this controller")
         started = time.monotonic()
         if self._call(read_control, self.redis, self.keys).weight_version < weight_version:
-            self._call(set_weight_version, self.redis, self.keys, weight_version)
+            self._call(set_weight_version, self.redis, self.keys, weight_version, durability=self.durability)
         urls = await self.engines.refresh()
         out_of_rotation: dict[str, float] = {}
         for url in urls:
             since = time.monotonic()
             # Listed before the pause, so a worker answered by an abort finds it in Redis.
-            self._call(set_draining, self.redis, self.keys, [url])
+            self._call(set_draining, self.redis, self.keys, [url], self.durability)
             engine = self.engines.only(url)
             try:
                 await engine.pause_generation(PauseMode.ABORT.value)
@@ -185,6 +190,6 @@ class Controller:
                 raise WeightUpdateError(f"rolling weight update to version {weight_version} from {model_path} "
                                         f"failed at engine {url}; it stays paused and out of rotation, the "
                                         f"engines before it serve version {weight_version}: {exc}") from exc
-            self._call(set_draining, self.redis, self.keys, [])
+            self._call(set_draining, self.redis, self.keys, [], self.durability)
             out_of_rotation[url] = time.monotonic() - since
         return RollingReport(weight_version, time.monotonic() - started, out_of_rotation)

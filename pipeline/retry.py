@@ -15,6 +15,7 @@ import logging
 import re
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import redis
@@ -70,6 +71,22 @@ TRAINER_OUTAGE_LIMIT_S = 300.0
 class NotReplicated(redis.exceptions.ConnectionError):
     """A write reached fewer replicas than the caller asked for (WAIT): retried like an
     outage, since a replica catching up or reconnecting is one."""
+
+
+@dataclass(frozen=True)
+class Durability:
+    """How many replicas must have a write before it counts as done (WAIT): a failover to
+    one of them cannot forget it. WAIT counts the writes of the connection it runs on, so
+    it goes in the same pipeline as a write of the caller's. 0: the primary's word is enough."""
+    replicas: int = 0
+    timeout_s: float = 5.0
+
+    def queue_wait(self, pipe: redis.client.Pipeline) -> None:
+        pipe.wait(self.replicas, int(self.timeout_s * 1000))
+
+    def check(self, acked: int, what: str) -> None:
+        if acked < self.replicas:
+            raise NotReplicated(f"{what} reached {acked} of {self.replicas} replicas within {self.timeout_s:g}s")
 
 
 class RedisUnavailable(ConnectionError):

@@ -244,7 +244,9 @@ def test_a_90_second_campaign_trains_every_group_once_through_every_fault(tmp_pa
                           capture_output=True, text=True, cwd=REPO, timeout=540)
     assert proc.stdout, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
-    assert proc.returncode == 0 and report["ok"], (report["problems"], proc.stderr[-4000:])
+    if proc.returncode != 0 or not report["ok"]:
+        print("\n".join(report["problems"]), proc.stderr[-8000:], sep="\n")  # shown whole, not cut like the assert
+    assert proc.returncode == 0 and report["ok"], report["problems"]
     check(report, CHAOS)  # docs/cli.md's keys and types
     assert report["trained_twice"] == 0 and report["lost"] == 0
     assert report["faults"] == {kind.value: 2 for kind in FaultKind}  # two windows of 45 s

@@ -4,6 +4,7 @@ trainer connected through `redis+sentinel://` carry on against the new primary, 
 audit is clean."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -11,12 +12,14 @@ import redis
 
 from pipeline.connection import ConnectionFailed, connect, sentinel_target
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
-from pipeline.control import configure
+from pipeline.control import configure, read_control
+from pipeline.controller import Controller
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import free_port
 from pipeline.redis_sentinel import SentinelDeployment
 from pipeline.retry import Reconnect
+from pipeline.types import PauseMode
 from pipeline.ops.audit import audit
 from tests.groups import produce
 from tests.helpers import wait_for, wait_replicated
@@ -227,3 +230,33 @@ def test_a_forgotten_commit_is_not_confirmed_by_the_newer_session_that_committed
     assert len(outcome) == 1 and isinstance(outcome[0], SessionFenced), outcome
     report = audit(Queue(connect(url), ns))
     assert report.ok and report.committed == 2, report.summary()
+
+
+@pytest.mark.slow
+def test_a_resume_a_failover_forgot_is_made_again_on_the_new_primary(deployment):
+    """Found by rollout chaos: a weight update's resume (`paused=0`, the new version)
+    acknowledged by the primary alone, then a failover to a replica that never saw it.
+    The pipeline stayed paused with nobody to resume it: the trainer, waiting for a batch
+    the paused workers never made, had no next update. Controller(replicas=1) returns from
+    resume only once a replica has it, writing it again on the new primary if the
+    failover forgot it."""
+    url, ns = deployment.url, "resumed"
+    queue = Queue(connect(url, socket_timeout=5), ns)
+    controller = Controller(queue, replicas=1, replica_timeout_s=0.2)
+    asyncio.run(controller.pause(PauseMode.IN_PLACE))
+    assert read_control(queue.redis, queue.keys).paused
+    deployment.pause_replication(deployment.replica)  # the replica misses everything from here on
+    resumed = threading.Thread(target=lambda: asyncio.run(controller.resume(4)))
+    resumed.start()
+    wait_for(lambda: controller.reconnect.down, what="the resume waiting for the replica")
+    old = deployment.kill_primary()  # the replica never applied the resume
+    deployment.wait_promoted(deployment.replica)
+    assert resumed.is_alive()  # no replica of the new primary yet: nothing can be confirmed
+    deployment.start_node(old)
+    resumed.join(60)
+    assert not resumed.is_alive()
+    control = read_control(connect(url), queue.keys)
+    assert (control.paused, control.weight_version) == (False, 4)
+    # ... and on the replica too: another failover cannot take it back.
+    wait_replicated(redis.Redis(port=deployment.primary_port()), redis.Redis(port=old.port))
+    assert redis.Redis(port=old.port).hmget(queue.keys.control, "paused", "weight_version") == [b"0", b"4"]

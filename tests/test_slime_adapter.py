@@ -174,9 +174,10 @@ def test_settings_from_args_then_environment(monkeypatch, tmp_path):
         "redis://env-host:6379", "envns", "trainer", None, None)
     s = sa.QueueSettings.from_args(SimpleNamespace(rollout_redis_url="redis://args:1", rollout_namespace="a",
                                                    rollout_consumer="t2", rollout_batch_timeout=5,
-                                                   rollout_max_staleness=1, rollout_filter_fallback_wait=2))
-    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.max_staleness, s.fallback_wait_s) == (
-        "redis://args:1", "a", "t2", 5, 1, 2.0)
+                                                   rollout_max_staleness=1, rollout_filter_fallback_wait=2,
+                                                   rollout_replicas=1))
+    assert (s.redis_url, s.namespace, s.consumer, s.timeout, s.max_staleness, s.fallback_wait_s, s.replicas) == (
+        "redis://args:1", "a", "t2", 5, 1, 2.0, 1)
     with pytest.raises(ValueError, match="rollout_commit_lag is gone"):
         sa.QueueSettings.from_args(SimpleNamespace(rollout_commit_lag=2))
     monkeypatch.delenv("ROLLOUT_REDIS_URL")
@@ -232,6 +233,13 @@ def test_checkpoints_need_our_data_source(redis_url, namespace):
     args = make_args(redis_url, namespace, save="/ckpt", save_interval=5)
     with pytest.raises(SlimeConfigError, match="--data-source-path pipeline.trainers.slime_adapter.RedisDataSource"):
         sa.generate_rollout(args, 0, data_source=object())
+
+
+def test_rollout_replicas_makes_the_source_wait_for_replicas(redis_url, namespace):
+    """Behind Sentinel: the data source's consumer (commits, deliveries, session starts,
+    weight versions) waits for the replica (tests/test_sentinel.py tests the waiting)."""
+    assert sa.RedisDataSource(make_args(redis_url, namespace)).consumer.durability.replicas == 0
+    assert sa.RedisDataSource(make_args(redis_url, namespace, rollout_replicas=1)).consumer.durability.replicas == 1
 
 
 def test_commits_follow_checkpoints_in_train_async_order(queue, redis_url, namespace):

@@ -105,6 +105,9 @@ class QueueSettings:
     #: that step loses its groups) instead of two rollouts later (the last two batches of
     #: a run are then never committed, and the next run trains them again).
     commit_on_read: bool = False
+    #: Redis behind Sentinel: session starts, deliveries, commits and weight versions return
+    #: once this many replicas have them (docs/operations.md, Durability).
+    replicas: int = 0
 
     @classmethod
     def from_args(cls, args: Any) -> QueueSettings:
@@ -129,6 +132,7 @@ class QueueSettings:
             fallback_wait_s=SLIME_FALLBACK_WAIT_S if fallback is None else float(fallback),
             max_staleness=getattr(args, "rollout_max_staleness", None),
             commit_on_read=bool(getattr(args, "rollout_commit_on_read", False)),
+            replicas=int(getattr(args, "rollout_replicas", None) or 0),
         )
 
 
@@ -204,7 +208,7 @@ class RedisDataSource:
         self.consumer = Consumer(self.client, self.settings.namespace, consumer=self.settings.consumer,
                                  filter=_slime_filter(self.settings.filter_path, self._fill_texts),
                                  filter_args=args,
-                                 fallback_wait_s=self.settings.fallback_wait_s)
+                                 fallback_wait_s=self.settings.fallback_wait_s, replicas=self.settings.replicas)
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
         if self.checkpoints and self.settings.commit_on_read:
@@ -384,11 +388,13 @@ class RedisDataSource:
         if self._budget_restarted is None:
             # This trainer's first rollout: resumed from an older checkpoint than the queue
             # last saw, or a new run in a used namespace. The budget counts from here.
-            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id, restart_budget=True)
+            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id, restart_budget=True,
+                               durability=self.consumer.durability)
             self._budget_restarted = rollout_id
         elif self.consumer.call(read_control, self.client, self.queue.keys).weight_version != rollout_id:
             # slime updates the weights once per rollout: its rollout id is the version.
-            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id)
+            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id,
+                               durability=self.consumer.durability)
         if not self.checkpoints:
             self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
         batch = self._next_batch(n)
