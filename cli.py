@@ -116,6 +116,11 @@ _ENGINE_API_KEY_OPTION = click.option(
     help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
          "variable: a command line is visible to every local user).")
 
+_REPLICAS_OPTION = click.option(
+    "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Redis behind Sentinel: return once this many replicas have the change (WAIT; waiting while none is "
+         "in sync), so a failover cannot forget it (docs/operations.md, Durability).")
+
 TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
                       "torch --index-url https://download.pytorch.org/whl/cpu)")
 
@@ -1361,8 +1366,9 @@ _ENGINE_URL_OPTION = click.option(
 @_ENGINE_API_KEY_OPTION
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
+@_REPLICAS_OPTION
 @click.pass_obj
-def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
+def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas) -> None:
     """Stop admission and pause the engines (before a weight update).
 
     Workers stop claiming at once. Every engine (each one behind a router) gets
@@ -1374,7 +1380,6 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
       rollout pause --mode abort
       rollout pause --mode in_place --engine-url http://router:30000
     """
-    from pipeline.control import set_paused
     from pipeline.controller import Controller
     from workers.engine import EngineSet
 
@@ -1382,8 +1387,8 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
     queue = obj.queue()
     obj.warn_if_empty(queue)
     urls, source = _engines_for_control(queue, given)
-    if not urls:
-        set_paused(queue.redis, queue.keys, True)
+    if not urls:  # no engines to pause, and in-flight requests run on: nothing to wait for
+        asyncio.run(Controller(queue, replicas=replicas).pause(PauseMode.IN_PLACE))
         inflight = queue.inflight_count()
         click.echo(f"paused admission in Redis only: no engines known (no --engine-url, and no live worker "
                    f"reports any); {counted(inflight, 'group')} in flight finish normally")
@@ -1392,7 +1397,8 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
     async def go():
         engines = EngineSet(urls, api_key=api_key)
         try:
-            return await Controller(queue, engines).pause(mode, timeout_s=timeout_s), engines.engines
+            return (await Controller(queue, engines, replicas=replicas).pause(mode, timeout_s=timeout_s),
+                    engines.engines)
         finally:
             await engines.close()
 
@@ -1418,8 +1424,9 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s) -> None:
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
 @_ENGINE_API_KEY_OPTION
+@_REPLICAS_OPTION
 @click.pass_obj
-def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -> None:
+def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, replicas) -> None:
     """Record the new weight version, continue the engines, reopen admission.
 
     Aborted groups in the requeue stream go back to the head of the prompt list
@@ -1441,7 +1448,8 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key) -
     async def go():
         engines = EngineSet(urls, api_key=api_key) if urls else None
         try:
-            report = await Controller(queue, engines, release_policy=release_policy).resume(weight_version)
+            controller = Controller(queue, engines, release_policy=release_policy, replicas=replicas)
+            report = await controller.resume(weight_version)
             return report, (engines.engines if engines else [])
         finally:
             if engines is not None:

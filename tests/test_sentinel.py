@@ -9,12 +9,15 @@ import threading
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from cli import main
 from pipeline.connection import ConnectionFailed, connect, sentinel_target
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, read_control
 from pipeline.controller import Controller
 from pipeline.producer import PushOptions, push_dataset
+from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import free_port
 from pipeline.redis_sentinel import SentinelDeployment
@@ -260,3 +263,28 @@ def test_a_resume_a_failover_forgot_is_made_again_on_the_new_primary(deployment)
     # ... and on the replica too: another failover cannot take it back.
     wait_replicated(redis.Redis(port=deployment.primary_port()), redis.Redis(port=old.port))
     assert redis.Redis(port=old.port).hmget(queue.keys.control, "paused", "weight_version") == [b"0", b"4"]
+
+
+@pytest.mark.slow
+def test_rollout_resume_with_replicas_returns_once_the_replica_has_it(deployment):
+    """The operator's `rollout pause/resume --replicas 1`: the same wait, from the CLI."""
+    url, ns = deployment.url, "operator"
+    produce(Queue(connect(url), ns), 1)
+    cli = ["--redis-url", url, "--namespace", ns]
+    paused = CliRunner().invoke(main, [*cli, "pause", "--replicas", "1"])
+    assert paused.exit_code == 0, paused.output
+    deployment.pause_replication(deployment.replica)
+    outcome: list = []
+    resumed = threading.Thread(target=lambda: outcome.append(
+        CliRunner().invoke(main, [*cli, "resume", "--weight-version", "3", "--replicas", "1"])))
+    resumed.start()
+    # It waits while the replica has not applied the resume (the version, its first write) ...
+    wait_for(lambda: redis.Redis(port=deployment.primary.port).hget(Keys(ns).control, "weight_version") == b"3",
+             what="the new version on the primary")
+    resumed.join(1.5)
+    assert resumed.is_alive() and not outcome
+    deployment.resume_replication(deployment.replica)  # ... and returns once it has
+    resumed.join(60)
+    assert outcome and outcome[0].exit_code == 0, outcome and outcome[0].output
+    assert redis.Redis(port=deployment.replica.port).hmget(Keys(ns).control, "paused", "weight_version") == \
+        [b"0", b"3"]
