@@ -306,7 +306,7 @@ class Campaign:
                          + (f"{statistics.median(promoted):.2f}s (median), {max(promoted):.2f}s at most; "
                             if promoted else "-; ")
                          + f"{sum(1 for f in failovers if f.rejoined_s)} old primaries rejoined as replicas; the "
-                         "trainer's deliveries and commits waited for the replica (WAIT)")
+                         "trainer's deliveries, commits and weight updates waited for the replica (WAIT)")
         return lines
 
     def _report(self) -> ChaosReport:
