@@ -1485,9 +1485,10 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, r
 @click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)),
               help="What happens to aborted groups when admission reopens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as one JSON object.")
+@_REPLICAS_OPTION
 @click.pass_obj
 def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy,
-              as_json) -> None:
+              as_json, replicas) -> None:
     """Show or change the namespace's settings (every worker and trainer follows them).
 
     Without options, prints the current settings. The staleness bound needs
@@ -1506,12 +1507,14 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
       rollout configure --lease 20 --max-claims 5
     """
     from pipeline.control import configure as set_settings
+    from pipeline.retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect
 
     queue = obj.queue()
-    try:
-        state = set_settings(queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
-                             max_ready=max_ready, lease_s=lease_s, max_claims=max_claims,
-                             release_policy=release_policy)
+    try:  # waited out like the trainer's calls: a replica catching up, a failover
+        state = Reconnect("rollout configure", limit_s=TRAINER_OUTAGE_LIMIT_S).call(
+            set_settings, queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
+            max_ready=max_ready, lease_s=lease_s, max_claims=max_claims, release_policy=release_policy,
+            durability=Durability(replicas))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

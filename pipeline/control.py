@@ -148,9 +148,10 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
 def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = None,
               batch_size: int | None = None, max_ready: int | None = None, lease_s: float | None = None,
               max_claims: int | None = None, release_policy: ReleasePolicy | str | None = None,
-              version_clock: VersionClock | str | None = None) -> ControlState:
+              version_clock: VersionClock | str | None = None, durability: Durability | None = None) -> ControlState:
     """Set pipeline-wide settings. None leaves a setting unchanged; a negative
-    max_staleness, batch_size or max_ready removes it (back to the default)."""
+    max_staleness, batch_size or max_ready removes it (back to the default). With
+    `durability`, returns once its replicas have them (see _write)."""
     updates: dict[str, int | str] = {}
     removals: list[str] = []
     for name, value in (("max_staleness", max_staleness), ("batch_size", batch_size), ("max_ready", max_ready)):
@@ -174,15 +175,7 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
         updates["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
     if version_clock is not None:
         updates["version_clock"] = member(VersionClock, version_clock, "version clock").value
-    pipe = client.pipeline(transaction=True)
-    if updates:
-        pipe.hset(keys.control, mapping=updates)
-    if removals:
-        pipe.hdel(keys.control, *removals)
-    pipe.execute()
-    state = read_control(client, keys)
-    _announce(client, keys, state)
-    return state
+    return _write(client, keys, "settings", durability, updates, removals)
 
 
 def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
@@ -191,23 +184,26 @@ def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
 
 
 def _write(client: redis.Redis, keys: Keys, what: str, durability: Durability | None,
-           fields: dict[str, int | str] | None = None, remove: str | None = None) -> None:
+           fields: dict[str, int | str] | None = None, remove: list[str] | None = None) -> ControlState:
     """One write of control state, then announced. With `durability`, WAIT for its replicas
     in the same pipeline (one connection: WAIT counts this write). A failover that forgets
     the write (it left with the old primary before a replica had it) fails the pipeline or
     the WAIT, and the caller's Reconnect writes it again on the new primary: control state
-    must not roll back (a lost resume leaves the pipeline paused with nobody to resume it)."""
+    must not roll back (a lost resume leaves the pipeline paused with nobody to resume it;
+    a lost η trains what the bound should have kept out). Returns the state it announced."""
     pipe = client.pipeline(transaction=False)
     if fields:
         pipe.hset(keys.control, mapping=fields)
     if remove:
-        pipe.hdel(keys.control, remove)
+        pipe.hdel(keys.control, *remove)
     if durability and durability.replicas:
         durability.queue_wait(pipe)
         durability.check(pipe.execute()[-1], what)
     else:
         pipe.execute()
-    _announce(client, keys, read_control(client, keys))
+    state = read_control(client, keys)
+    _announce(client, keys, state)
+    return state
 
 
 def set_paused(client: redis.Redis, keys: Keys, paused: bool, durability: Durability | None = None) -> None:
@@ -220,7 +216,7 @@ def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str], durabi
     if engine_urls:
         _write(client, keys, "draining", durability, {"draining": " ".join(engine_urls)})
     else:
-        _write(client, keys, "draining", durability, remove="draining")
+        _write(client, keys, "draining", durability, remove=["draining"])
 
 
 def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart_budget: bool = False,

@@ -266,8 +266,13 @@ def test_a_resume_a_failover_forgot_is_made_again_on_the_new_primary(deployment)
 
 
 @pytest.mark.slow
-def test_rollout_resume_with_replicas_returns_once_the_replica_has_it(deployment):
-    """The operator's `rollout pause/resume --replicas 1`: the same wait, from the CLI."""
+@pytest.mark.parametrize("command, field, value", [
+    (["resume", "--weight-version", "3"], "weight_version", b"3"),
+    (["configure", "--max-staleness", "2", "--batch-size", "8"], "max_staleness", b"2"),
+])
+def test_the_operators_control_commands_with_replicas_return_once_the_replica_has_them(deployment, command, field,
+                                                                                        value):
+    """`rollout pause/resume/configure --replicas 1`: the same wait, from the shell."""
     url, ns = deployment.url, "operator"
     produce(Queue(connect(url), ns), 1)
     cli = ["--redis-url", url, "--namespace", ns]
@@ -275,16 +280,15 @@ def test_rollout_resume_with_replicas_returns_once_the_replica_has_it(deployment
     assert paused.exit_code == 0, paused.output
     deployment.pause_replication(deployment.replica)
     outcome: list = []
-    resumed = threading.Thread(target=lambda: outcome.append(
-        CliRunner().invoke(main, [*cli, "resume", "--weight-version", "3", "--replicas", "1"])))
-    resumed.start()
-    # It waits while the replica has not applied the resume (the version, its first write) ...
-    wait_for(lambda: redis.Redis(port=deployment.primary.port).hget(Keys(ns).control, "weight_version") == b"3",
-             what="the new version on the primary")
-    resumed.join(1.5)
-    assert resumed.is_alive() and not outcome
+    running = threading.Thread(target=lambda: outcome.append(
+        CliRunner().invoke(main, [*cli, *command, "--replicas", "1"])))
+    running.start()
+    # It waits while the replica has not applied the change (for resume, its first write) ...
+    wait_for(lambda: redis.Redis(port=deployment.primary.port).hget(Keys(ns).control, field) == value,
+             what=f"{field} on the primary")
+    running.join(1.5)
+    assert running.is_alive() and not outcome
     deployment.resume_replication(deployment.replica)  # ... and returns once it has
-    resumed.join(60)
+    running.join(60)
     assert outcome and outcome[0].exit_code == 0, outcome and outcome[0].output
-    assert redis.Redis(port=deployment.replica.port).hmget(Keys(ns).control, "paused", "weight_version") == \
-        [b"0", b"3"]
+    assert redis.Redis(port=deployment.replica.port).hget(Keys(ns).control, field) == value

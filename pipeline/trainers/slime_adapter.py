@@ -235,11 +235,13 @@ class RedisDataSource:
         eta = self.settings.max_staleness
         if eta is not None:
             control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
-                           max_staleness=int(eta), batch_size=batch)
+                           max_staleness=int(eta), batch_size=batch, durability=self.consumer.durability)
         elif control.max_staleness is not None and not control.batch_size and batch:
-            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch)
+            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch,
+                           durability=self.consumer.durability)
         elif control.version_clock != VersionClock.QUEUE:
-            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE)
+            control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
+                           durability=self.consumer.durability)
         if self.checkpoints and batch:
             # With --async-save a checkpoint is durable (and its batches committed) one save later.
             intervals = 2 if getattr(self.args, "async_save", False) else 1
