@@ -78,8 +78,13 @@ class LengthOracle:
         self._runners, urls = [], []
         for engine in self.engines:
             app = web.Application(client_max_size=256 * 1024 * 1024)
-            app.router.add_route("*", "/{path:.*}", lambda request, e=engine: self._handle(e, request))
-            runner = web.AppRunner(app, access_log=None)
+            async def handle(request: web.Request, engine: _Engine = engine) -> web.StreamResponse:
+                return await self._handle(engine, request)
+            app.router.add_route("*", "/{path:.*}", handle)
+            # As engines/server.py: a client that disconnects cancels its proxied request,
+            # and stopping waits 1 s for requests still out (aiohttp's default, 60 s, outlasted
+            # stop()'s 30 s when a request was still waiting at an engine).
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

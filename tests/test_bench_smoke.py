@@ -220,3 +220,33 @@ def test_step_time_measures_every_batch_through_generate(sim_engines):
     for row in out["rows"]:
         assert 0 < row["short_s"] and row["step_ms"] > 0 and row["tokens_per_s"] > 0
     assert out["r"] > 0
+
+
+def test_the_length_oracle_stops_while_a_request_waits_at_a_paused_engine(sim_engines):
+    """Found in CI: the oracle's stop() waited for a proxied /generate still waiting at an
+    engine (aiohttp's shutdown waits 60 s for handlers, stop() 30 s) and the benchmark died
+    with TimeoutError after its rows were done."""
+    import threading
+
+    from bench.engine_oracle import LengthOracle
+    from tests.helpers import wait_for
+
+    oracle = LengthOracle(sim_engines[:1], slots=8, median=32, p99=64, weight_update_s=0.0)
+    proxy = oracle.urls[0]
+    post = lambda path, body: urllib.request.urlopen(urllib.request.Request(  # noqa: E731
+        proxy + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}), timeout=60)
+    post("/pause_generation", {"mode": "abort"}).read()
+    def generate() -> None:
+        try:
+            post("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"sampling_seed": 7, "max_new_tokens": 8}})
+        except OSError:  # the stopping proxy closes it
+            pass
+
+    waiting = threading.Thread(target=generate, daemon=True)
+    waiting.start()  # held by the paused engine
+    wait_for(lambda: oracle.engines[0].inflight == 1, what="the request at the paused engine")
+    try:
+        oracle.stop()  # raised TimeoutError after 30 s
+    finally:
+        urllib.request.urlopen(urllib.request.Request(sim_engines[0] + "/continue_generation", data=b"{}",
+                                                      headers={"Content-Type": "application/json"}), timeout=10)
