@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 #: The project is not on PyPI: a hint naming it there fails, and anyone could register the name.
 UNPUBLISHED = "rollout-queue" + "["
@@ -348,19 +350,28 @@ def test_a_worker_sends_the_engines_api_key(redis_url, namespace, tmp_path):
     from tests.helpers import wait_for
 
     engine = _Engine()
-    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO), ROLLOUT_ENGINE_API_KEY="w0rker-key")
+    # PYTHONFAULTHANDLER: should it not stop, SIGABRT writes every thread's stack to its log.
+    env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO), ROLLOUT_ENGINE_API_KEY="w0rker-key",
+               PYTHONFAULTHANDLER="1")
     log = tmp_path / "worker.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cli", "-v", "--redis-url", redis_url, "--namespace", namespace,
                                  "worker", "--engine-url", engine.url, "--tokenizer", "byte",
                                  "--allow-byte-tokenizer"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: engine.seen, timeout=60, what=f"a request from the worker\n{log.read_text()}")
-        assert all(auth == "Bearer w0rker-key" for _, _, auth in engine.seen), engine.seen
+        # Its start line: every request of its start-up was made (from /get_model_info on).
+        wait_for(lambda: "capacity" in log.read_text(), timeout=60, what=f"the worker's start\n{log.read_text()}")
+        assert engine.seen and all(auth == "Bearer w0rker-key" for _, _, auth in engine.seen), engine.seen
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        engine.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(10)
+            pytest.fail(f"the worker did not stop within 30 s of SIGTERM:\n{log.read_text()[-6000:]}")
+        finally:
+            engine.close()
     assert "w0rker-key" not in log.read_text()
 
 
