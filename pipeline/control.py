@@ -226,15 +226,11 @@ def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart
     staleness budget counts as if `version` batches had been committed since version 0,
     not the namespace's lifetime count (which would block admission for good)."""
     fields: dict[str, int | str] = {"weight_version": version}
-    if restart_budget:
-        # Read, then written with the version (WATCH: a commit in between reads again).
-        def rebase(pipe: redis.client.Pipeline) -> int:
-            committed = _number(pipe.hget(keys.stats, "committed"), "stats.committed", keys) or 0
-            batch = _number(pipe.hget(keys.control, "batch_size"), "batch_size", keys) or 0
-            pipe.multi()
-            pipe.hset(keys.control, "budget_base", committed - version * batch)
-            return committed - version * batch
-
-        fields["budget_base"] = client.transaction(rebase, keys.stats, keys.control, value_from_callable=True)
-    # The version (and the base, again) in a write of its own: the one WAIT confirms.
+    if restart_budget:  # the clock restarts now: committed so far, less `version` batches
+        pipe = client.pipeline(transaction=False)
+        pipe.hget(keys.stats, "committed")
+        pipe.hget(keys.control, "batch_size")
+        committed, batch = pipe.execute()
+        fields["budget_base"] = ((_number(committed, "stats.committed", keys) or 0)
+                                 - version * (_number(batch, "batch_size", keys) or 0))
     _write(client, keys, f"weight version {version}", durability, fields)

@@ -235,7 +235,7 @@ TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
         "xread", "xpending", "xrange", "mget", "zmscore",  # Consumer.next_batch
         "llen", "xlen", "zrevrange", "zrange", "hlen",  # the timeout error's diagnosis, in-flight count
         "hset", "hdel",  # control fields (Controller, configure)
-        "watch", "hget",  # set_weight_version rebasing the staleness budget (a transaction)
+        "hget",  # set_weight_version rebasing the staleness budget
         "hincrby", "hsetnx", "hkeys",  # the producer's cursor and dataset fingerprints
         "hmget", "zscore",  # the live workers' info (timeout diagnosis, slime's engines); eval passes
         "exists",  # namespace_is_empty: consume, pause and resume check that the namespace exists
