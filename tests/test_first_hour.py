@@ -217,14 +217,14 @@ def test_a_dataset_with_prompt_and_answer_keys_is_told_the_flags_to_pass(run, tm
 
 
 def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, tmp_path, monkeypatch):
-    import cli
+    from pipeline.ops import push_command
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"input": "What is {i} + 1?", "label": "{i + 1}"}}\n' for i in range(50)))
     one = run("push", str(data), "--dataset-name", "one")
     assert "--n-samples 1: groups of one sample, so every GRPO advantage" in one.output
     assert "warning" not in run("push", str(data), "--n-samples", "4", "--dataset-name", "four").output
-    monkeypatch.setattr(cli, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
+    monkeypatch.setattr(push_command, "PUSH_UP_FRONT_WARN_BYTES", 1000)  # 50 rows x 3 epochs is more
     big = run("push", str(data), "--n-samples", "4", "--epochs", "3", "--dataset-name", "big")
     assert big.exit_code == 0 and "warning: writing 50 rows x 3 epochs to Redis up front" in big.output
     assert "--max-queued 1024 feeds them" in big.output
@@ -270,10 +270,10 @@ def test_a_feeder_says_what_it_does_while_it_runs(run, queue, tmp_path, monkeypa
     waits for the workers."""
     import threading
 
-    import cli
+    from pipeline.ops import push_command
     from tests.helpers import wait_for
 
-    monkeypatch.setattr(cli, "FEEDER_PROGRESS_S", 0.1)
+    monkeypatch.setattr(push_command, "FEEDER_PROGRESS_S", 0.1)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"input": "q{i}", "label": "{i}"}}\n' for i in range(6)))
     done = threading.Event()
@@ -300,19 +300,20 @@ def test_a_worker_knob_has_one_default_in_worker_up_and_compose():
 
     import cli
     from pipeline.control import DEFAULT_LEASE_S
+    from workers.commands import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 
     def default(command: str, option: str):
         [param] = [p for p in cli.main.commands[command].params if option in p.opts]
         return param.default
 
-    for option, value in (("--concurrency", cli.DEFAULT_CONCURRENCY), ("--max-new-tokens", cli.DEFAULT_MAX_NEW_TOKENS)):
+    for option, value in (("--concurrency", DEFAULT_CONCURRENCY), ("--max-new-tokens", DEFAULT_MAX_NEW_TOKENS)):
         assert default("worker", option) == default("up", option) == value, option
     assert not isinstance(default("up", "--lease"), (int, float))  # the namespace's lease, DEFAULT_LEASE_S unless configured
     assert DEFAULT_LEASE_S == 30.0
     command = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["worker"]["command"]
     given = dict(zip(command[2::2], command[3::2]))
-    assert given["--concurrency"] == f"${{CONCURRENCY:-{cli.DEFAULT_CONCURRENCY}}}"
-    assert given["--max-new-tokens"] == f"${{MAX_NEW_TOKENS:-{cli.DEFAULT_MAX_NEW_TOKENS}}}"
+    assert given["--concurrency"] == f"${{CONCURRENCY:-{DEFAULT_CONCURRENCY}}}"
+    assert given["--max-new-tokens"] == f"${{MAX_NEW_TOKENS:-{DEFAULT_MAX_NEW_TOKENS}}}"
 
 
 def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):

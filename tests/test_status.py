@@ -13,7 +13,8 @@ from pipeline.consumer import Consumer
 from pipeline.control import configure, set_paused, set_weight_version
 from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Place, Queue
-from pipeline.ops.status import RateTracker, empty_message, namespace_is_empty, snapshot
+from pipeline.namespaces import empty_message, namespace_is_empty
+from pipeline.ops.status import RateTracker, snapshot
 from pipeline.ops.status_render import render
 from pipeline.types import Group, Status
 from tests.groups import claim, publish

@@ -1,0 +1,171 @@
+"""What every command module of the `rollout` command line shares: the command's
+context (Redis URL and namespace), click types for finite numbers and durations, the
+options several commands take, SIGTERM handling and output helpers. The commands
+themselves live beside the code they drive (docs/architecture.md, the map)."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import click
+
+from pipeline.connection import ConnectionFailed, connect, scrub
+from pipeline.metrics import DEFAULT_HOST as DEFAULT_METRICS_HOST
+from pipeline.queue import Queue
+from pipeline.redis_server import local_redis_url
+
+ENGINE_URLS_ENV = "ROLLOUT_ENGINE_URLS"
+#: Exit status of a command stopped by Ctrl-C or SIGTERM before it finished its work (as a shell reports Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
+#: The longest duration any option takes (a week): more is a typo, and 1e308 s overflows every clock.
+MAX_OPTION_SECONDS = 7 * 24 * 3600.0
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses nan and inf (nan passes every range check: it compares false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class Seconds(FiniteFloat):
+    """A duration in seconds: finite and at most MAX_OPTION_SECONDS."""
+
+    def __init__(self, min: float = 0, max: float = MAX_OPTION_SECONDS, **kwargs):
+        super().__init__(min=min, max=max, **kwargs)
+
+
+@dataclass
+class Context:
+    redis_url: str | None
+    namespace: str
+
+    def url(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        local = local_redis_url()
+        if local is None:
+            raise click.ClickException(
+                "no Redis given and no local one running: pass --redis-url (or set ROLLOUT_REDIS_URL), "
+                "or start a local stack with `rollout up`")
+        return local
+
+    def queue(self, wait_s: float = 0.0) -> Queue:
+        """`wait_s`: a long-running command waits that long for a Redis it cannot reach yet."""
+        try:
+            return Queue(connect(self.url(), wait_s=wait_s), self.namespace)
+        except ConnectionFailed as exc:
+            raise click.ClickException(self.scrub(str(exc))) from None
+
+    def scrub(self, text: str) -> str:
+        """`text` with the Redis password (if any) masked: errors never show it."""
+        return scrub(text, self.redis_url) if self.redis_url else text
+
+    def warn_if_empty(self, queue: Queue) -> None:
+        """Control commands act on an empty namespace too (e.g. pause before the first
+        push), but a typo there would leave the real pipeline running: say so."""
+        from pipeline.namespaces import empty_message, namespace_is_empty
+
+        if namespace_is_empty(queue.redis, queue.keys):
+            click.echo(f"warning: {empty_message(queue.redis, self.namespace)}", err=True)
+
+    def nonempty_queue(self) -> Queue:
+        """The queue, or a one-line error when the namespace holds nothing at all."""
+        from pipeline.namespaces import empty_message, namespace_is_empty
+
+        queue = self.queue()
+        if namespace_is_empty(queue.redis, queue.keys):
+            raise click.ClickException(empty_message(queue.redis, self.namespace))
+        return queue
+
+
+ENGINE_API_KEY_ENV = "ROLLOUT_ENGINE_API_KEY"
+ENGINE_API_KEY_OPTION = click.option(
+    "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
+    help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
+         "variable: a command line is visible to every local user).")
+
+REPLICAS_OPTION = click.option(
+    "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Redis behind Sentinel: return once this many replicas have the change (WAIT; waiting while none is "
+         "in sync), so a failover cannot forget it (docs/operations.md, Durability).")
+
+TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
+                      "torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+METRICS_HOST_OPTION = click.option(
+    "--metrics-host", default=DEFAULT_METRICS_HOST, show_default=True,
+    help="Address --metrics-port listens on; 0.0.0.0 for every interface (a Prometheus on another host).")
+
+
+def rich_console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+@contextmanager
+def stop_on_sigterm(stopped: Callable[[], str] | None = None, exit_code: int = 0):
+    """SIGTERM (`docker compose stop`, systemd, kill) ends the command as Ctrl-C does: cleanly, with
+    `exit_code`, saying `stopped()`. As PID 1 in a container, a process without a handler ignores SIGTERM."""
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if stopped is not None:
+            click.echo(stopped(), err=True)
+        sys.exit(exit_code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, default=str)
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """A one-line error now rather than a traceback when the server binds later."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                     param_hint=option) from None
+
+
+def given_engine_urls(engine_urls: tuple[str, ...]) -> list[str]:
+    from urllib.parse import urlsplit
+
+    from pipeline.connection import redact
+
+    urls = [u for url in engine_urls for u in url.split()]
+    for u in urls:
+        parts = urlsplit(u)
+        shown = redact(u)
+        if "," in u:
+            raise click.BadParameter(f"{shown!r} holds a comma: separate several engine URLs with spaces "
+                                     f"({ENGINE_URLS_ENV}) or repeat --engine-url", param_hint="--engine-url")
+        try:
+            parts.port  # noqa: B018 -- raises on a port that is not a number from 0 to 65535
+        except ValueError:
+            raise click.BadParameter(f"{shown!r} has a malformed port", param_hint="--engine-url") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise click.BadParameter(f"{shown!r} is not an engine URL: use http://host:port or https://...",
+                                     param_hint="--engine-url")
+    return urls
