@@ -69,7 +69,7 @@ from pipeline.control import configure  # noqa: E402
 from pipeline.controller import Controller  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
-from workers.engine import EngineSet  # noqa: E402
+from workers.engine_set import EngineSet
 from local.processes import start_worker_process, stop_processes  # noqa: E402
 
 NAMESPACE = "asyncbench"

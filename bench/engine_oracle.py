@@ -6,7 +6,7 @@ distribution so that the rows of one seed compare the same work. One `LengthOrac
 the engines:
 
 - `/generate`: the sample's total length is drawn from its `sampling_seed` exactly as
-  the simulator draws it (engines.simulator.draw_output_length); the request is sent
+  the simulator draws it (engines.sim_model.draw_output_length); the request is sent
   with `max_new_tokens` = that length minus what the sample already generated and
   `ignore_eos: true`, so the model writes exactly the drawn length. What a sample
   already generated is its input beyond the first input seen for that seed (a
@@ -31,7 +31,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from engines.simulator import draw_output_length
+from engines.sim_model import draw_output_length
 
 from .sim_fleet import Window
 

@@ -18,7 +18,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from pipeline.types import Group, Sample, Status
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from workers.rewards import Reward
 from workers.tokenizer import ByteTokenizer, encode_prompt
 from workers.sampling import SamplingSettings

@@ -302,7 +302,7 @@ def summarize(values: list[float | None]) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from workers.engine import EngineSet
+    from workers.engine_set import EngineSet
 
     with tempfile.TemporaryDirectory(prefix="pausebench-") as tmp_dir:
         tmp = Path(tmp_dir)

@@ -37,7 +37,8 @@ from pipeline.queue import Queue
 from pipeline.retry import RedisUnavailable, is_transient
 from pipeline.types import PauseMode
 
-from workers.engine import EngineError, EngineSet
+from workers.engine_errors import EngineError
+from workers.engine_set import EngineSet
 from .ledger import Ledger, LedgerEvent
 from local.processes import REDIS_URL_ENV
 

@@ -28,7 +28,7 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Queue
 from pipeline.redis_server import RedisServer, register_local, unregister_local
 
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from .processes import start_worker_process, stop_processes
 from engines.simulator import SimConfig, start_simulator
 

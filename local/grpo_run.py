@@ -46,7 +46,7 @@ from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import parse_version
 
 from local import capital_task, case_task
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from .grpo import AgreementError, StepReport, Trainer, TrainerSettings
 from .processes import start_torch_engine_process, start_worker_process, stop_processes, wait_healthy
 

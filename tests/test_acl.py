@@ -29,7 +29,7 @@ from pipeline.types import Group, Status
 from tests.conftest import CORE_REDIS_BINARIES
 from tests.groups import claim, publish
 from tests.helpers import WorkerThread, wait_for
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 

@@ -35,7 +35,8 @@ from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.groups import claim
 from tests.helpers import GenerateServer, WorkerThread, one_error_line, wait_for
-from workers.engine import EngineProtocolError, parse_generate_response
+from workers.engine_answers import parse_generate_response
+from workers.engine_errors import EngineProtocolError
 from workers.rewards import Reward
 from workers.sampling import SamplingSettings
 from workers.tokenizer import ByteTokenizer
@@ -419,7 +420,7 @@ def test_reward_value_is_never_published(kind, worker_run):
 
 @pytest.mark.parametrize("kind", sorted(ENGINE_KINDS))
 def test_engine_answer_parser_names_the_problem(kind):
-    from workers.engine import decode_body
+    from workers.engine_answers import decode_body
 
     body, error = ENGINE_KINDS[kind]
     data = decode_body(body)

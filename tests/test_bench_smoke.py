@@ -204,7 +204,7 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     assert out["rows"][2]["per_seed"][0]["audit"].endswith(": OK")
     # Sync trains the first groups whole: exactly their seeded lengths.
     from bench.rl_loop import Settings, make_groups
-    from engines.simulator import draw_output_length
+    from engines.sim_model import draw_output_length
 
     settings = Settings(n_samples=n, batch_groups=batch, median_tokens=32, p99_tokens=320)
     drawn = sum(draw_output_length(random.Random(f"sample:{g.sampling_seed(x)}|length"), 32, 320)

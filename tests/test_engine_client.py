@@ -16,18 +16,10 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import ROUTER_STARTUP_TIMEOUT_S, RouterProcess, http_json, router_engine_urls
-from workers.engine import (
-    EngineClient,
-    EngineControlError,
-    EngineError,
-    EngineRequestError,
-    EngineSet,
-    EngineUnavailable,
-    GenerateResult,
-    discover_engines,
-    make_session,
-    parse_generate_response,
-)
+from workers.engine import EngineClient, make_session
+from workers.engine_answers import GenerateResult, parse_generate_response
+from workers.engine_errors import EngineControlError, EngineError, EngineRequestError, EngineUnavailable
+from workers.engine_set import EngineSet, discover_engines
 
 
 def run(coro):

@@ -17,14 +17,8 @@ from hypothesis import strategies as st
 from pipeline.codec import DecodeError, decode_group, encode_group
 from pipeline.queue import Queue
 from pipeline.types import Group, Sample, SamplingRecord, Status
-from workers.engine import (
-    FINISH_TYPES,
-    FLOAT32_MAX,
-    INT32_MAX,
-    EngineProtocolError,
-    decode_body,
-    parse_generate_response,
-)
+from workers.engine_answers import FINISH_TYPES, FLOAT32_MAX, INT32_MAX, decode_body, parse_generate_response
+from workers.engine_errors import EngineProtocolError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

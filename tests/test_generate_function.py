@@ -23,7 +23,7 @@ from pipeline.trainers.torch_adapter import batch_to_tensors
 from tests import fake_slime
 from tests import generate_functions as fns
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from workers.worker import SamplingSettings, WorkerSettings
 
 FAST = dict(decode_tokens_per_s=20000.0, length_median=24, length_p99=240, prefill_s=0.001)

@@ -17,14 +17,10 @@ from pipeline.queue import Queue
 from pipeline.types import Group
 from tests.helpers import GenerateServer, WorkerThread, wait_for
 from tests.test_engine_client import BODY, FakeEngine, engines, gen_body, run
-from workers.engine import (
-    ANSWER_BASE_BYTES,
-    EngineClient,
-    EngineError,
-    EngineProtocolError,
-    EngineSet,
-    answer_limit,
-)
+from workers.engine import EngineClient
+from workers.engine_answers import ANSWER_BASE_BYTES, answer_limit
+from workers.engine_errors import EngineError, EngineProtocolError
+from workers.engine_set import EngineSet
 from workers.sampling import SamplingSettings
 from workers.tokenizer import ByteTokenizer
 from workers.worker import WorkerSettings

@@ -16,7 +16,7 @@ from pipeline.queue import Queue
 from tests import generate_functions as fns
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
 from tests.test_weight_update import SLOW, check_sample, push, worker_settings
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from workers.sampling import SamplingSettings
 
 GROUPS = 24

@@ -19,7 +19,8 @@ import pytest
 
 from tests.helpers import http_call as call
 from engines.core import CACHE_NOT_FLUSHED
-from engines.simulator import SimConfig, draw_output_length, start_simulator
+from engines.sim_model import draw_output_length
+from engines.simulator import SimConfig, start_simulator
 from pipeline.codec import decode_group, encode_group
 from pipeline.types import Group
 from workers.sampling import SamplingSettings

@@ -15,7 +15,7 @@ from pipeline.control import configure, read_control, set_weight_version, stalen
 from pipeline.queue import Place, Queue
 from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, holds_for, wait_for
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 from tests.groups import claim, publish

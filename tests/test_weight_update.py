@@ -21,7 +21,7 @@ from pipeline.controller import Controller, WeightUpdateError
 from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.helpers import RouterProcess, WorkerThread, consume_all, holds_for, http_json, wait_for
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 

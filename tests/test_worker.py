@@ -18,7 +18,7 @@ from pipeline.controller import Controller
 from pipeline.queue import Queue
 from pipeline.types import Group, Status
 from tests.helpers import WorkerThread, consume_all, http_json, wait_for
-from workers.engine import EngineSet
+from workers.engine_set import EngineSet
 from engines.simulator import SimConfig, start_simulator
 from workers.worker import SamplingSettings, WorkerSettings
 

@@ -108,7 +108,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
     Example:
       rollout worker --engine-url http://router:30000 --reward math_boxed
     """
-    from workers.engine import EngineError
+    from workers.engine_errors import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
     from workers.worker import WorkerConfigError, run_worker

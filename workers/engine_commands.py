@@ -41,7 +41,7 @@ def _unreachable_hint(source: str) -> str:
 
 
 def _engine_error_types():
-    from workers.engine import EngineError
+    from workers.engine_errors import EngineError
 
     return (EngineError,)
 
@@ -75,7 +75,7 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas) -> None
       rollout pause --mode in_place --engine-url http://router:30000
     """
     from pipeline.controller import Controller
-    from workers.engine import EngineSet
+    from workers.engine_set import EngineSet
 
     given = given_engine_urls(engine_urls)
     queue = obj.queue()
@@ -132,7 +132,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, r
       rollout resume --weight-version 12 --engine-url http://router:30000
     """
     from pipeline.controller import Controller
-    from workers.engine import EngineSet
+    from workers.engine_set import EngineSet
 
     given = given_engine_urls(engine_urls)
     queue = obj.queue()

@@ -8,7 +8,8 @@ from pipeline import metrics
 from pipeline.control import read_control
 
 from .context import WorkerContext
-from .engine import EngineError, EngineSet
+from .engine_errors import EngineError
+from .engine_set import EngineSet
 
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
 

@@ -15,7 +15,9 @@ from pipeline.queue import ClaimedGroup, Place, Publish, Published, Queue
 from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
 
 from .context import Halt, WorkerContext
-from .engine import EngineError, EngineProtocolError, EngineRequestError, EngineSet, GenerateResult
+from .engine_answers import GenerateResult
+from .engine_errors import EngineError, EngineProtocolError, EngineRequestError
+from .engine_set import EngineSet
 from .engine_health import EngineHealth
 from .generate_function import GenerateFunction, GenerateFunctionFailed, generate_args
 from .publisher import Publisher

@@ -377,7 +377,8 @@ def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_by
 
 async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None) -> EngineModel:
     """/get_model_info of `url`, waiting (with a log line now and then) while it cannot answer."""
-    from .engine import EngineClient, EngineUnavailable
+    from .engine import EngineClient
+    from .engine_errors import EngineUnavailable
 
     client = EngineClient(url, api_key=api_key)
     url = client.url  # without credentials: the one logs and errors show

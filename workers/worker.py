@@ -56,7 +56,7 @@ from pipeline.wording import counted
 
 from .claiming import Claimer
 from .context import WorkerContext
-from .engine import EngineSet
+from .engine_set import EngineSet
 from .engine_health import EngineHealth
 from .generate_function import GenerateFunction
 from .group_run import GroupRunner

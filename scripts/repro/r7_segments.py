@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from common import Group
 from pipeline.codec import DecodeError, decode_group, encode_group
-from workers.engine import GenerateResult
+from workers.engine_answers import GenerateResult
 from workers.group_run import GroupRunner
 from workers.tokenizer import ByteTokenizer
 
