@@ -58,7 +58,9 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     tokenizer = _tokenizer(args.hf_checkpoint)
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     if not sample.tokens:  # a fresh sample; a continued one goes on from its tokens
-        sample.tokens = encode_prompt(tokenizer, sample.prompt, getattr(args, "apply_chat_template", False))
+        # The worker renders the prompt under --apply-chat-template (slime's Dataset does); messages
+        # pushed without it still need the template.
+        sample.tokens = encode_prompt(tokenizer, sample.prompt, False)
         sample.metadata[TURNS_KEY], sample.metadata[TURN_START_KEY] = 0, 0
     budget = sampling_params["max_new_tokens"]
     stop = list(dict.fromkeys([*(sampling_params.get("stop") or []), TOOL_END]))

@@ -9,6 +9,13 @@ is ever unpickled or evaluated. Decoded token ids and log-probs stay packed unti
 first read (`PackedSample`): the trainer's screening of a batch reads versions and
 rewards only, and turning 16k numbers per sample into Python objects is most of
 what decoding would cost.
+
+Labels and rewards are JSON values (a dict reward keeps its non-numeric entries). The
+Sample fields slime declares beyond the core ones, and the attributes user code set
+on a sample (`sample.tool_call_count`), travel in the optional map `x` when not at their
+defaults: JSON values only, at most MAX_ATTRIBUTE_BYTES per sample (an EncodeError names
+the attribute past it). The group's `pp` (the prompt as pushed, kept while the samples
+hold its chat-template rendering) is optional too.
 """
 from __future__ import annotations
 
@@ -16,11 +23,12 @@ import struct
 import sys
 import zlib
 from array import array
+from dataclasses import MISSING, dataclass
 from typing import Any
 
 import msgpack
 
-from .types import Group, Sample, SamplingRecord, Status
+from .types import SAMPLE_FIELDS, Group, PrefixCacheInfo, Sample, SamplingRecord, SpecInfo, Status, json_problem
 
 SCHEMA_VERSION = 1
 _COMPRESS_TEXT_OVER = 512  # bytes; below this zlib's header costs more than it saves
@@ -90,57 +98,112 @@ def _unpack_mask(packed: Any, response_length: int, what: str) -> list[int] | No
     return [(bits[i >> 3] >> (i & 7)) & 1 for i in range(length)]
 
 
-_PACKED = object()  # marks a PackedSample field not unpacked yet
+@dataclass(frozen=True)
+class PackedArray:
+    """Token ids (int32) or log-probs (float32) still in their wire bytes, after `prefix`
+    (the group's prompt ids, for tokens). A value, not a marker: a copy of it (copy,
+    deepcopy, pickle) is still one, so a copied PackedSample unpacks like the original."""
+
+    typecode: str  # "i" or "f"
+    data: bytes
+    prefix: list[int] | None = None
+
+    def unpack(self) -> list:
+        tail = _unpack_array(self.typecode, self.data, "tokens" if self.typecode == "i" else "log-probs")
+        return self.prefix + tail if self.prefix else tail
 
 
 class PackedSample(Sample):
-    """A decoded Sample whose token ids and log-probs are unpacked on first read."""
-
-    _tokens: Any
-    _log_probs: Any
+    """A decoded Sample whose token ids and log-probs are unpacked on first read. The
+    packed bytes live in the instance's own `tokens` / `rollout_log_probs` entries, so
+    whatever copies the instance copies them."""
 
     @property
     def tokens(self) -> list[int]:
-        if self._tokens is _PACKED:
-            tail = _unpack_array("i", self._packed_tokens, "tokens")
-            self._tokens = self._prefix + tail if self._prefix else tail
-        return self._tokens
+        value = self.__dict__["tokens"]
+        if type(value) is PackedArray:
+            value = self.__dict__["tokens"] = value.unpack()
+        return value
 
     @tokens.setter
     def tokens(self, value: list[int]) -> None:
-        self._tokens = value
+        self.__dict__["tokens"] = value
 
     @property
     def rollout_log_probs(self) -> list[float] | None:
-        if self._log_probs is _PACKED:
-            self._log_probs = _unpack_array("f", self._packed_log_probs, "log-probs")
-        return self._log_probs
+        value = self.__dict__["rollout_log_probs"]
+        if type(value) is PackedArray:
+            value = self.__dict__["rollout_log_probs"] = value.unpack()
+        return value
 
     @rollout_log_probs.setter
     def rollout_log_probs(self, value: list[float] | None) -> None:
-        self._log_probs = value
+        self.__dict__["rollout_log_probs"] = value
 
     def packed_tokens(self) -> tuple[list[int], bytes] | None:
         """(prompt ids, little-endian int32 bytes of the rest) while the tokens were
         neither read nor replaced; None after. For zero-copy readers (torch_adapter)."""
-        return None if self._tokens is not _PACKED else (self._prefix, self._packed_tokens)
+        value = self.__dict__["tokens"]
+        return (value.prefix or [], value.data) if type(value) is PackedArray else None
 
     def packed_log_probs(self) -> bytes | None:
         """Little-endian float32 bytes of the log-probs while unread and unreplaced."""
-        return self._packed_log_probs if self._log_probs is _PACKED else None
+        value = self.__dict__["rollout_log_probs"]
+        return value.data if type(value) is PackedArray else None
+
+
+#: Sample fields with a wire field of their own; every other field travels in "x" when it
+#: is not at its default, with the attributes user code set.
+_CORE_FIELDS = frozenset({"group_index", "index", "prompt", "label", "metadata", "tokens", "response_length",
+                          "response", "reward", "loss_mask", "rollout_log_probs", "weight_versions", "status"})
+#: What the attributes of one sample ("x": non-default fields beyond the core ones, and
+#: attributes user code set) may take as msgpack, together. A generate function that
+#: stores more (a whole transcript per turn) gets an EncodeError naming the attribute.
+MAX_ATTRIBUTE_BYTES = 1024 * 1024
+
+
+def _attributes(s: Sample) -> dict[str, Any]:
+    """The sample's "x" map: JSON values only, at most MAX_ATTRIBUTE_BYTES."""
+    out: dict[str, Any] = {}
+    for name, value in vars(s).items():
+        if name in _CORE_FIELDS:
+            continue
+        if name in ("spec_info", "prefix_cache_info"):
+            value = value.to_dict()
+            if not any(value.values()):
+                continue
+        elif name in SAMPLE_FIELDS and value == _DEFAULTS[name]:
+            continue
+        problem = json_problem(value, name)
+        if problem:
+            raise EncodeError(f"sample {s.index}: attribute {problem}; attributes travel as JSON values")
+        out[name] = value
+    if out:
+        size = 0
+        for name, value in out.items():
+            size += len(msgpack.packb(value, use_bin_type=True))
+            if size > MAX_ATTRIBUTE_BYTES:
+                raise EncodeError(f"sample {s.index}: attribute {name!r} takes the sample's attributes to {size:,} "
+                                  f"bytes, over the limit of {MAX_ATTRIBUTE_BYTES:,} (codec.MAX_ATTRIBUTE_BYTES)")
+    return out
 
 
 def _encode_sample(s: Sample, prompt_ids: list[int], shared_prompt: bool, with_text: bool) -> dict:
     if s.loss_mask is not None and len(s.loss_mask) != s.response_length:  # slime: one per response token
         raise EncodeError(f"sample {s.index}: loss_mask has {len(s.loss_mask)} entries for "
                           f"{s.response_length} response tokens")
+    # A label is any JSON value; a reward a number or a dict of JSON values (the worker
+    # checks the trained value, rewards.validate_reward).
+    problem = json_problem(s.label, "label") or (json_problem(s.reward, "reward") if type(s.reward) is dict else None)
+    if problem:
+        raise EncodeError(f"sample {s.index}: {problem}")
     n_prompt = len(prompt_ids)
     tokens = s.tokens
     shares_prompt = n_prompt > 0 and tokens[:n_prompt] == prompt_ids
     tail = tokens[n_prompt:] if shares_prompt else tokens
     text = s.response.encode() if with_text else b""
     compressed = len(text) > _COMPRESS_TEXT_OVER
-    return {
+    encoded = {
         "gi": s.group_index,
         "ix": s.index,
         "p": None if shared_prompt else s.prompt,
@@ -157,6 +220,20 @@ def _encode_sample(s: Sample, prompt_ids: list[int], shared_prompt: bool, with_t
         "wv": s.weight_versions,
         "st": s.status.value,
     }
+    attributes = _attributes(s)
+    if attributes:  # optional: most samples have none
+        encoded["x"] = attributes
+    return encoded
+
+
+def check_sample(sample: Sample) -> None:
+    """Raise EncodeError, naming the field or attribute, if `sample` cannot be stored."""
+    try:
+        msgpack.packb(_encode_sample(sample, [], False, False), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, EncodeError):
+            raise
+        raise EncodeError(f"sample {sample.index}: {type(exc).__name__}: {exc}") from None
 
 
 def encode_group(group: Group, with_response_text: bool = True) -> bytes:
@@ -192,6 +269,8 @@ def _encode_group(group: Group, with_response_text: bool) -> bytes:
         "wk": group.worker,
         "err": group.error,
     }
+    if group.pushed_prompt is not None:  # optional, as smp
+        fields["pp"] = group.pushed_prompt
     if group.sampling is not None:  # optional: groups without it decode as before
         r = group.sampling
         fields["smp"] = [r.temperature, r.top_p, r.top_k, r.max_new_tokens, list(r.stop), list(r.stop_token_ids),
@@ -227,7 +306,7 @@ _MISSING = object()
 # Allowed exact types per field. Exact, so an int field rejects True (bool is its own
 # type) and one table lookup per field keeps decoding cheap.
 _SAMPLE_FIELDS: dict[str, tuple] = {
-    "gi": (int, _NONE), "ix": (int, _NONE), "p": (str, list, _NONE), "l": (str, _NONE),
+    "gi": (int, _NONE), "ix": (int, _NONE), "p": (str, list, _NONE),
     "m": (dict,), "sp": (bool,), "t": (bytes,), "rl": (int,), "r": (bytes,), "rz": (bool,),
     "rw": (int, float, dict, _NONE), "lp": (bytes, _NONE), "wv": (list,), "st": (str,),
 }
@@ -237,6 +316,41 @@ _GROUP_FIELDS: dict[str, tuple] = {
     "clt": (int, float, _NONE), "ft": (int, float, _NONE), "wk": (str, _NONE), "err": (str, _NONE),
 }
 _STATUS = {s.value: s for s in Status}
+_DEFAULTS = {name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+             for name, f in SAMPLE_FIELDS.items()}
+_NUMBER = (int, float)
+# Allowed exact types of the declared fields that travel in "x" (JSON values are checked
+# apart); spec_info and prefix_cache_info are maps of counts.
+_ATTRIBUTE_FIELDS: dict[str, tuple] = {
+    "rollout_id": (int, _NONE), "multimodal_inputs": (dict, _NONE), "multimodal_train_inputs": (dict, _NONE),
+    "multimodal_train_input_id": (str, _NONE), "apply_chat_template_kwargs": (dict,),
+    "rollout_top_p_token_ids": (list, _NONE), "rollout_top_p_token_offsets": (list, _NONE),
+    "rollout_routed_experts": (list, _NONE), "remove_sample": (bool,), "teacher_log_probs": (list, _NONE),
+    "generate_function_path": (str, _NONE), "custom_rm_path": (str, _NONE), "train_metadata": (dict, _NONE),
+    "session_id": (str, _NONE), "non_generation_time": _NUMBER, "spec_info": (dict,), "prefix_cache_info": (dict,),
+}
+
+
+def _decode_attributes(value: Any, what: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise DecodeError(f"{what}: field 'x' should be a map, got {type(value).__name__}")
+    out = {}
+    for name, item in value.items():
+        problem = json_problem(item, f"attribute {name!r}") if type(name) is str else "a key that is not a string"
+        if problem:
+            raise DecodeError(f"{what}: {problem}")
+        if name in _CORE_FIELDS or name.startswith("_"):
+            raise DecodeError(f"{what}: attribute {name!r} cannot travel as an attribute")
+        types = _ATTRIBUTE_FIELDS.get(name)
+        if types is not None and type(item) not in types:
+            raise DecodeError(f"{what}: attribute {name!r} should be "
+                              f"{'/'.join(t.__name__ for t in types if t is not _NONE)}, got {type(item).__name__}")
+        if name == "spec_info":
+            item = SpecInfo.from_dict(item)
+        elif name == "prefix_cache_info":
+            item = PrefixCacheInfo.from_dict(item)
+        out[name] = item
+    return out
 
 
 def _check_fields(m: dict, schema: dict[str, tuple], what: str) -> None:
@@ -291,23 +405,38 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
     if not isinstance(prompt, (str, list)):
         raise DecodeError(f"{what}: no prompt (neither the sample's nor the group's)")
     reward = m["rw"]
+    label = m.get("l", _MISSING)
+    problem = ("missing field 'l'" if label is _MISSING else json_problem(label, "label")) or \
+        (json_problem(reward, "reward") if type(reward) is dict else None)
+    if problem:
+        raise DecodeError(f"{what}: {problem}")
     sample = PackedSample.__new__(PackedSample)  # fields set directly: decoding is a hot path
-    sample.__dict__.update(
+    fields = sample.__dict__
+    fields.update(_fresh_defaults())
+    fields.update(
         group_index=m["gi"],
         index=m["ix"],
         prompt=prompt,
         label=m["l"],
         metadata=m["m"],
+        tokens=PackedArray("i", tail, prefix),
         response_length=response_length,
         response=text.decode("utf-8", errors="replace"),
         reward=float(reward) if type(reward) is int else reward,
         loss_mask=_unpack_mask(m["lm"], response_length, what),
+        rollout_log_probs=None if lp is None else PackedArray("f", lp),
         weight_versions=wv,
         status=status,
-        _tokens=_PACKED, _packed_tokens=tail, _prefix=prefix,
-        _log_probs=None if lp is None else _PACKED, _packed_log_probs=lp,
     )
+    if "x" in m:
+        fields.update(_decode_attributes(m["x"], what))
     return sample
+
+
+def _fresh_defaults() -> dict[str, Any]:
+    """Every field at its default, mutable ones new (decoding sets the rest)."""
+    return {name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+            for name, f in SAMPLE_FIELDS.items() if name not in _CORE_FIELDS}
 
 
 def decode_group(data: bytes) -> Group:
@@ -328,4 +457,11 @@ def decode_group(data: bytes) -> Group:
         admitted_version=m["adm"], dataset=m["ds"], epoch=m["ep"], row=m["row"], created_at=m["ct"],
         claimed_at=m["clt"], finished_at=m["ft"], worker=m["wk"], error=m["err"],
         sampling=_decode_sampling(m.get("smp", _MISSING)),
+        pushed_prompt=_decode_pushed_prompt(m.get("pp")),
     )
+
+
+def _decode_pushed_prompt(value: Any) -> str | list | None:
+    if value is not None and type(value) not in (str, list):
+        raise DecodeError(f"group: field 'pp' should be a prompt (str or list), got {type(value).__name__}")
+    return value

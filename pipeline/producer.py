@@ -12,7 +12,7 @@ out: another `--dataset-name`, or `--restart-cursor` (everything again, under ne
 group ids, since the old ones may already be trained on).
 
 Every row is checked before the first push: JSON (NaN is not JSON), the keys and
-types, text the wire format can store (no lone surrogates), values msgpack can
+types (a label is any JSON value, kept as it is, as slime's Dataset keeps it), text the wire format can store (no lone surrogates), values msgpack can
 encode, the size (`max_prompt_bytes`) and, with a token counter, the engine's
 context. A bad row refuses the file, or with `skip_bad` is dead-lettered with its
 first KBs and its size. Bad rows do not count towards the content fingerprint, so
@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import random
 import re
 import time
@@ -37,7 +36,7 @@ import msgpack
 from .codec import encode_group
 from .queue import Queue
 from .retry import Reconnect
-from .types import Group
+from .types import Group, json_problem
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class Row:
     index: int  # position in the file (0-based)
     where: str  # "file:line" for messages
     prompt: str | list[dict] | None = None
-    label: str | None = None
+    label: Any = None  # any JSON value
     metadata: dict = field(default_factory=dict)
     error: str | None = None
     raw: str = ""  # the first RAW_KEPT_CHARS of the row, for its dead letter
@@ -229,14 +228,11 @@ def _row_from_record(record: Any, index: int, where: str, opts: PushOptions, raw
         return row
     row.prompt = prompt
     if opts.label_key and record.get(opts.label_key) is not None:
+        # As slime's Dataset: the label is the row's value as it is (a number, a dict, ...).
         label = record[opts.label_key]
-        if isinstance(label, float) and not math.isfinite(label):
-            row.error = f"{opts.label_key!r} is {label}, not a usable label"
-            return row
-        if isinstance(label, (int, float)) and not isinstance(label, bool):
-            label = str(label)
-        if not isinstance(label, str):
-            row.error = f"{opts.label_key!r} must be a string or number, got {type(label).__name__}"
+        problem = json_problem(label, repr(opts.label_key))
+        if problem:
+            row.error = f"{problem}: a label must be a JSON value"
             return row
         row.label = label
     if opts.metadata_key and record.get(opts.metadata_key) is not None:

@@ -128,13 +128,15 @@ async def search_r1_style(args, sample, sampling_params):
 
 
 async def two_agents(args, sample, sampling_params):
-    """A multi-agent function: the sample, and a second agent's sample beside it."""
-    from pipeline.types import Sample
-
-    second = Sample(group_index=sample.group_index, index=sample.index + 1000, prompt=sample.prompt,
-                    label=sample.label)
+    """A multi-agent function, as slime documents a fan-out: a copy of the sample per agent
+    (same index and group_index), one rollout_id for both."""
+    second = copy.deepcopy(sample)
+    second.metadata["agent"] = 2
+    sample.rollout_id = second.rollout_id = sample.index
     await three_turns(args, sample, sampling_params)
+    first = copy.deepcopy(sample.to_dict())
     await three_turns(args, second, sampling_params)
+    PRODUCED[(sample.index, 1)], PRODUCED[(sample.index, 2)] = first, PRODUCED[sample.index]
     return [sample, second]
 
 
@@ -159,3 +161,129 @@ async def counting_turns(args, sample, sampling_params):
         return await three_turns(args, sample, sampling_params)
     finally:
         ACTIVE["now"] -= 1
+
+
+# -- slime's data model through the worker (tests/test_function_output.py) -------------------
+
+#: sample index -> each sample the function was handed, as it was handed (to_dict)
+GIVEN: dict[int, list[dict]] = {}
+#: sample index -> args.partial_rollout as each call saw it
+PARTIAL_FLAGS: dict[int, list[bool]] = {}
+#: set when a reward started scoring (a background task of the function waits for it)
+REWARD_STARTED = threading.Event()
+_CACHED: list = []
+
+
+def _record_given(args, sample) -> None:
+    GIVEN.setdefault(sample.index, []).append(copy.deepcopy(sample.to_dict()))
+    PARTIAL_FLAGS.setdefault(sample.index, []).append(args.partial_rollout)
+
+
+async def counts_tool_calls(args, sample, sampling_params):
+    """As retool: an attribute slime's Sample does not declare, read by the reward."""
+    _record_given(args, sample)
+    await three_turns(args, sample, sampling_params)
+    sample.tool_call_count = TURNS - 1
+    sample.payload_has_tools = True
+    return sample
+
+
+async def dapo_like_reward(args, sample):
+    """As retool's reward_func: math_dapo's dict (a bool and a string beside the score),
+    the score adjusted by the tool calls the generate function counted."""
+    REWARD_STARTED.set()
+    await asyncio.sleep(0.02)  # a judge's latency: whatever else runs meanwhile must not matter
+    num_turns = getattr(sample, "tool_call_count", 0)
+    result = {"score": -1.0, "acc": False, "pred": "5"}
+    result["score"] = min(-0.6, result["score"] + (num_turns - 2) / 2 * 0.1) + sum(sample.response_tokens) % 7 / 100
+    return result
+
+
+async def token_sum_reward(args, sample):
+    """A number that follows from the response tokens, scored after a judge's latency."""
+    REWARD_STARTED.set()
+    await asyncio.sleep(0.02)
+    return float(sum(sample.response_tokens) % 7)
+
+
+async def resets_like_search_r1(args, sample, sampling_params):
+    """As slime's search-r1 generate: refuses partial rollouts, and given a sample anyway
+    resets tokens and loss_mask but not response_length nor rollout_log_probs, so slime's
+    append_response_tokens raises on a partial sample."""
+    assert not args.partial_rollout, "Partial rollout is not supported for this function at the moment."
+    _record_given(args, sample)
+    CALLS[sample.index] = CALLS.get(sample.index, 0) + 1
+    prompt = _bytes.encode(sample.prompt)
+    sample.tokens = list(prompt)
+    sample.loss_mask = []
+    async with aiohttp.ClientSession() as session:
+        for turn in range(TURNS):
+            if turn == 1:
+                SECOND_CALL_SENT.set()
+            params = dict(sampling_params, max_new_tokens=sampling_params["max_new_tokens"] if LONG_TURNS
+                          else TURN_TOKENS)
+            output = await _post(session, args, {"input_ids": sample.tokens, "sampling_params": params,
+                                                 "return_logprob": True})
+            meta = output["meta_info"]
+            if meta["finish_reason"]["type"] == "abort":
+                pairs = meta["output_token_logprobs"]
+                sample.append_response_tokens(args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs],
+                                              meta_info=meta)
+                ABORTED[sample.index] = copy.deepcopy(sample.to_dict())
+                return sample
+            pairs = meta["output_token_logprobs"]
+            sample.append_response_tokens(args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs],
+                                          meta_info=meta)
+            if turn < TURNS - 1:
+                sample.append_response_tokens(args, tokens=tool_output(turn + 1), trainable=False)
+    sample.status = type(sample.status)("completed")
+    PRODUCED[sample.index] = copy.deepcopy(sample.to_dict())
+    return sample
+
+
+async def records_its_prompt(args, sample, sampling_params):
+    _record_given(args, sample)
+    return await three_turns(args, sample, sampling_params)
+
+
+async def returns_one_object_twice(args, sample, sampling_params):
+    await three_turns(args, sample, sampling_params)
+    sample.rollout_id = sample.index
+    return [sample, sample]
+
+
+async def changes_the_prompt_of_odd_samples(args, sample, sampling_params):
+    await three_turns(args, sample, sampling_params)
+    if sample.index % 2:
+        sample.tokens = [ord("X")] + sample.tokens[1:]  # not the prompt's ids any more
+    return sample
+
+
+async def returns_a_cached_sample(args, sample, sampling_params):
+    """Returns the first sample it ever made, whatever it is called for (a cache keyed wrong)."""
+    if not _CACHED:
+        _CACHED.append(await three_turns(args, sample, sampling_params))
+    return _CACHED[0]
+
+
+async def rewrites_after_returning(args, sample, sampling_params):
+    """Leaves a task running that rewrites the returned sample's tokens once the reward
+    started scoring it."""
+    await three_turns(args, sample, sampling_params)
+
+    async def rewrite():
+        while not REWARD_STARTED.is_set():
+            await asyncio.sleep(0.005)
+        sample.tokens[-1] = 7 if sample.tokens[-1] != 7 else 8
+        sample.tool_call_count = 99
+
+    BACKGROUND.add(asyncio.get_running_loop().create_task(rewrite()))
+    return sample
+
+
+BACKGROUND: set = set()
+
+
+def reset_data_model_records() -> None:
+    GIVEN.clear(), PARTIAL_FLAGS.clear(), _CACHED.clear(), BACKGROUND.clear()
+    REWARD_STARTED.clear()

@@ -76,7 +76,8 @@ ROW_KINDS = {
     "not_an_object": BadRow("[1, 2]", "expected a JSON object, got list"),
     "missing_key": BadRow('{"prompt": "q"}', "missing key 'input' (have: prompt)"),
     "wrong_type": BadRow('{"input": 42}', "'input' must be a non-empty string"),
-    "label_a_list": BadRow('{"input": "q", "label": ["a"]}', "'label' must be a string or number, got list"),
+    "label_nested_too_deep": BadRow('{"input": "q", "label": ' + "[" * 70 + "]" * 70 + "}",
+                                    "nests deeper than 64 levels: a label must be a JSON value"),
     "label_nan": BadRow('{"input": "q", "label": NaN}', "invalid JSON: NaN is not JSON"),
     "label_infinity": BadRow('{"input": "q", "label": -Infinity}', "invalid JSON: -Infinity is not JSON"),
     "lone_surrogate": BadRow('{"input": "\\ud800"}', "not valid UTF-8 (a lone surrogate"),
@@ -139,7 +140,8 @@ def test_parquet_timestamp_inside_metadata_is_a_bad_row(run, queue, tmp_path):
 def test_parquet_nan_label_is_a_bad_row(run, queue, tmp_path):
     path = tmp_path / "nan.parquet"
     pq.write_table(pa.table({"input": ["a?", "b?"], "label": [1.0, math.nan]}), path)
-    assert f"{path}:row 2: 'label' is nan, not a usable label" in one_error_line(run("push", str(path)))
+    assert f"{path}:row 2: 'label' is nan, which JSON cannot hold: a label must be a JSON value" in \
+        one_error_line(run("push", str(path)))
     assert namespace_keys(queue) == []
 
 

@@ -174,6 +174,14 @@ def test_long_response_text_is_compressed():
     assert decode_group(encode_group(g)).samples[0].response == text
 
 
+#: Any JSON value: what labels, the entries of a dict reward and attributes may hold.
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False, allow_infinity=False),
+              st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=8)
+
+
 @st.composite
 def samples(draw, prompt_ids):
     n = draw(st.integers(0, 40))
@@ -184,12 +192,12 @@ def samples(draw, prompt_ids):
     mask = draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 1]), min_size=rl, max_size=rl)))
     lps = draw(st.one_of(st.none(), st.lists(st.floats(width=32, allow_nan=False), min_size=rl, max_size=rl)))
     reward = draw(st.one_of(st.none(), st.floats(allow_nan=False),
-                            st.dictionaries(st.text(max_size=5), st.floats(allow_nan=False), max_size=3)))
-    return Sample(
+                            st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=3)))
+    sample = Sample(
         group_index=draw(st.one_of(st.none(), st.integers(0, 10**6))),
         index=draw(st.one_of(st.none(), st.integers(0, 10**6))),
         prompt=draw(st.one_of(st.text(max_size=30), st.just([{"role": "user", "content": "q"}]))),
-        label=draw(st.one_of(st.none(), st.text(max_size=10))),
+        label=draw(JSON_VALUES),
         metadata=draw(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(-5, 5), st.text(max_size=5)),
                                       max_size=3)),
         tokens=tokens, response_length=rl,
@@ -197,7 +205,12 @@ def samples(draw, prompt_ids):
         reward=reward, loss_mask=mask, rollout_log_probs=lps,
         weight_versions=draw(st.lists(st.text(max_size=4), max_size=3)),
         status=draw(st.sampled_from(list(Status))),
+        rollout_id=draw(st.one_of(st.none(), st.integers(0, 10))), remove_sample=draw(st.booleans()),
     )
+    for name, value in draw(st.dictionaries(st.sampled_from(["tool_call_count", "pred", "payload_text"]),
+                                            JSON_VALUES, max_size=2)).items():
+        setattr(sample, name, value)  # attributes a generate function set
+    return sample
 
 
 @st.composite

@@ -115,7 +115,7 @@ def test_a_multi_turn_function_reaches_the_trainer_exactly_as_it_made_its_sample
 
 
 @pytest.mark.parametrize("mask_offpolicy", [False, True])
-def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(redis_url, queue, namespace,
+def test_under_partial_rollout_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(redis_url, queue, namespace,
                                                                              mask_offpolicy):
     fns.LONG_TURNS = True
     slow = start_simulator(SimConfig(seed=4, **SLOW))
@@ -123,7 +123,7 @@ def test_a_weight_update_mid_sample_requeues_it_and_the_function_continues_it(re
     loop = asyncio.new_event_loop()
     controller = Controller(queue, engines)
     [gid] = push(queue, ["What is 4 + 5?"], n_samples=2)
-    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns",
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns", partial_rollout=True,
                                    mask_offpolicy_prefix=mask_offpolicy, sampling=SamplingSettings(max_new_tokens=1200)))
     try:
         wait_for(fns.SECOND_CALL_SENT.is_set, what="a sample's second engine call")
@@ -195,9 +195,10 @@ def test_a_function_may_turn_one_sample_into_several(redis_url, queue, namespace
         [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
     finally:
         worker.stop()
-    assert sorted(s.index for s in group.samples) == [0, 1, 1000, 1001]
+    assert [(s.index, s.rollout_id, s.metadata.get("agent", 1)) for s in group.samples] == \
+        [(0, 0, 1), (0, 0, 2), (1, 1, 1), (1, 1, 2)]
     for s in group.samples:
-        made = fns.PRODUCED[s.index]
+        made = fns.PRODUCED[(s.index, s.metadata.get("agent", 1))]
         assert s.tokens == made["tokens"] and s.loss_mask == made["loss_mask"] and isinstance(s.reward, float)
 
 
@@ -386,14 +387,14 @@ def test_eval_passes_call_the_function_with_evaluation_true(redis_url, queue, na
     assert [s.metadata["evaluation"] for s in trained.samples] == [False, False]
 
 
-def test_an_unannounced_abort_all_mid_sample_is_a_preemption_and_the_function_continues(redis_url, queue,
+def test_under_partial_rollout_an_unannounced_abort_all_mid_sample_is_a_preemption_and_the_function_continues(redis_url, queue,
                                                                                          namespace):
     """slime ends each rollout with abort_all, without telling the queue: the aborted
     sample made progress, so the function is called again with it (no pause, no requeue)."""
     fns.LONG_TURNS = True
     slow = start_simulator(SimConfig(seed=7, **SLOW))
     push(queue, ["What is 4 + 5?"], n_samples=1)
-    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns",
+    worker = WorkerThread(settings(redis_url, namespace, [slow.url], "three_turns", partial_rollout=True,
                                    sampling=SamplingSettings(max_new_tokens=1200)))
     try:
         wait_for(fns.SECOND_CALL_SENT.is_set, what="the second engine call")

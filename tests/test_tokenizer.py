@@ -23,7 +23,7 @@ from workers.tokenizer import (
     HFTokenizer,
     TokenizerChoiceError,
     choose_tokenizer,
-    encode_prompt,
+    encode_prompt, render_prompt,
     load_tokenizer,
     simple_chat_template,
     worker_tokenizer,
@@ -183,8 +183,9 @@ class _FakeHFTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i < 3))
 
-    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+    def apply_chat_template(self, messages, tools=None, tokenize=True, add_generation_prompt=False, **kwargs):
         assert tokenize is False
+        self.calls.append(("template", tools, kwargs))
         text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
         return text + ("[assistant]" if add_generation_prompt else "")
 
@@ -227,6 +228,16 @@ def test_the_models_own_template_is_applied_by_default(monkeypatch):
     assert tok.has_chat_template
     assert encode_prompt(tok, "x", apply_chat_template=None) == tok.encode("[user]x[assistant]")
     assert encode_prompt(tok, "x", apply_chat_template=False) == tok.encode("x")  # --no-apply-chat-template
+
+
+def test_a_prompt_is_rendered_with_slimes_call_tools_and_template_options_included(monkeypatch):
+    _install_fake_transformers(monkeypatch, chat_template="{{ jinja }}")
+    tok = load_tokenizer("org/model")
+    tools = [{"type": "function", "function": {"name": "search"}}]
+    assert render_prompt(tok, "x", tools, {"enable_thinking": False}) == "[user]x[assistant]"
+    assert tok.backend.calls[-1] == ("template", tools, {"enable_thinking": False})
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
+    assert render_prompt(tok, chat) == "[system]s[user]x[assistant]" and tok.backend.calls[-1] == ("template", None, {})
 
 
 # --- the tokenizer a worker's engines need -------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import click
@@ -12,6 +13,23 @@ from pipeline.cli_support import (ENGINE_API_KEY_OPTION, ENGINE_URLS_ENV, METRIC
 from pipeline.connection import ConnectionFailed, connect
 from pipeline.control import DEFAULT_HEARTBEAT_S
 from workers.settings import WorkerSettings
+
+class JsonObject(click.ParamType):
+    """A JSON object given on the command line."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON: {exc}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"expected a JSON object, got {type(parsed).__name__}", param, ctx)
+        return parsed
+
 
 #: One default for each worker knob, whether the worker runs alone, under `up` or in
 #: docker-compose.yml (tests/test_first_hour.py checks the compose file says the same).
@@ -30,9 +48,13 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 @click.option("--allow-byte-tokenizer", is_flag=True,
               help="Allow --tokenizer byte against engines that are not the simulator.")
 @click.option("--apply-chat-template/--no-apply-chat-template", default=None,
-              help="String prompts as a user message in the model's chat template, or as plain text. "
-                   "Default: the template when the model has one (instruct models), text otherwise (base "
-                   "models); a template is never invented.")
+              help="Render each prompt with the model's chat template into sample.prompt, as slime's Dataset does "
+                   "(a string as one user message), or keep it as pushed (string prompts sent as text). Default: "
+                   "the template when the model has one (instruct models) and no --generate-function (slime's "
+                   "default for functions: off); a template is never invented.")
+@click.option("--apply-chat-template-kwargs", "apply_chat_template_kwargs", type=JsonObject(),
+              help="slime's --apply-chat-template-kwargs: a JSON object of keyword arguments for the chat template. "
+                   "Example: '{\"enable_thinking\": false}'.")
 @click.option("--reward", default="math_boxed", show_default=True,
               help="Built-in (exact_match, math_boxed, remote_rm) or dotted path to `async def rm(args, sample)`.")
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
@@ -70,6 +92,10 @@ DEFAULT_MAX_NEW_TOKENS = 1024
                    "with twice this many calls still stuck the worker stops (the reward function hangs).")
 @click.option("--mask-offpolicy-prefix", is_flag=True,
               help="loss_mask 0 for tokens generated under an older weight version.")
+@click.option("--partial-rollout", is_flag=True,
+              help="slime's --partial-rollout, for --generate-function: a sample a weight update aborted mid-call is "
+                   "handed back to the function as it left it (args.partial_rollout is True). Off (slime's default), "
+                   "it starts again from its prompt, counted as `restarted` (slime's examples refuse partial samples).")
 @click.option("--generate-function", envvar="ROLLOUT_GENERATE_FUNCTION",
               help="slime's --custom-generate-function-path, `package.module:fn`: `async def generate(args, sample, "
                    "sampling_params[, evaluation])` makes each sample's engine calls (multi-turn, tools) and holds "
@@ -88,9 +114,9 @@ DEFAULT_MAX_NEW_TOKENS = 1024
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
 @click.pass_obj
 def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
-           group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
+           apply_chat_template_kwargs, group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
-           reward_threads, mask_offpolicy_prefix, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
+           reward_threads, mask_offpolicy_prefix, partial_rollout, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
            progress_s, keep_response_text) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
@@ -141,18 +167,22 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
                                                      api_key=api_key))
         except (TokenizerChoiceError, TokenizerError, EngineError) as exc:
             raise click.ClickException(obj.scrub(str(exc))) from None
-    if apply_chat_template is None:  # the model's own template when it has one (generate functions read it too)
+    if apply_chat_template is None and generate_function:
+        apply_chat_template = False  # slime's default: the function gets the prompt as pushed
+    if apply_chat_template is None:  # the model's own template when it has one
         from workers.tokenizer import load_tokenizer
 
         apply_chat_template = load_tokenizer(tokenizer).templates_by_default
     settings = WorkerSettings(
         redis_url=redis_url, engine_urls=urls, namespace=obj.namespace, concurrency_per_engine=concurrency,
-        tokenizer=tokenizer, engine_api_key=api_key, apply_chat_template=apply_chat_template, reward=reward,
+        tokenizer=tokenizer, engine_api_key=api_key, apply_chat_template=apply_chat_template,
+        apply_chat_template_kwargs=apply_chat_template_kwargs or {}, reward=reward,
         group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
         max_attempts=max_attempts,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
-        reward_threads=reward_threads, mask_offpolicy_prefix=mask_offpolicy_prefix, metrics_port=metrics_port, metrics_host=metrics_host,
+        reward_threads=reward_threads, mask_offpolicy_prefix=mask_offpolicy_prefix, partial_rollout=partial_rollout,
+        metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
         sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
     )

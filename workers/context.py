@@ -45,6 +45,7 @@ class WorkerCounters:
     reward_errors: int = 0
     function_calls: int = 0  # calls of the user's generate function
     function_errors: int = 0  # of which raised, hung or returned no usable sample
+    restarted: int = 0  # samples a weight update aborted mid-call, started again from their prompt (no --partial-rollout)
     versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
 
 

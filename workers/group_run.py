@@ -19,10 +19,11 @@ from .engine_answers import GenerateResult
 from .engine_errors import EngineError, EngineProtocolError, EngineRequestError
 from .engine_set import EngineSet
 from .engine_health import EngineHealth
-from .generate_function import GenerateFunction, GenerateFunctionFailed, generate_args
+from .generate_function import (GenerateFunction, GenerateFunctionFailed, generate_args, output_problem,
+                                shared_prompt_ids)
 from .publisher import Publisher
 from .rewards import MissingLabel, Reward, RewardError, RewardsHung, validate_reward
-from .tokenizer import encode_prompt
+from .tokenizer import encode_prompt, render_prompt
 
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
 
@@ -112,6 +113,11 @@ class GroupRunner:
         run.task = asyncio.create_task(self._process(run))
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         run.task.add_done_callback(lambda _t, r=run: self._finished(r))
+
+    def close(self) -> None:
+        """Stop the thread user generate functions run on (after cancel_all)."""
+        if self.generate_function is not None:
+            self.generate_function.loop.close()
 
     def _release_slots(self, run: Running) -> None:
         self.inflight_samples -= run.slots
@@ -224,12 +230,14 @@ class GroupRunner:
             if not group.samples:
                 raise GroupFailed("group has no samples", "input")
             self._stamp_sampling(group)
-            if not group.prompt_ids:
-                group.prompt_ids = encode_prompt(self.tokenizer, group.samples[0].prompt,
-                                                 self.settings.apply_chat_template)
+            self._render_prompts(group)
             if self.generate_function is not None:
                 await self._generate_with_function(run)
             else:
+                if not group.prompt_ids:  # rendered already under --apply-chat-template: a list still needs it
+                    s0 = group.samples[0]
+                    group.prompt_ids = encode_prompt(self.tokenizer, s0.prompt, False, _tools(s0),
+                                                     self.settings.apply_chat_template_kwargs)
                 await asyncio.gather(*(self._generate_sample_in_slot(run, s, self._generate_sample)
                                        for s in group.samples if s.status in (Status.PENDING, Status.ABORTED)))
             if any(s.status in (Status.PENDING, Status.ABORTED) for s in group.samples):
@@ -238,8 +246,24 @@ class GroupRunner:
             return Place.RESULTS, None
         except GroupFailed as exc:
             return Place.DEAD, exc
-        except ValueError as exc:  # the tokenizer refused the prompt
+        except ValueError as exc:  # the tokenizer or the chat template refused the prompt
             return Place.DEAD, GroupFailed(f"bad prompt: {exc}", "input")
+
+    def _render_prompts(self, group: Group) -> None:
+        """--apply-chat-template: each prompt rendered into sample.prompt once, as slime's
+        Dataset renders it before anything sees it (the built-in path, generate functions and
+        rewards alike); the pushed prompt is kept on the group for a restart."""
+        if not self.settings.apply_chat_template or group.pushed_prompt is not None:
+            return
+        pushed = group.samples[0].prompt
+        rendered: dict[int, str] = {}
+        for s in group.samples:
+            key = id(s.prompt) if s.prompt is not pushed else 0
+            if key not in rendered:
+                rendered[key] = render_prompt(self.tokenizer, s.prompt, _tools(s),
+                                              self.settings.apply_chat_template_kwargs)
+            s.prompt = rendered[key]
+        group.pushed_prompt = pushed
 
     def _stamp_sampling(self, group: Group) -> None:
         """Record the settings this worker samples with. A group continued here after a
@@ -345,19 +369,27 @@ class GroupRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
         produced = {id(s): t.result() for s, t in zip(todo, tasks)}
         group.samples = [p for s in group.samples for p in produced.get(id(s), [s])]
+        prompt_ids, problem = shared_prompt_ids(group.samples)
+        if problem:
+            self.ctx.counters.function_errors += 1
+            raise GroupFailed(f"generate function {self.generate_function.name} returned {problem}",
+                              "generate_function")
+        if prompt_ids:
+            group.prompt_ids = prompt_ids  # stored once for the group (the wire format shares it)
 
     async def _call_function(self, run: Running, sample: Sample) -> list[Sample]:
-        """What the function made of `sample`: finished samples, or `sample` itself as the
-        function left it when a pause aborted it (or the engines are down): requeued."""
+        """What the function made of `sample`: finished samples, or the sample to store when
+        a pause aborted it (or the engines are down): requeued. That is what the function
+        left (--partial-rollout: it gets it back), or `sample` as it was: started again."""
         s, group = self.settings, run.group
         failures = group.attempts
         stalled = 0  # aborted returns in a row with no new token and no new weight version
         while True:
             if self.ctx.paused or self.engine_health.down is not None:
                 return [sample]  # as in _generate_sample: requeued, continued later
-            if sample.status == Status.ABORTED and sample.response_length and s.mask_offpolicy_prefix:
+            if s.partial_rollout and s.mask_offpolicy_prefix and sample.status == Status.ABORTED \
+                    and sample.response_length:
                 sample.loss_mask = [0] * sample.response_length  # slime's generate_and_rm does the same
-            known = (len(sample.weight_versions), sample.response_length)
             self.ctx.counters.function_calls += 1
             with self.engines.next_url() as i:  # the address the call is given, as for a request
                 url = self.engines.urls[i]
@@ -366,27 +398,38 @@ class GroupRunner:
                         generate_args(s, url, group.n_samples, self.reward_args), sample,
                         s.sampling.params(s.sampling.max_new_tokens), evaluation=run.queue is self.ctx.eval_queue,
                         timeout_s=s.sample_timeout_s)
+                    problem = output_problem(sample, produced)
+                    if problem:
+                        raise GenerateFunctionFailed(f"generate function {self.generate_function.name} returned "
+                                                     f"{problem}")
                 except GenerateFunctionFailed as exc:
                     self.ctx.counters.function_errors += 1
                     raise GroupFailed(str(exc), "generate_function") from None
             self.last_answer = time.monotonic()
-            for p in produced:
-                await self._stamp_versions(p, url, *(known if p is sample else (0, 0)))
-                if p.status == Status.PENDING:
-                    p.status = Status.COMPLETED  # a function that set no status: slime trains it as it is
+            progressed = any(p.response_length > sample.response_length
+                             or len(p.weight_versions) > len(sample.weight_versions) for p in produced)
             if not any(p.status == Status.ABORTED for p in produced):
+                for p in produced:
+                    await self._stamp_versions(p, url, sample)
+                    if p.status == Status.PENDING:
+                        p.status = Status.COMPLETED  # a function that set no status: slime trains it as it is
                 self.engine_health.ok()
                 return produced
             metrics.SAMPLES_ABORTED.inc()
-            sample.status = Status.ABORTED  # what a multi-agent call left in it is continued
+            if s.partial_rollout and len(produced) == 1:
+                await self._stamp_versions(produced[0], url, sample)
+                sample = produced[0]  # continued: the function gets it back as it left it
+            else:
+                # slime without --partial-rollout: what the old weights began is dropped and
+                # the sample starts again from its prompt (a fan-out is never continued).
+                self.ctx.counters.restarted += 1
             if await self.engine_health.pause_explains_abort():
                 return [sample]
             if self.engine_health.drained(url):
                 self.ctx.counters.drained += 1
                 continue  # a rolling weight update took that engine out: the next call goes elsewhere
             # Unannounced (slime's updaters, an abort_all): a preemption when the engine made
-            # something since the last call, as in _generate_sample; called again with the sample.
-            progressed = (sample.response_length, len(sample.weight_versions)) != (known[1], known[0])
+            # something since the last call, as in _generate_sample; called again.
             stalled = 0 if progressed else stalled + 1
             if progressed or stalled == 1:
                 await self._preempted(sample, progressed)
@@ -402,9 +445,13 @@ class GroupRunner:
                       group.group_id, delay)
             await asyncio.sleep(delay)
 
-    async def _stamp_versions(self, sample: Sample, url: str, known_versions: int, known_length: int) -> None:
+    async def _stamp_versions(self, sample: Sample, url: str, given: Sample) -> None:
         """A function that recorded no weight version for what it generated gets the one
-        its engine reports now, so staleness checks see every generated segment."""
+        its engine reports now, so staleness checks see every generated segment. What it
+        continued from `given` (--partial-rollout) was stamped before."""
+        continued = sample.weight_versions[:len(given.weight_versions)] == given.weight_versions and \
+            sample.response_length >= given.response_length
+        known_versions, known_length = ((len(given.weight_versions), given.response_length) if continued else (0, 0))
         new = sample.weight_versions[known_versions:]
         if sample.response_length and sample.response_length != known_length and not new:
             try:
@@ -545,6 +592,13 @@ class GroupRunner:
                     raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", "reward") from None
                 log.warning("group %s: reward error (%s); retry %d", group.group_id, exc, attempt)
                 await asyncio.sleep(min(self.settings.backoff_max_s, self.settings.backoff_s * 2 ** (attempt - 1)))
+
+
+def _tools(sample: Sample) -> list | None:
+    """The tools slime's Dataset passes to the chat template (its --tool-key column, which it
+    also keeps in metadata["tools"])."""
+    tools = sample.metadata.get("tools") if isinstance(sample.metadata, dict) else None
+    return tools if isinstance(tools, list) else None
 
 
 def _is_integer(text: str) -> bool:

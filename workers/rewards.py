@@ -22,10 +22,13 @@ trustworthy; see DESIGN.md invariant 9, "fail loudly"):
   was returned by mistake, and a bool travelling on the wire as ``true`` breaks
   consumers that expect a number. Return ``float(ok)`` instead.
 * NaN and +/-inf are rejected (they poison the advantage computation).
-* A dict is validated field by field: string keys, and every value a finite real
-  number (returned as ``float``; numpy scalars included, numpy bools refused as not
-  numbers), so nothing msgpack cannot encode, or that would poison a metric, is ever
-  published. When ``args.reward_key`` is set, the dict must contain that key.
+* A dict has string keys. With ``args.reward_key`` (``--reward-key``) it must hold that
+  key, whose value is the trained scalar: a finite real number (returned as ``float``;
+  numpy scalars included, numpy bools refused as not numbers). Its other values are
+  kept as the function returned them when they are JSON (slime stores the dict as it is:
+  retool's ``{"score": -1.0, "acc": False, "pred": "5"}``); anything else is an error
+  naming the key. Without a reward_key nothing names the trained value, so every value
+  must be a finite number.
 * A group function must return exactly ``len(samples)`` values.
 * Any exception raised by a reward function propagates as `RewardError` carrying
   the original message. It is never turned into a 0 reward: the worker retries the
@@ -61,7 +64,7 @@ from typing import Any
 import aiohttp
 
 from pipeline.trainers.slime_types import slime_types, to_slime_sample
-from pipeline.types import Sample
+from pipeline.types import Sample, json_problem
 
 from .user_code import load_function
 
@@ -355,21 +358,43 @@ def _finite_number(value: Any, name: str, where: str) -> float:
 
 
 def validate_reward(value: Any, reward_key: str | None = None, *, name: str = "reward") -> RewardValue:
-    """Return `value` as a valid reward (numbers as float, dicts of floats) or raise RewardError."""
+    """`value` as a valid reward, or RewardError: a finite number (as float), or a dict with
+    string keys. The dict's trained value, under `reward_key`, must be a finite number; its
+    other values may be any JSON (slime keeps what its rm returns, e.g. math_dapo's
+    {"score": 1.0, "acc": True, "pred": "5"}, and trains on reward[reward_key]). Without a
+    reward_key nothing says which value is trained: every value must then be a number."""
     if isinstance(value, dict):
         bad_keys = [k for k in value if not isinstance(k, str)]
         if bad_keys:
             raise RewardError(f"reward {name!r} returned a dict with non-string keys {bad_keys!r:.200}")
-        if reward_key and reward_key not in value:
+        if not reward_key:
+            try:
+                return {k: _finite_number(v, name, f" under key {k!r}") for k, v in value.items()}
+            except RewardError as exc:
+                raise RewardError(f"{exc} (no --reward-key names the value to train on, so every value must be one; "
+                                  f"with --reward-key the others may be any JSON)") from None
+        if reward_key not in value:
             raise RewardError(
                 f"reward {name!r} returned a dict without reward_key {reward_key!r}: keys {sorted(value)!r:.200}"
             )
-        return {k: _finite_number(v, name, f" under key {k!r}") for k, v in value.items()}
+        return {k: _finite_number(v, name, f" under reward_key {k!r}") if k == reward_key else _json_value(v, name, k)
+                for k, v in value.items()}
     if _is_real(value) or isinstance(value, bool):
         return _finite_number(value, name, "")
     raise RewardError(
         f"reward {name!r} returned {type(value).__name__} {value!r:.200}; expected a number or a dict"
     )
+
+
+def _json_value(value: Any, name: str, key: str) -> Any:
+    """A dict reward's other value as it is when it is JSON (numpy scalars as Python
+    numbers), else RewardError naming the key."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    problem = json_problem(value, f"the value under key {key!r}")
+    if problem:
+        raise RewardError(f"reward {name!r} returned a dict in which {problem}; a reward's values travel as JSON")
+    return value
 
 
 def _is_async(fn: Any) -> bool:

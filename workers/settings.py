@@ -22,7 +22,10 @@ class WorkerSettings:
     tokenizer: str | None = None  # None: the byte-level tokenizer; else a HF path
     # The engines' (and routers') SGLang --api-key, sent with every request; kept out of repr (logs).
     engine_api_key: str | None = field(default=None, repr=False)
+    # slime's --apply-chat-template: each prompt rendered with the chat template into
+    # sample.prompt before generation (slime's Dataset call, with these keyword arguments).
     apply_chat_template: bool = False
+    apply_chat_template_kwargs: dict = field(default_factory=dict)  # slime's --apply-chat-template-kwargs
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     reward: str = "math_boxed"  # built-in name or dotted path
     group_reward: bool = False  # slime's --group-rm
@@ -45,6 +48,9 @@ class WorkerSettings:
     sample_timeout_s: float = 1800.0  # one generate-function call running longer dead-letters its group
     max_context_len: int | None = None  # slime's rollout_max_context_len, for generate functions
     mask_offpolicy_prefix: bool = False  # slime's --mask-offpolicy-in-partial-rollout
+    # slime's --partial-rollout: a sample a weight update aborted mid-call is handed back to
+    # the generate function as it left it; off, it starts again from its prompt.
+    partial_rollout: bool = False
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = metrics.DEFAULT_HOST  # the address metrics_port listens on
     keep_response_text: bool = False  # include response texts in results (tokens are always there)

@@ -70,7 +70,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                            **kwargs: Any) -> str: ...
 
 
 def _check_messages(messages: Any) -> list[dict]:
@@ -139,7 +140,9 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                            **kwargs: Any) -> str:
+        """The simple template; it has no place for tools or template options (ignored)."""
         return simple_chat_template(messages, add_generation_prompt)
 
     def __repr__(self) -> str:
@@ -202,13 +205,20 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                            **kwargs: Any) -> str:
+        """transformers' apply_chat_template as slime's Dataset calls it (tools and options too)."""
         _check_messages(messages)
         if not self.has_chat_template:
             raise ChatTemplateMissing(f"tokenizer {self.name_or_path!r} has no chat template (a base model): chat "
                                       "messages cannot be rendered the way the model was trained; give it "
                                       "string prompts, sent as text")
-        return self.backend.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.backend.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt, **kwargs)
+        except (TypeError, ValueError, KeyError) as exc:  # the template or an option refused the messages
+            raise ValueError(f"the chat template of {self.name_or_path!r} refused the prompt: "
+                             f"{type(exc).__name__}: {exc}") from None
 
     def __repr__(self) -> str:
         kind = "transformers" if self._is_transformers else "tokenizers"
@@ -288,26 +298,38 @@ def load_tokenizer(name_or_path: str | None) -> ByteTokenizer | HFTokenizer:
     return _load_transformers(name_or_path)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_template: bool | None) -> list[int]:
+def render_prompt(tokenizer: Tokenizer, prompt: str | list[dict], tools: list | None = None,
+                  apply_chat_template_kwargs: dict | None = None) -> str:
+    """A dataset prompt in the chat template as slime's Dataset renders it under
+    --apply-chat-template: a string as one user message, then
+    ``apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+    **apply_chat_template_kwargs)``. Raises ValueError for what the template cannot take."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif not isinstance(prompt, list):
+        raise ValueError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
+    return tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True, tools=tools,
+                                         **(apply_chat_template_kwargs or {}))
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], apply_chat_template: bool | None,
+                  tools: list | None = None, apply_chat_template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids for one dataset prompt.
 
     A list prompt (chat messages) is always rendered with the chat template; a
     string is wrapped as a single user message when `apply_chat_template`, or, when
     it is None, when the tokenizer templates by default (a model with a chat template
-    of its own: an instruct model; not the simulator's bytes).
-    Raises ValueError for any prompt it cannot encode (wrong type, malformed
-    messages, chat messages for a tokenizer without a template), so callers can
-    treat that as poison input.
+    of its own: an instruct model; not the simulator's bytes). Rendering is
+    `render_prompt`'s (slime's call). Raises ValueError for any prompt it cannot encode
+    (wrong type, malformed messages, chat messages for a tokenizer without a template),
+    so callers can treat that as poison input.
     """
     if apply_chat_template is None:
         apply_chat_template = tokenizer.templates_by_default
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(_check_messages(prompt), add_generation_prompt=True)
+    if isinstance(prompt, list) or (isinstance(prompt, str) and apply_chat_template):
+        text = render_prompt(tokenizer, prompt, tools, apply_chat_template_kwargs)
     elif isinstance(prompt, str):
-        if apply_chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        else:
-            text = prompt
+        text = prompt
     else:
         raise ValueError(f"prompt must be a str or a list of chat messages, got {type(prompt).__name__}")
     return tokenizer.encode(text)

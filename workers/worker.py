@@ -230,6 +230,7 @@ class Worker:
 
     async def _shutdown(self) -> None:
         await self.runner.cancel_all(f"worker {self.id} is stopping")
+        self.runner.close()
         # Give up after a lease: if Redis stays away, the reaper returns the groups anyway.
         try:
             returned = await self.liveness.leave(deadline=time.monotonic() + max(self.lease_s, 1.0))
@@ -302,7 +303,7 @@ def reward_args(settings: WorkerSettings) -> SimpleNamespace:
     # there makes `--reward slime.rollout.rm_hub.async_rm --rm-type math` call itself forever.
     return SimpleNamespace(
         rm_url=settings.rm_url, reward_key=settings.reward_key, rm_type=settings.rm_type,
-        group_rm=settings.group_reward, custom_rm_path=None,
+        group_rm=settings.group_reward, custom_rm_path=None, partial_rollout=settings.partial_rollout,
         rollout_temperature=sp.temperature, rollout_top_p=sp.top_p, rollout_top_k=sp.top_k,
         rollout_max_response_len=sp.max_new_tokens, rollout_stop=sp.stop or None,
         rollout_stop_token_ids=sp.stop_token_ids or None, **asdict(sp))

@@ -114,9 +114,9 @@ def require(minimum: tuple[int, ...], what: str) -> SlimeTypes:
 
 
 def to_slime_sample(sample: Sample, types: SlimeTypes | None = None) -> Any:
-    """slime's `Sample.from_dict(ours.to_dict())`: same field names, status as its string
-    value; fields only slime has keep its defaults (`rollout_id` None: one rollout per
-    sample, slime's default path). Without slime, our own Sample unchanged."""
+    """slime's `Sample.from_dict(ours.to_dict())`: every field (ours declares slime's), and
+    every attribute user code set, as slime's from_dict sets unknown keys. Without slime,
+    our own Sample unchanged."""
     types = types or slime_types()
     if not types.real:
         return sample
@@ -124,7 +124,8 @@ def to_slime_sample(sample: Sample, types: SlimeTypes | None = None) -> Any:
 
 
 def from_slime_sample(sample: Any) -> Sample:
-    """Our Sample from slime's (or from ours): the fields both share."""
+    """Our Sample from slime's (or from ours): every field and every attribute user code set
+    (slime's to_dict has them all); tensors become lists."""
     return Sample.from_dict(sample.to_dict() if hasattr(sample, "to_dict") else dict(vars(sample)))
 
 
