@@ -286,4 +286,16 @@ BACKGROUND: set = set()
 
 def reset_data_model_records() -> None:
     GIVEN.clear(), PARTIAL_FLAGS.clear(), _CACHED.clear(), BACKGROUND.clear()
-    REWARD_STARTED.clear()
+    REWARD_STARTED.clear(), BLOCKING.clear(), RELEASE.clear()
+
+
+#: blocks_its_loop: set while it blocks; it blocks until RELEASE is set (or 60 s).
+BLOCKING = threading.Event()
+RELEASE = threading.Event()
+
+
+async def blocks_its_loop(args, sample, sampling_params):
+    """Holds its event loop as retool's sandbox does (subprocess.communicate, up to 120 s)."""
+    BLOCKING.set()
+    RELEASE.wait(60)  # not awaited: nothing else on this loop runs meanwhile
+    return await three_turns(args, sample, sampling_params)

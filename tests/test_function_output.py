@@ -11,6 +11,7 @@ import pytest
 
 from engines.simulator import SimConfig, start_simulator
 from pipeline.consumer import Consumer
+from pipeline.control import configure
 from pipeline.controller import Controller
 from pipeline.ops.audit import audit
 from pipeline.types import Group, Status
@@ -191,3 +192,31 @@ def test_a_task_the_function_left_running_cannot_change_what_was_scored_and_publ
     for s in (s for g in got for s in g.samples):
         assert s.reward == sum(s.response_tokens) % 7, "the reward did not score the published tokens"
         assert not hasattr(s, "tool_call_count") and s.tokens == fns.PRODUCED[s.index]["tokens"]
+
+
+def test_a_function_that_blocks_its_event_loop_does_not_stop_the_heartbeat(redis_url, queue, namespace, sim):
+    """retool's sandbox blocks its loop up to 120 s (subprocess.communicate): user code runs
+    on a loop of its own, so the worker keeps renewing its lease and is never reaped."""
+    lease_s = 0.6
+    configure(queue.redis, queue.keys, lease_s=lease_s)
+    push(queue, ["What is 4 + 5?"], n_samples=1)
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url], "blocks_its_loop", heartbeat_s=0.15))
+    try:
+        wait_for(fns.BLOCKING.is_set, what="the function blocking its loop")
+        blocked_at, reaped = queue.now_ms(), []
+
+        def three_leases_reaping() -> bool:  # a reaper at work all along, as a trainer waiting for a batch
+            reaped.append(queue.reap_expired())
+            return queue.now_ms() > blocked_at + 3 * lease_s * 1000
+
+        wait_for(three_leases_reaping, what="three leases")
+        assert sum(reaped) == 0, "the worker's lease ran out while user code blocked"
+        fns.RELEASE.set()
+        [group] = consume_all(Consumer(queue.redis, namespace), 1, 1)
+        counters = worker.worker.counters
+        assert (counters.reincarnations, counters.groups_lost, counters.groups_claimed) == (0, 0, 1)
+    finally:
+        fns.RELEASE.set()
+        worker.stop()
+    report = audit(queue)
+    assert report.ok and report.committed == 1, report.summary()

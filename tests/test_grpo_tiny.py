@@ -144,11 +144,14 @@ def test_grpo_tiny_learns_with_exact_logprobs_across_weight_updates(tmp_path):
     continued = [row for row in summary["curve"] if row["continued"]]
     assert continued and all(len(row["versions"]) == 2 for row in continued)
     assert summary["audit_ok"] and summary["audit"]["committed"] == steps * 8
+    # Rewards read the tokens of continued groups: a decoded sample's copy has them (they were
+    # a bare object() once, and 9-11 groups of `rollout demo --engine torch` were dead-lettered).
+    assert summary["audit"]["dead"] == 0
 
 
 @pytest.mark.slow
 def test_rollout_demo_engine_torch_runs_clean():
     summary = _run(["-m", "cli", "demo", "--engine", "torch", "--steps", "3", "--n-samples", "4", "--json"],
                    timeout=180)
-    assert summary["ok"] and summary["steps"] == 3 and summary["audit_ok"]
+    assert summary["ok"] and summary["steps"] == 3 and summary["audit_ok"] and summary["audit"]["dead"] == 0
     assert summary["logprob_max_abs_diff"] <= AGREEMENT_TOLERANCE
