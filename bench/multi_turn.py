@@ -134,7 +134,10 @@ class SyncMultiTurn(InMemoryRollout):
 async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, concurrency: int) -> dict:
     if system == "pipeline":
         source = PipelineRollout(settings, fleet.urls, ETA, workdir,
-                                 ["--generate-function", GENERATE_FUNCTION, "--concurrency", str(concurrency)])
+                                 # It continues aborted samples (as the sync row's in-process loop does):
+                                 # slime's --partial-rollout, which hands them back to it.
+                                 ["--generate-function", GENERATE_FUNCTION, "--partial-rollout",
+                                  "--concurrency", str(concurrency)])
         try:
             trainer = await run_trainer(settings, source, fleet)
         except BaseException:

@@ -82,7 +82,7 @@ FACTS = {"Hamlet": "Shakespeare", "radium": "Marie Curie", "the Analytical Engin
 def search_r1_turn(conversation: str) -> str:
     asked = _WHO.findall(conversation)
     subject = asked[-1].strip() if asked else "nothing"
-    if "<information>" not in conversation:
+    if "<information>Doc" not in conversation:  # a search result (the prompt may name the tags)
         return f"<think>{thinking(subject, 0)}I should look this up.</think>\n<search>{subject}</search>"
     answer = FACTS.get(subject, "unknown")
     if wrong_on_purpose(subject):

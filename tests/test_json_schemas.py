@@ -58,10 +58,14 @@ WHEREABOUTS = {"place": str, "age_s": (*NUM, NONE), "position": (int, NONE), "wo
                "alive": (bool, NONE), "token": (str, NONE), "entry_id": (str, NONE), "session": (str, NONE),
                "current_session": (bool, NONE), "deliveries": (int, NONE), "error": (str, NONE),
                "reason": (str, NONE), "batch": (str, NONE)}
+JSON_VALUE = (int, float, str, bool, dict, list, NONE)  # a label, a reward: any JSON value
 EVENT = {"at_ms": int, "age_s": NUM, "event": str, "who": str, "detail": str}
 INSPECT = {"namespace": str, "group_id": str, "place": str, "where": ListOf(WHEREABOUTS), "claims": int,
            "max_claims": int, "admitted_version": (int, NONE), "attempts": (int, NONE), "restarts": (int, NONE),
-           "n_samples": (int, NONE), "history": ListOf(EVENT)}
+           "n_samples": (int, NONE), "label": JSON_VALUE,
+           "samples": ListOf({"index": (int, NONE), "status": str, "response_length": int, "reward": JSON_VALUE,
+                              "attributes": ListOf(str)}),
+           "history": ListOf(EVENT)}
 PUSH = {"namespace": str, "file": str, "dataset": str, "rows": int, "epochs": int, "n_samples": int, "pushed": int,
         "dead": int, "already": int, "without_label": int}
 AUDIT = {"pushed": int, "prompts": int, "inflight": int, "inflight_by_worker": MapOf(int), "requeue": int,

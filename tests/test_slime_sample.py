@@ -18,6 +18,7 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.trainers.slime_types import from_slime_sample, slime_types, to_slime_sample
 from pipeline.types import SAMPLE_FIELDS, Group, PrefixCacheInfo, Sample, SpecInfo, Status
 from tests import fake_slime
+from tests.groups import claim, finish, publish
 from workers.rewards import Reward, RewardError, validate_reward
 
 #: slime/utils/types.py at 624b824 (v0.3.1 the same): every field of Sample, in order, with its default.
@@ -202,3 +203,19 @@ def test_a_reward_gets_the_attributes_and_its_dict_is_kept():
     assert first == second == {"score": -1.05, "acc": False, "pred": "5"}
     decoded.samples[0].reward = first
     assert decode_group(encode_group(decoded)).samples[0].reward == first
+
+
+def test_inspect_shows_the_label_the_rewards_and_the_attributes(run, queue):
+    queue.push_groups([Group.fresh("g0", "Who wrote Hamlet?", 2, label={"ground_truth": {"target": ["Shakespeare"]}})])
+    [held] = claim(queue, "w", 1).groups
+    group = finish(held.group)
+    for s in group.samples:
+        s.reward, s.tool_call_count = dict(RETOOL_REWARD), 2
+    publish(queue, "w", held, group=group)
+    result = run("inspect", "g0", "--json")
+    report = json.loads(result.output)
+    assert report["label"] == {"ground_truth": {"target": ["Shakespeare"]}}
+    assert [(s["reward"], s["attributes"]) for s in report["samples"]] == [(RETOOL_REWARD, ["tool_call_count"])] * 2
+    text = run("inspect", "g0").output
+    assert 'label      {"ground_truth": {"target": ["Shakespeare"]}}' in text
+    assert 'reward {"score": -1.0, "acc": false, "pred": "5"}   attributes tool_call_count' in text

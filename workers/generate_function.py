@@ -113,7 +113,7 @@ class GenerateFunction:
                    timeout_s: float) -> list[Sample]:
         """The samples one call returned, as snapshots (our Samples, every attribute kept),
         checked on their own (`sample_problem`); `sample` itself is never handed out or changed."""
-        given = to_slime_sample(copy.deepcopy(sample)) if self.slime_samples else copy.deepcopy(sample)
+        given = to_slime_sample(snapshot(sample)) if self.slime_samples else snapshot(sample)
         kwargs = {"evaluation": evaluation} if self.takes_evaluation else {}
         coro = self._run(args, given, sampling_params, kwargs)
         future = asyncio.wrap_future(self.loop.submit(coro))
@@ -153,7 +153,7 @@ class GenerateFunction:
                 raise GenerateFunctionFailed(f"generate function {self.name} returned {type(r).__name__} "
                                              f"{r!r:.200}, not a Sample or a list of Samples")
         try:
-            return copy.deepcopy(returned)  # at return: what user code does with its objects later is its own
+            return [snapshot(r) for r in returned]  # at return: what user code does with its objects later is its own
         except Exception as exc:
             raise GenerateFunctionFailed(f"generate function {self.name} returned a sample that cannot be copied "
                                          f"({type(exc).__name__}: {exc}); attributes must be JSON values") from None
@@ -192,13 +192,30 @@ class GenerateFunction:
         return ours
 
 
+#: Sample fields whose lists hold numbers or strings: a copy of the list copies its values.
+_FLAT_LISTS = frozenset({"tokens", "loss_mask", "rollout_log_probs", "weight_versions", "rollout_top_p_token_ids",
+                         "rollout_top_p_token_offsets", "teacher_log_probs"})
+
+
+def snapshot(sample: Any) -> Any:
+    """A deep copy of a sample (ours or slime's), every attribute; the long lists of
+    numbers copied as lists, their items being immutable (the deep copy's per-item work
+    was most of a call's cost: bench/generate_call.py)."""
+    copied = copy.copy(sample)
+    memo = {id(sample): copied}
+    for name, value in vars(sample).items():
+        copied.__dict__[name] = list(value) if name in _FLAT_LISTS and type(value) is list else \
+            copy.deepcopy(value, memo)
+    return copied
+
+
 def sample_problem(s: Sample) -> str | None:
     """What makes one returned sample unusable for training, or None: lengths that disagree
     (the trainer would fail far from the cause), or a field the wire format cannot carry."""
     problem = s.length_problem()
     if problem:
         return problem
-    if s.loss_mask is not None and any(m not in (0, 1) or type(m) is bool for m in s.loss_mask):
+    if s.loss_mask is not None and not set(s.loss_mask) <= {0, 1}:
         return "loss_mask values other than 0 and 1"
     try:
         check_sample(s)
@@ -273,6 +290,9 @@ def generate_args(settings: WorkerSettings, engine_url: str, n_samples: int, bas
         hf_checkpoint=settings.tokenizer, n_samples_per_prompt=n_samples,
         rollout_max_response_len=sp.max_new_tokens, rollout_max_context_len=settings.max_context_len,
         sglang_server_concurrency=settings.concurrency_per_engine, rollout_num_engines=len(settings.engine_urls),
+        # strands-sglang sizes its client from these (concurrency x gpus / gpus per engine)
+        rollout_num_gpus=len(settings.engine_urls), rollout_num_gpus_per_engine=1,
+        eval_max_context_len=settings.max_context_len,
         use_distributed_post=False,
         rollout_skip_special_tokens=False, rollout_seed=42, apply_chat_template=settings.apply_chat_template,
         apply_chat_template_kwargs=dict(settings.apply_chat_template_kwargs),

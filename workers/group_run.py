@@ -256,13 +256,12 @@ class GroupRunner:
         if not self.settings.apply_chat_template or group.pushed_prompt is not None:
             return
         pushed = group.samples[0].prompt
-        rendered: dict[int, str] = {}
+        rendered: dict[int, str] = {}  # by prompt object: the samples of a group share theirs
         for s in group.samples:
-            key = id(s.prompt) if s.prompt is not pushed else 0
-            if key not in rendered:
-                rendered[key] = render_prompt(self.tokenizer, s.prompt, _tools(s),
-                                              self.settings.apply_chat_template_kwargs)
-            s.prompt = rendered[key]
+            if id(s.prompt) not in rendered:
+                rendered[id(s.prompt)] = render_prompt(self.tokenizer, s.prompt, _tools(s),
+                                                       self.settings.apply_chat_template_kwargs)
+            s.prompt = rendered[id(s.prompt)]
         group.pushed_prompt = pushed
 
     def _stamp_sampling(self, group: Group) -> None:
@@ -384,6 +383,8 @@ class GroupRunner:
         s, group = self.settings, run.group
         failures = group.attempts
         stalled = 0  # aborted returns in a row with no new token and no new weight version
+        if not s.partial_rollout and sample.status == Status.ABORTED:
+            sample.reset()  # left partial by a worker with --partial-rollout: it starts again here
         while True:
             if self.ctx.paused or self.engine_health.down is not None:
                 return [sample]  # as in _generate_sample: requeued, continued later

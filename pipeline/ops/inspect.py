@@ -5,6 +5,8 @@
 only if it is in none of them, searches the drop log newest first (a drop is final, so
 that second step cannot race). Its history comes from the `history` hash: claims (with
 their tokens), reaps, hand-backs, publishes, releases and the batch that trained it;
+the label and each sample's status, reward (a dict reward as its function returned it) and
+the attributes its generate function set come from the stored group
 the last HISTORY_BYTES of it (lua/_prelude.lua), and dropped with the group when it is
 dropped or discarded.
 
@@ -73,6 +75,21 @@ class Event:
 
 
 @dataclass
+class SampleSummary:
+    """One sample of the stored group: what `rollout inspect` shows of it."""
+
+    index: int | None
+    status: str
+    response_length: int
+    reward: Any  # a number, or the reward function's dict as it returned it
+    attributes: list[str]  # names of the attributes its generate function set
+
+    @classmethod
+    def of(cls, s: Any) -> SampleSummary:
+        return cls(s.index, s.status.value, s.response_length, s.reward, sorted(s.extras()))
+
+
+@dataclass
 class GroupReport:
     namespace: str
     group_id: str
@@ -84,6 +101,8 @@ class GroupReport:
     attempts: int | None  # engine and reward failures, from the stored group (None: not stored or unreadable)
     restarts: int | None
     n_samples: int | None
+    label: Any = None  # the samples' label (any JSON value), from the stored group
+    samples: list[SampleSummary] = field(default_factory=list)  # from the stored group (none once trained)
     history: list[Event] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +123,11 @@ class GroupReport:
         out.append(f"  claims     {self.claims} since it last finished (dead-lettered past {self.max_claims})")
         if self.attempts is not None:
             out.append(f"  attempts   {self.attempts}   restarts {self.restarts}   samples {self.n_samples}")
+            out.append(f"  label      {_json(self.label)}")
+        for s in self.samples:
+            extra = f"   attributes {', '.join(s.attributes)}" if s.attributes else ""
+            out.append(f"  sample {s.index}  {s.status}, {s.response_length} response tokens, reward "
+                       f"{_json(s.reward)}{extra}")
         if self.history:
             out.append("  history")
             for e in self.history:
@@ -111,6 +135,12 @@ class GroupReport:
         else:
             out.append("  history    none kept")
         return out
+
+
+def _json(value: Any, limit: int = 200) -> str:
+    """A label or reward on one line, as JSON, cut at `limit` characters."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _describe(w: Whereabouts, age) -> str:
@@ -175,7 +205,9 @@ def locate(queue: Queue, group_id: str) -> GroupReport:
         max_claims=read_control(r, k).max_claims,
         admitted_version=int(admitted) if admitted else None,
         attempts=group.attempts if group else None, restarts=group.restarts if group else None,
-        n_samples=group.n_samples if group else None, history=history)
+        n_samples=group.n_samples if group else None,
+        label=group.samples[0].label if group and group.samples else None,
+        samples=[SampleSummary.of(s) for s in group.samples] if group else [], history=history)
 
 
 def _whereabouts(raw: dict, now_ms: int, deadlines: dict[str, float], history: list[Event],

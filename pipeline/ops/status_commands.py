@@ -129,16 +129,19 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     worker, alive or not, since when), requeued, in the results (delivered to
     which trainer session, how often), a dead letter (why), committed (when, in
     which batch), dropped (why), or nowhere. Read in one atomic step. Then its
-    claim count and attempts, and its history: claims with their tokens, reaps,
-    hand-backs, publishes, releases and the batch that trained it.
+    claim count and attempts, its label and each sample's status and reward (a
+    dict reward in full) while the group is stored, and its history: claims with
+    their tokens, reaps, hand-backs, publishes, releases and the batch that
+    trained it.
 
     \b
     JSON keys (stable; docs/cli.md): namespace, group_id, place (prompts,
     inflight, requeue, results, dead, committed, dropped, nowhere, several),
     where (place, age_s, position, worker, alive, token, entry_id, session,
     current_session, deliveries, error, reason, batch), claims, max_claims,
-    admitted_version, attempts, restarts, n_samples, history (at_ms, age_s,
-    event, who, detail). Exit code 1 for an id the namespace knows nothing of.
+    admitted_version, attempts, restarts, n_samples, label, samples (index,
+    status, response_length, reward, attributes), history (at_ms, age_s, event,
+    who, detail). Exit code 1 for an id the namespace knows nothing of.
 
     \b
     Example:
