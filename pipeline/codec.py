@@ -165,15 +165,14 @@ MAX_ATTRIBUTE_BYTES = 1024 * 1024
 def _attributes(s: Sample) -> dict[str, Any]:
     """The sample's "x" map: JSON values only, at most MAX_ATTRIBUTE_BYTES."""
     out: dict[str, Any] = {}
-    for name, value in vars(s).items():
-        if name in _CORE_FIELDS:
+    state = vars(s)
+    for name in state.keys() - _CORE_FIELDS:
+        value = state[name]
+        default = _DEFAULTS.get(name, _MISSING)
+        if value is default or (default is not _MISSING and value == default):
             continue
         if name in ("spec_info", "prefix_cache_info"):
             value = value.to_dict()
-            if not any(value.values()):
-                continue
-        elif name in SAMPLE_FIELDS and value == _DEFAULTS[name]:
-            continue
         problem = json_problem(value, name)
         if problem:
             raise EncodeError(f"sample {s.index}: attribute {problem}; attributes travel as JSON values")
@@ -318,6 +317,10 @@ _GROUP_FIELDS: dict[str, tuple] = {
 _STATUS = {s.value: s for s in Status}
 _DEFAULTS = {name: (f.default_factory() if f.default_factory is not MISSING else f.default)
              for name, f in SAMPLE_FIELDS.items()}
+#: The fields beyond the core ones whose defaults are values (None, 0, False): a decoded
+#: sample starts from these; the three others are made new for each.
+_IMMUTABLE_DEFAULTS = {name: f.default for name, f in SAMPLE_FIELDS.items()
+                       if name not in _CORE_FIELDS and f.default_factory is MISSING}
 _NUMBER = (int, float)
 # Allowed exact types of the declared fields that travel in "x" (JSON values are checked
 # apart); spec_info and prefix_cache_info are maps of counts.
@@ -412,7 +415,8 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
         raise DecodeError(f"{what}: {problem}")
     sample = PackedSample.__new__(PackedSample)  # fields set directly: decoding is a hot path
     fields = sample.__dict__
-    fields.update(_fresh_defaults())
+    fields.update(_IMMUTABLE_DEFAULTS)
+    fields.update(apply_chat_template_kwargs={}, spec_info=SpecInfo(), prefix_cache_info=PrefixCacheInfo())
     fields.update(
         group_index=m["gi"],
         index=m["ix"],
@@ -431,12 +435,6 @@ def _decode_sample(m: Any, prompt_ids: list[int], group_prompt: Any, i: int) -> 
     if "x" in m:
         fields.update(_decode_attributes(m["x"], what))
     return sample
-
-
-def _fresh_defaults() -> dict[str, Any]:
-    """Every field at its default, mutable ones new (decoding sets the rest)."""
-    return {name: (f.default_factory() if f.default_factory is not MISSING else f.default)
-            for name, f in SAMPLE_FIELDS.items() if name not in _CORE_FIELDS}
 
 
 def decode_group(data: bytes) -> Group:

@@ -9,7 +9,7 @@ import hashlib
 import math
 import numbers
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -124,7 +124,7 @@ class SpecInfo:
         self.completion_token_num += meta_info.get("completion_tokens", 0)
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return dict(vars(self))
 
     @staticmethod
     def from_dict(data: dict) -> SpecInfo:
@@ -147,7 +147,7 @@ class PrefixCacheInfo:
         self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return dict(vars(self))
 
     @staticmethod
     def from_dict(data: dict) -> PrefixCacheInfo:
