@@ -220,3 +220,9 @@ def test_a_function_that_blocks_its_event_loop_does_not_stop_the_heartbeat(redis
         worker.stop()
     report = audit(queue)
     assert report.ok and report.committed == 1, report.summary()
+
+
+@pytest.mark.parametrize("value,error", [("[1]", "expected a JSON object, got list"), ("{nope", "not JSON")])
+def test_the_chat_template_options_must_be_a_json_object(run, value, error):
+    result = run("worker", "--engine-url", "http://127.0.0.1:1", "--apply-chat-template-kwargs", value)
+    assert result.exit_code == 2 and error in result.output, result.output

@@ -8,7 +8,6 @@ import pytest
 
 import torch  # CI installs torch==2.13.0 (the test extra); a missing torch fails loudly
 
-from pipeline import codec  
 from pipeline.codec import decode_group, encode_group  
 from pipeline.consumer import Consumer  
 from pipeline.queue import Place  
@@ -99,7 +98,7 @@ def test_packed_path_equals_list_path_without_unpacking():
     decoded = [decode_group(encode_group(g)) for g in groups]
     packed = batch_to_tensors(decoded, pad_token_id=5)
     # The zero-copy path read the packed bytes: the samples were never unpacked to lists.
-    assert all(s._tokens is codec._PACKED and s._log_probs is codec._PACKED for g in decoded for s in g.samples)
+    assert all(s.packed_tokens() is not None and s.packed_log_probs() is not None for g in decoded for s in g.samples)
     lists = batch_to_tensors(decoded, pad_token_id=5, use_packed=False)
     original = batch_to_tensors(groups, pad_token_id=5)
     assert packed.keys() == lists.keys() == original.keys()

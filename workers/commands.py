@@ -58,7 +58,8 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 @click.option("--reward", default="math_boxed", show_default=True,
               help="Built-in (exact_match, math_boxed, remote_rm) or dotted path to `async def rm(args, sample)`.")
 @click.option("--group-reward", is_flag=True, help="The reward scores a whole group: rm(args, samples).")
-@click.option("--reward-key", help="Key picked from dict rewards.")
+@click.option("--reward-key", help="The key of a dict reward that is trained on (slime's --reward-key): its value must be "
+                                   "a finite number, the dict's other values may be any JSON.")
 @click.option("--rm-url", help="URL for the remote_rm reward.")
 @click.option("--rm-type", help="slime's --rm-type, for a reward that reads it (slime.rollout.rm_hub.async_rm).")
 @click.option("--no-eval", "serve_eval", flag_value=False, default=True,
@@ -131,8 +132,12 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
     dead meanwhile (its lease ran out), it drops its work and registers anew.
 
     \b
-    Example:
+    Examples:
       rollout worker --engine-url http://router:30000 --reward math_boxed
+      # slime's examples/retool, unchanged (its directory on PYTHONPATH, slime installed):
+      rollout worker --engine-url http://router:30000 --apply-chat-template \\
+        --generate-function generate_with_retool.generate \\
+        --reward generate_with_retool.reward_func --reward-key score --max-context-len 9216
     """
     from workers.engine_errors import EngineError
     from workers.sampling import SamplingError, SamplingSettings
