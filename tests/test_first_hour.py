@@ -230,7 +230,10 @@ def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, t
     assert "--max-queued 1024 feeds them" in big.output
 
 
-def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
+@pytest.mark.parametrize("form", ["json", "piped"])
+def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path, form):
+    """With --json the outage is said on stderr (stdout stays one object a line); the text
+    form says it in its own output, where a reader of the log (or the screen) sees it."""
     import json
     import os
     import subprocess
@@ -245,21 +248,25 @@ def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
     server = redis_factory("watched", aof=True)
     Queue(redis_py.Redis.from_url(server.url), "w").push_groups([Group.fresh("g0", "q0", 1)])
     out, err = tmp_path / "out", tmp_path / "err"
+    said = err if form == "json" else out
     env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", server.url, "--namespace", "w",
-                                 "status", "--watch", "--json", "--interval", "0.2"],
+                                 "status", "--watch", "--interval", "0.2"] + (["--json"] if form == "json" else []),
                                 cwd=REPO, env=env, stdout=o, stderr=e)
     try:
-        wait_for(lambda: out.read_text().count("\n") >= 1, timeout=60, what="a first status line")
+        wait_for(lambda: "prompts" in out.read_text(), timeout=60, what="a first status")
         server.kill()
-        wait_for(lambda: "Redis unreachable" in err.read_text(), timeout=60, what="the outage is said")
+        wait_for(lambda: "REDIS UNREACHABLE for" in said.read_text(), timeout=60, what="the outage is said")
         assert proc.poll() is None, err.read_text()  # still watching
-        before = out.read_text().count("\n")
+        before = out.read_text().count("prompts")
         redis_factory("watched", data_dir=server.data_dir, port=server.port, aof=True)
-        wait_for(lambda: "Redis is back" in err.read_text() and out.read_text().count("\n") > before,
-                 timeout=60, what="status lines again after the restart")
-        assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+        wait_for(lambda: "Redis was unreachable for" in said.read_text() and out.read_text().count("prompts") > before,
+                 timeout=60, what="status again after the restart")
+        if form == "json":
+            assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+        else:
+            assert "prompts 1" in out.read_text().rsplit("Redis was unreachable for", 1)[1]
     finally:
         proc.terminate()
         proc.wait(30)

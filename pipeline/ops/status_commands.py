@@ -6,7 +6,6 @@ import sys
 import time
 
 import click
-import redis
 
 from pipeline.cli_support import Context, Seconds, rich_console, dump, stop_on_sigterm
 from pipeline.queue import Queue
@@ -158,53 +157,36 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
-    """Refresh until Ctrl-C; a Redis restart or failover is watched through (said on stderr),
-    not the end of the watch."""
-    from pipeline.ops.status import snapshot
-    from pipeline.ops.status_render import render
+    """Refresh until Ctrl-C; a Redis restart or failover is watched through: in the view
+    itself (pipeline/ops/status_watch.py), or with --json said on stderr."""
+    from pipeline.ops.status_watch import StatusWatch
 
-    outage_started: float | None = None
-
-    def take():
-        nonlocal outage_started
-        try:
-            snap = snapshot(queue, tracker)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if outage_started is None:
-                outage_started = time.monotonic()
-                click.echo(f"Redis unreachable ({type(exc).__name__}): still watching, retrying every "
-                           f"{interval:g}s", err=True)
-            return None
-        if outage_started is not None:
-            click.echo(f"Redis is back after {time.monotonic() - outage_started:.0f}s", err=True)
-            outage_started = None
-        return snap
-
-    def every_interval():
-        while True:
-            snap = take()
-            if snap is not None:
-                yield snap
-            time.sleep(interval)
-
+    watch = StatusWatch(queue, tracker, interval)
     try:
         if as_json:
-            for snap in every_interval():
-                click.echo(snap.to_json())
+            _watch_json(watch)
         console = rich_console()
         if console.is_terminal:
-            from rich.live import Live
-
-            snaps = every_interval()
-            with Live(render(next(snaps)), console=console, refresh_per_second=4) as live:
-                for snap in snaps:
-                    live.update(render(snap))
+            watch.run_live(console)
         else:
-            for snap in every_interval():
-                console.print(render(snap))
-                console.rule()
+            watch.run_piped(console)
     except KeyboardInterrupt:
         pass
+
+
+def _watch_json(watch) -> None:
+    """One JSON object per good read on stdout; the outage and its end on stderr."""
+    down = False
+    while True:
+        if watch.read():
+            if down:
+                click.echo(watch.outage.banner()[0], err=True)
+            down = False
+            click.echo(watch.last.to_json())
+        elif not down:
+            down = True
+            click.echo(watch.outage.banner()[0], err=True)
+        time.sleep(watch.interval)
 
 
 @click.command("audit")

@@ -3,6 +3,7 @@ the `rollout up` dashboard: laid out for 80 columns, the alerts last."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from .status import DepartedWorker, Departure, StatusSnapshot
 
@@ -23,17 +24,43 @@ def age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
+@dataclass
+class Outage:
+    """Redis unreachable while watching (`rollout status --watch`): the numbers shown are
+    those of the last good read. Times are wall-clock seconds (time.time())."""
+
+    error: str  # the exception's class name
+    since: float  # when reads started failing
+    last_good: float | None  # the last good read; None before the first
+    retry_s: float  # how often it is tried again
+    now: float = 0.0  # when it was last checked
+    ended: float | None = None  # when Redis answered again
+
+    def banner(self) -> list[str]:
+        """The lines that say it, each under 80 columns."""
+        if self.ended is not None:
+            return [f"Redis was unreachable for {age(self.ended - self.since)} ({self.error}), "
+                    f"back since {time.strftime('%H:%M:%S', time.localtime(self.ended))}"]
+        shown = ("no good read yet" if self.last_good is None
+                 else f"the numbers below are from the last good read, {age(self.now - self.last_good)} ago")
+        return [f"REDIS UNREACHABLE for {age(self.now - self.since)} ({self.error}), retrying every "
+                f"{self.retry_s:g}s", shown]
+
+
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}/min"
 
 
-def render(s: StatusSnapshot, title: str | None = None):
-    """A rich renderable of the snapshot, laid out for 80 columns."""
+def render(s: StatusSnapshot, title: str | None = None, outage: Outage | None = None):
+    """A rich renderable of the snapshot, laid out for 80 columns; under an `outage`, its
+    banner first (the numbers are then the last good read's)."""
     from rich.console import Group as RichGroup
     from rich.table import Table
     from rich.text import Text
 
     parts: list = []
+    if outage is not None:
+        parts.append(Text("\n".join(outage.banner()), style="dim" if outage.ended is not None else "bold red"))
     head = Text()
     head.append(title or f"namespace {s.namespace}", style="bold")
     head.append(f"   weight version {s.weight_version}   admission ")
