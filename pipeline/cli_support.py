@@ -98,8 +98,9 @@ REPLICAS_OPTION = click.option(
     help="Redis behind Sentinel: return once this many replicas have the change (WAIT; waiting while none is "
          "in sync), so a failover cannot forget it (docs/operations.md, Durability).")
 
-TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
-                      "torch --index-url https://download.pytorch.org/whl/cpu)")
+#: PyTorch's CPU build: pip's default torch is the CUDA build (GBs), useless without a GPU.
+TORCH_CPU_BUILD = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH_INSTALL_HINT = f"pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: {TORCH_CPU_BUILD})"
 
 
 METRICS_HOST_OPTION = click.option(

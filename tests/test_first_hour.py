@@ -28,6 +28,50 @@ def test_install_hints_point_at_the_clone_not_at_pypi():
     assert hints, "the hints say `pip install -e '.[EXTRA]'` (from the clone)"
 
 
+#: What says how to get PyTorch's CPU build (pip's default torch is the CUDA build, GBs).
+CPU_BUILD = "download.pytorch.org/whl/cpu"
+
+
+def test_every_torch_install_command_says_how_to_get_the_cpu_build():
+    """Wherever the torch or llm extra is given as a command (docs, comments, the hints the
+    commands print), the CPU build's command is beside it (within 3 lines) or named."""
+    command = re.compile(r"pip install (-q )?-e '\.\[(torch|llm)\]'")
+    missing = []
+    for p in text_files():
+        if p.relative_to(REPO).parts[0] == "tests":  # they check the messages
+            continue
+        lines = p.read_text(errors="replace").splitlines()
+        for n, line in enumerate(lines):
+            near = "\n".join(lines[max(0, n - 3):n + 4])
+            if command.search(line) and CPU_BUILD not in near and "TORCH_CPU_BUILD" not in near:
+                missing.append(f"{p.relative_to(REPO)}:{n + 1}")
+    assert not missing, f"an install command without the CPU build beside it: {missing}"
+    from local.models import LLM_INSTALL_HINT
+    from pipeline.cli_support import TORCH_INSTALL_HINT
+
+    assert CPU_BUILD in TORCH_INSTALL_HINT and CPU_BUILD in LLM_INSTALL_HINT
+
+
+def test_the_test_extra_never_downgrades_an_installed_torch():
+    """The extras accept any torch from the tested minor version on (a user's 2.14 or CPU
+    build stays); scripts/test installs the tested release only when none is there."""
+    import tomllib
+
+    from tests import torch_install
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    torch_pins = {name: [r for r in reqs if re.match(r"torch\b(?!vision)", r)] for name, reqs in extras.items()}
+    for name in ("test", "torch", "llm"):
+        assert torch_pins[name] == ["torch>=2.13"], (name, torch_pins[name])
+    assert torch_install.TESTED.startswith(".".join(map(str, torch_install.MINIMUM)) + ".")
+    for installed in ("2.13.0", "2.13.0+cpu", "2.14.1", "2.15.0.dev20260101+cu130", "3.0.0"):
+        assert torch_install.to_install(installed) is None, installed
+    for installed in (None, "2.12.1+cpu", "1.13.1"):
+        assert torch_install.to_install(installed) == f"torch=={torch_install.TESTED}", installed
+    script = (REPO / "scripts" / "test").read_text()
+    assert script.index("python -m tests.torch_install") < script.index("pip install -q -e '.[test,llm]'")
+
+
 def test_a_demo_beside_rollout_up_leaves_ups_redis_registered(redis_factory, tmp_path, monkeypatch):
     """`rollout demo` registers its Redis only when no other local Redis is alive, so its
     clean-up cannot delete the registration of a running `rollout up`."""
