@@ -69,9 +69,22 @@ class Context:
         """`text` with the Redis password (if any) masked: errors never show it."""
         return scrub(text, self.redis_url) if self.redis_url else text
 
+    def control_queue(self, command: str, create: bool) -> Queue:
+        """The queue for a command that writes control state (`command`, for the message).
+        A namespace nobody has pushed to or registered in is refused unless `create`: a
+        typo there would pause (or resume, or configure) nothing and leave the real
+        pipeline running. With `create` it is written anyway (pause before the first push)."""
+        from pipeline.namespaces import empty_message, namespace_is_empty
+
+        queue = self.queue()
+        if not create and namespace_is_empty(queue.redis, queue.keys):
+            raise click.ClickException(f"{empty_message(queue.redis, self.namespace)}; nothing done: "
+                                       f"`rollout --namespace {self.namespace} {command} --create` writes to it "
+                                       f"anyway (e.g. to pause before the first push)")
+        return queue
+
     def warn_if_empty(self, queue: Queue) -> None:
-        """Control commands act on an empty namespace too (e.g. pause before the first
-        push), but a typo there would leave the real pipeline running: say so."""
+        """A command that only reads says when the namespace holds nothing (a typo?)."""
         from pipeline.namespaces import empty_message, namespace_is_empty
 
         if namespace_is_empty(queue.redis, queue.keys):
@@ -92,6 +105,11 @@ ENGINE_API_KEY_OPTION = click.option(
     "--api-key", envvar=ENGINE_API_KEY_ENV, show_envvar=True,
     help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
          "variable: a command line is visible to every local user).")
+
+CREATE_OPTION = click.option(
+    "--create", is_flag=True,
+    help="Write to a namespace nobody has pushed to or registered in yet (e.g. pause before the first push); "
+         "without it such a namespace is refused, as a misspelled one would be.")
 
 REPLICAS_OPTION = click.option(
     "--replicas", type=click.IntRange(min=0), default=0, show_default=True,

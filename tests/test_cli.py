@@ -192,11 +192,35 @@ def test_audit_stray_group(run, queue, client):
 # -- pause / resume --------------------------------------------------------------------
 
 
-def test_pause_on_empty_namespace_warns(run, queue, client, namespace):
-    result = run("pause")
-    assert result.exit_code == 0
-    assert f"warning: namespace {namespace!r} is empty" in result.stderr
+@pytest.mark.parametrize("command", [["pause"], ["resume", "--weight-version", "2"], ["configure", "--lease", "20"]])
+def test_control_writes_refuse_a_namespace_nobody_pushed_to_naming_the_ones_there(run, client, namespace, command):
+    """A typo in --namespace would pause (or resume, or configure) nothing: refused, naming
+    the namespaces on the server, and nothing is written; --create writes anyway."""
+    Queue(client, namespace + "-real").push_groups(groups(1))
+    typo = namespace + "-rael"
+    result = run(*command, ns=typo)
+    assert result.exit_code == 1, result.output
+    assert f"namespace {typo!r} is empty" in result.output and f"'{namespace}-real'" in result.output
+    assert f"{command[0]} --create" in result.output
+    assert not client.keys(f"{{{typo}}}:*")  # nothing created
+    created = run(*command, "--create", ns=typo)
+    assert created.exit_code == 0, created.output
+    assert client.exists(Queue(client, typo).keys.control)
+
+
+def test_pause_before_the_first_push_takes_create(run, queue, client):
+    assert run("pause").exit_code == 1
+    result = run("pause", "--create")
+    assert result.exit_code == 0, result.output
     assert read_control(client, queue.keys).paused  # pausing before the first push is allowed
+    assert run("resume").exit_code == 0  # the namespace exists now
+
+
+def test_configure_shows_an_empty_namespaces_defaults_with_a_warning(run, namespace, client):
+    result = run("configure")
+    assert result.exit_code == 0, result.output
+    assert f"warning: namespace {namespace!r} is empty" in result.stderr and "lease 30s" in result.stdout
+    assert not client.keys(f"{{{namespace}}}:*")
 
 
 def test_pause_resume_without_engines(run, queue, client):

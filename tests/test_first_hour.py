@@ -221,7 +221,7 @@ def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
 
 
 def test_configure_max_staleness_without_a_batch_size_says_what_it_does(run):
-    result = run("configure", "--max-staleness", "1")
+    result = run("configure", "--max-staleness", "1", "--create")
     assert result.exit_code == 0
     assert "staleness bound none" not in result.output  # it is set: say so
     assert "η=1, checked at consumption only" in result.output and "add --batch-size B" in result.output

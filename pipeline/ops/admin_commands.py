@@ -7,7 +7,7 @@ import json
 import click
 import redis
 
-from pipeline.cli_support import REPLICAS_OPTION, Context, Seconds, rich_console
+from pipeline.cli_support import CREATE_OPTION, REPLICAS_OPTION, Context, Seconds, rich_console
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.ops.acl import Role
@@ -32,9 +32,10 @@ from pipeline.types import ReleasePolicy, choices
               help="What happens to aborted groups when admission reopens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as one JSON object.")
 @REPLICAS_OPTION
+@CREATE_OPTION
 @click.pass_obj
 def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy,
-              as_json, replicas) -> None:
+              as_json, replicas, create) -> None:
     """Show or change the namespace's settings (every worker and trainer follows them).
 
     Without options, prints the current settings. The staleness bound needs
@@ -51,11 +52,17 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     Example:
       rollout configure --max-staleness 1 --batch-size 64
       rollout configure --lease 20 --max-claims 5
+      rollout --namespace exp2 configure --create --max-staleness 1 --batch-size 64   # before the first push
     """
     from pipeline.control import configure as set_settings
     from pipeline.retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect
 
-    queue = obj.queue()
+    changes = (max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy)
+    if any(c is not None for c in changes):
+        queue = obj.control_queue("configure", create)
+    else:  # only shown
+        queue = obj.queue()
+        obj.warn_if_empty(queue)
     try:  # waited out like the trainer's calls: a replica catching up, a failover
         state = Reconnect("rollout configure", limit_s=TRAINER_OUTAGE_LIMIT_S).call(
             set_settings, queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
