@@ -127,9 +127,52 @@ METRICS_HOST_OPTION = click.option(
 
 
 def rich_console(stderr: bool = False):
+    """A console for a command's output. Piped or redirected, its lines are not padded with
+    the spaces rich fills a table's cells with (a log or a diff reads them as content); on a
+    terminal they stay, since a live display overwrites the lines it drew before."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    out = stream if stream.isatty() else _TrimmedLines(stream)
+    return Console(file=out, highlight=False, soft_wrap=False)
+
+
+def text_width() -> int:
+    """The width plain lines are wrapped at: the terminal's, else $COLUMNS, else 80 (as rich)."""
+    return rich_console().width
+
+
+def echo_wrapped(line: str, indent: int = 0, err: bool = False) -> None:
+    """`line` wrapped between words at the terminal's width, continuation lines indented."""
+    from pipeline.tables import wrapped
+
+    click.echo(wrapped(line, text_width(), indent), err=err)
+
+
+class _TrimmedLines:
+    """A text stream that writes each line without its trailing spaces (a line not ended
+    yet waits for its end, or for a flush: rich writes and flushes a whole print at once)."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        if lines:
+            self.out.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.out.write(self.pending)
+            self.pending = ""
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.out.fileno()
 
 
 @contextmanager

@@ -178,7 +178,7 @@ def test_the_engines_api_key_goes_with_every_control_request(run, monkeypatch):
     engine = _Engine()
     try:
         monkeypatch.setenv("ROLLOUT_ENGINE_API_KEY", "s3cret-key")
-        paused = run("pause", "--engine-url", engine.url)
+        paused = run("pause", "--engine-url", engine.url, "--create")  # before the first push
         assert paused.exit_code == 0, paused.output
         assert run("resume", "--engine-url", engine.url).exit_code == 0
         posts = [(path, auth) for method, path, auth in engine.seen if method == "POST"]

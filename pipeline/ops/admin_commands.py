@@ -83,9 +83,12 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     else:
         bound = (f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
                  f"admitted at version {state.weight_version}")
-    click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
-               f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
-               f"{'paused' if state.paused else 'admitting'}")
+    from pipeline.tables import Facts
+
+    click.echo(f"namespace {obj.namespace!r}: {'paused' if state.paused else 'admitting'}")
+    rich_console().print(Facts([("  staleness bound", [bound]), ("  lease", [f"{state.lease_s:g}s"]),
+                                ("  max claims", [str(state.max_claims)]), ("  max ready", [str(state.max_ready)]),
+                                ("  release policy", [str(state.release_policy)])]))
 
 
 @click.command()

@@ -115,19 +115,6 @@ class DeadLetter:
         return d
 
 
-def informative_end(error: str, width: int) -> str:
-    """`error` in at most `width` characters, keeping what says most: its first clause
-    ("engine failed 3 times") and its end (the last error), with "…" between."""
-    if len(error) <= width:
-        return error
-    if width < 8:
-        return error[:width]
-    head = error.split("; ", 1)[0] + "; " if "; " in error else ""
-    if len(head) > width - 12:  # leave the end room to say something
-        head = ""
-    return head + "…" + error[len(error) - (width - len(head) - 1):]
-
-
 def _letter(entry: StreamEntry, now_s: float) -> DeadLetter:
     ms = int(entry.entry_id.split("-", 1)[0])
     letter = DeadLetter(entry_id=entry.entry_id, group_id=entry.group_id, error=entry.error or "",

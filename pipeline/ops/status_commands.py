@@ -7,7 +7,7 @@ import time
 
 import click
 
-from pipeline.cli_support import Context, Seconds, rich_console, dump, stop_on_sigterm
+from pipeline.cli_support import Context, Seconds, dump, echo_wrapped, rich_console, stop_on_sigterm
 from pipeline.queue import Queue
 from pipeline.wording import counted
 
@@ -106,14 +106,14 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(printable(f"worker {w.worker}: {state}; holds {counted(len(w.groups), 'group')}"))
+        echo_wrapped(printable(f"worker {w.worker}: {state}; holds {counted(len(w.groups), 'group')}"), indent=2)
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "" if g.attempts is None else \
                 f", {counted(g.attempts, 'attempt')}, {counted(g.restarts, 'restart')}"
-            # Two lines a group: ids and claim tokens are long, and an operator's terminal is not.
+            # Two lines a group or more: ids and claim tokens are long, and a terminal is not.
             click.echo(printable(f"  {g.group_id}"))
-            click.echo(printable(f"      {held}, {counted(g.claims, 'claim')}{tries}, claim {g.token}"))
+            echo_wrapped(printable(f"      {held}, {counted(g.claims, 'claim')}{tries}, claim {g.token}"), indent=6)
     click.echo("`rollout inspect GROUP_ID` for a group's history")
 
 
@@ -151,7 +151,9 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     if as_json:
         click.echo(dump(report.to_dict()))
     else:
-        click.echo("\n".join(printable(line) for line in report.lines()))  # errors and details come from data
+        for line in report.lines():  # errors and details come from data: printable
+            # Continuation lines under the value: after the label, or after a history line's event.
+            echo_wrapped(printable(line), indent=17 if line.startswith("    ") else 13)
     if report.place == GroupPlace.NOWHERE and not report.history:
         sys.exit(1)  # an id this namespace never saw: a typo, or another namespace
 
@@ -234,22 +236,18 @@ def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
 
 
 def _print_audit(report) -> None:
-    from rich.table import Table
+    from pipeline.tables import Col, FittedTable
 
-    table = Table(box=None, padding=(0, 2), show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
     rows = [("prompts", report.prompts)]
     for worker, n in sorted(report.inflight.items()):
-        rows.append((f"in flight: {worker[:40]}", n))
+        rows.append((f"in flight: {worker}", n))
     rows += [("requeue", report.requeue), ("results undelivered", report.results_undelivered),
              ("results pending", report.results_pending), ("dead letters", report.dead),
              ("dropped", report.dropped), ("committed", report.committed), ("discarded", report.discarded),
              ("= accounted", report.accounted), ("pushed", report.pushed)]
-    for name, n in rows:
-        table.add_row(name, f"{n:,}")
     console = rich_console()
-    console.print(table)
+    console.print(FittedTable([Col("place", flex=True, min_width=20), Col("groups", "right")],
+                              [(name, f"{n:,}") for name, n in rows], show_header=False))
     if report.ok:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return
