@@ -499,6 +499,7 @@ class Outside:
         self.services = services
         self.tmp = tmp
         self.port = {name: free_port() for name in services}
+        self.metrics_port = {name: free_port() for name in services}  # a command's --metrics-port
         self.addresses = {}
         for name, svc in services.items():
             inside = 6379 if name == "redis" else 30000
@@ -514,7 +515,7 @@ class Outside:
     def command(self, name: str) -> list[str]:
         command = [self.text(str(a)) for a in self.services[name]["command"]]
         for flag, value in (("--port", str(self.port[name])), ("--host", "127.0.0.1"),
-                            ("--metrics-port", str(free_port()))):
+                            ("--metrics-port", str(self.metrics_port[name]))):
             if flag in command:
                 command[command.index(flag) + 1] = value
         program, args = command[0], command[1:]
@@ -541,9 +542,15 @@ class Outside:
         return env
 
     def healthy(self, name: str) -> bool:
+        proc = self.health(name)
+        return proc.returncode == 0 and "NOAUTH" not in proc.stdout
+
+    def health(self, name: str) -> subprocess.CompletedProcess:
+        """The service's healthcheck, run here: its exit status and what it printed."""
         test = self.services[name]["healthcheck"]["test"]
         assert test[0] == "CMD", f"{name}: healthcheck {test}"
-        command = [a.replace("localhost:30000", f"127.0.0.1:{self.port[name]}") for a in test[1:]]
+        command = [a.replace("localhost:30000", f"127.0.0.1:{self.port[name]}")
+                   .replace("localhost:9100", f"127.0.0.1:{self.metrics_port[name]}") for a in test[1:]]
         if command[0] == "python":
             command[0] = sys.executable
         elif command[0] == "valkey-cli":  # reads the password from REDISCLI_AUTH, as valkey-cli does
@@ -551,9 +558,62 @@ class Outside:
                        *command[1:]]
         elif command[0] == "rollout":
             command = [sys.executable, "-m", "cli", *command[1:]]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO,
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO,
                               env=self.environment(name))
-        return proc.returncode == 0 and "NOAUTH" not in proc.stdout
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each still running, in this order (as `docker compose stop`); SIGKILL what
+    does not stop within 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_a_worker_waiting_for_a_model_is_starting_not_unhealthy(config):
+    """A first model load takes up to 20 minutes: the worker's healthcheck has the engines'
+    start period, and probes /health, which the worker serves from its first second."""
+    services = config["services"]
+    worker, engine = services["worker"]["healthcheck"], services["engine-0"]["healthcheck"]
+    assert "http://localhost:9100/health" in worker["test"][-1]
+    assert worker["start_period"] == engine["start_period"] == "20m"
+
+
+@pytest.mark.slow
+def test_the_worker_healthcheck_says_what_it_waits_for_then_passes(tmp_path):
+    """The file's own healthcheck against a worker run outside containers: before its engines
+    answer it fails, saying what the worker waits for; once the worker registered it passes."""
+    services = {n: s for n, s in resolved({"NAMESPACE": "health"})["services"].items() if in_profiles(s, ("sim",))}
+    outside = Outside(services, tmp_path)
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> None:
+        with open(tmp_path / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(outside.command(name), cwd=REPO, env=outside.environment(name),
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    try:
+        start("redis")
+        wait_for(lambda: outside.healthy("redis"), timeout=30, what="redis")
+        start("worker")  # before any engine: it waits for the router
+        router = f"http://127.0.0.1:{outside.port['sim-router']}"
+        waiting = wait_for(lambda: (lambda p: p.returncode == 1 and f"waiting for engine {router}" in p.stderr and p)(
+            outside.health("worker")), timeout=60, what="the healthcheck saying what the worker waits for")
+        assert json.loads(waiting.stderr)["ready"] is False
+        for name in ("sim-0", "sim-1", "sim-router"):
+            start(name)
+            wait_for(lambda: outside.healthy(name), timeout=60, what=f"{name} healthy")
+        passed = wait_for(lambda: (lambda p: p.returncode == 0 and p)(outside.health("worker")), timeout=60,
+                          what="the worker healthy once registered")
+        assert json.loads(passed.stdout)["ready"] is True
+    finally:
+        # The worker first (it hands back what it holds, to Redis), then the rest, newest first.
+        stop_all([procs["worker"], *reversed([p for n, p in procs.items() if n != "worker"])])
 
 
 @pytest.mark.parametrize("fsync", [None, "always", "everysec"])
@@ -618,14 +678,6 @@ def test_sim_profile_runs_outside_containers_and_converges(tmp_path):
         assert audit.returncode == 0 and report["ok"], audit.stdout + audit.stderr
         assert report["committed"] == 12 and report["pushed"] >= 12
     finally:
-        for name in reversed(order):
-            proc = procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        stop_all([procs[name] for name in reversed(order) if name in procs])
     for name in ("sim-0", "sim-1", "sim-router", "redis"):
         assert procs[name].returncode == 0, tail(name)
