@@ -68,7 +68,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
     worker processes and a trainer that takes exact batches, updates the engines'
-    weights after every step, then prints the audit and stops everything. With
+    weights after every step, then prints the audit and the dead letters by reason
+    (the audit counts them as accounted for) and stops everything. With
     `--engine torch` the engines run a real PyTorch model that a GRPO trainer
     improves (see examples/grpo_tiny.py); the log-probs of every trained token are
     checked against the trainer's own, under the weights that generated it.
@@ -77,11 +78,11 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
     JSON keys (stable; docs/cli.md), --engine sim: ok, error, steps (step,
     wait_s, groups, samples, mean_reward, truncated, mean_turns, tool_tokens,
     max_staleness, group_ids, update_s, requeued), groups_trained, trained_twice,
-    mean_reward, audit.
+    mean_reward, audit, dead_letters (total, by_reason, example).
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
-    audit, seconds, curve. --engine llm: those of torch plus model and tokenizer
+    audit, dead_letters, seconds, curve. --engine llm: those of torch plus model and tokenizer
     (what the engine reports in /get_model_info).
 
     With `--engine llm --model DIR` the engines serve a real Llama-family model

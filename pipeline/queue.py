@@ -25,7 +25,7 @@ from . import scripts
 from .codec import DecodeError, decode_group, encode_group
 from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
 from .keys import CONSUMER_GROUP, Keys
-from .types import Group, ReleasePolicy, VersionClock
+from .types import DeadReason, Group, ReleasePolicy, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StreamEntry:
             log.error("group %s: %s entry %s is malformed (%s); dead-lettering it",
                       self.group_id, stream, self.entry_id, exc)
             return None, Settle("dead", self.entry_id, self.group_id, f"malformed {stream} entry: {exc}",
-                                bounded_dead_letter(self.data)[0])
+                                bounded_dead_letter(self.data)[0], reason=DeadReason.MALFORMED)
 
 
 @dataclass
@@ -147,6 +147,7 @@ class Settle:
     text: str = ""
     payload: bytes = b""
     token: str = ""  # results entries: names the payload key deleted with the entry
+    reason: str = ""  # dead: the dead letter's category (DeadReason)
 
 
 def text(value: bytes | str | None) -> str | None:
@@ -210,7 +211,7 @@ class Queue:
         except (DecodeError, UnicodeDecodeError) as exc:
             error = "group id is not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"malformed payload: {exc}"
             log.error("group %s: %s; dead-lettering it", gid, error)
-            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error, reason="malformed")
+            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error, reason=DeadReason.MALFORMED)
             return ClaimedGroup(gid, token, payload, None)
         if group.admitted_version is None and admitted is not None:
             group.admitted_version = int(admitted)
@@ -419,7 +420,7 @@ class Queue:
         args: list = [CONSUMER_GROUP, session.consumer, session.id] if session else ["", "", ""]
         args.append(COMMITTED_IDS_KEPT)
         for it in items:
-            args += [it.action, it.entry_id, it.group_id, it.text, it.payload]
+            args += [it.action, it.entry_id, it.group_id, it.text, it.payload, it.reason]
         keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted, k.claims,
                 k.history, k.trainer]
         if stream == k.results:

@@ -294,13 +294,13 @@ def test_dead_list_show(run, queue, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(len(l.rstrip()) for l in lines) <= 80
-    assert lines[0].split() == ["id", "group", "age", "try", "error"]
+    assert lines[0].split() == ["id", "group", "age", "try", "reason", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
     # Too long for two lines: the first clause and, after "…", the end (the last error) are kept.
     first = next(i for i, l in enumerate(lines) if ids["fail0"] in l)
     assert "engine failed 3 times;" in lines[first]
     assert lines[first + 1].strip().startswith("…") and lines[first + 1].endswith("(fail0)")
-    assert "[bad row]" in result.output and "3 dead letters" in result.output
+    assert " bad_row " in result.output and "3 dead letters (other 2, bad_row 1)" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
     assert {"entry_id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])

@@ -178,7 +178,7 @@ def test_dead_show_names_the_holders_of_a_group_that_killed_them_and_retry_reset
     assert claim(queue, "w2", 1).groups == []  # the third claim dead-letters it
     shown = run("dead", "show", "g0")
     assert shown.exit_code == 0, shown.output
-    assert "held by w0 (reaped), w1 (reaped)" in shown.output and "(max_claims)" in shown.output
+    assert "held by w0 (reaped), w1 (reaped)" in shown.output and "  reason     max_claims\n" in shown.output
     assert "reaped      w0" in shown.output and "reaped      w1" in shown.output
     [d] = [json.loads(line) for line in run("dead", "show", "g0", "--json").stdout.splitlines()]
     assert d["reason"] == "max_claims"

@@ -104,11 +104,11 @@ def test_status_of_a_worker(run, busy, monkeypatch, width):
 def test_dead_list(run, busy, monkeypatch, width):
     text = rendered(run, monkeypatch, width, "dead", "list")
     lines = check_lines(text, width)
-    assert lines[0].split() == ["id", "group", "age", "try", "error"]
+    assert lines[0].split() == ["id", "group", "age", "try", "reason", "error"]
     assert "--input-key question" in text  # the end of the error, its flag whole
     assert not [l for l in lines if l.endswith("-")], text  # nothing split at a hyphen
     assert "[cannot retry]" in text and "engine failed 3 times" in text
-    assert "3 dead letters" in text
+    assert "3 dead letters (other 2, malformed 1)" in text
 
 
 @pytest.mark.parametrize("width", WIDTHS)

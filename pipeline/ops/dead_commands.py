@@ -67,19 +67,21 @@ def dead_list(obj: Context, limit, as_json) -> None:
     for l in letters:
         g = l.group
         rows.append((printable(l.entry_id), printable(l.group_id), _age(l.age_s),
-                     "-" if g is None else str(g.attempts), _retry_mark(l) + printable(l.error or "-")))
+                     "-" if g is None else str(g.attempts), printable(l.category),
+                     ("[cannot retry] " if l.not_retriable else "") + printable(l.error or "-")))
     # The error takes the room the other columns leave, on up to two lines (_two_lines).
     widths = column_widths(DEAD_COLUMNS, rows, console.width)
-    rows = [(*r[:4], _two_lines(r[4], widths[4])) for r in rows]
-    table = fitted_table(DEAD_COLUMNS, rows, widths)
-    console.print(table)
+    rows = [(*r[:5], _two_lines(r[5], widths[5])) for r in rows]
+    console.print(fitted_table(DEAD_COLUMNS, rows, widths))
+    summary = deadletters.summarize(letters)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
-    console.print(f"{shown} dead letter{'' if total == 1 else 's'}; `rollout dead show ID` for one in full",
-                  markup=False)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in summary.by_reason.items())
+    console.print(f"{shown} dead letter{'' if total == 1 else 's'} ({reasons}); `rollout dead show ID` for one "
+                  "in full", markup=False)
 
 
-DEAD_COLUMNS = [Col("id"), Col("group", flex=True, min_width=12), Col("age", "right"), Col("try", "right"),
-                Col("error", flex=True, min_width=20)]
+DEAD_COLUMNS = [Col("id"), Col("group", flex=True, min_width=10), Col("age", "right"), Col("try", "right"),
+                Col("reason"), Col("error", flex=True, min_width=20)]
 
 
 def _two_lines(error: str, width: int) -> str:
@@ -97,12 +99,6 @@ def _two_lines(error: str, width: int) -> str:
             break
         tail.insert(0, word)
     return lines[0] + "\n…" + (" ".join(tail) or error[-(width - 1):])
-
-
-def _retry_mark(letter) -> str:
-    if letter.not_retriable:
-        return "[cannot retry] "
-    return "[bad row] " if letter.bad_row else ""
 
 
 def _age(seconds) -> str:
@@ -148,7 +144,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
         return
     for l, d in zip(letters, details):
         lines = [f"dead letter {l.entry_id}", f"  group      {l.group_id}", f"  age        {_age(l.age_s)}",
-                 f"  error      {l.error or '-'}" + (f" ({l.reason})" if l.reason else "")]
+                 f"  reason     {l.category}", f"  error      {l.error or '-'}"]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
         elif l.bad_row:
