@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_support import TORCH_INSTALL_HINT, Context, Seconds, rich_console, given_engine_urls
+from pipeline.cli_support import TORCH_INSTALL_HINT, Context, Seconds, check_port_free, given_engine_urls, rich_console
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.producer import MAX_SAMPLES_PER_PROMPT
 from pipeline.redis_server import Fsync, RedisServerError
@@ -200,6 +200,8 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
                                "(they are for the other commands)")
     if sim_median_tokens > sim_p99_tokens:
         raise click.BadParameter("must be at least --sim-median-tokens", param_hint="--sim-p99-tokens")
+    if redis_port is not None:
+        check_port_free("127.0.0.1", redis_port, "--redis-port")
     urls = given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,

@@ -244,10 +244,11 @@ def run_stack(opts: StackOptions, console) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            if stack.server is not None:
+            started = stack.url is not None  # Redis answered: there is something to stop and keep
+            if started:
                 say("stopping: workers hand their groups back, then simulators and Redis ...")
             stack.stop()
-            if stack.server is not None:
+            if started:
                 say(f"stopped; Redis data kept in {stack.data_dir / 'redis'} "
                     "(the next `rollout up` continues from it)")
         finally:

@@ -540,3 +540,25 @@ def test_status_and_dead_letters_fit_an_80_column_terminal(run, queue, monkeypat
         assert result.exit_code == 0, result.output
         wide = [line for line in result.output.splitlines() if len(line) > 80]
         assert wide == [], (args, wide)
+
+
+def test_up_on_a_taken_redis_port_says_so_in_one_line(run, tmp_path):
+    """Not "stopped; Redis data kept" (nothing had started) followed by Redis's start-up banner."""
+    import socket
+
+    from pipeline.redis_server import RedisServer, RedisServerError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("up", "--redis-port", str(port), "--workers", "0", "--duration", "1", url=None)
+        assert result.exit_code == 2, result.output  # a usage error, before anything starts
+        line = result.output.splitlines()[-1]
+        assert "--redis-port" in line and f"127.0.0.1:{port}" in line and "in use" in line, line
+        assert "stopped" not in result.output and "Redis is starting" not in result.output
+        # Should Redis still fail to bind (a race), its own reason is said, not its banner.
+        with pytest.raises(RedisServerError) as failed:
+            RedisServer(tmp_path / "r", port=port).start()
+    message = str(failed.value)
+    assert "Address already in use" in message and "Redis is starting" not in message and "\n" not in message
