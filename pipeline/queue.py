@@ -13,6 +13,7 @@ was reaped learns so at its next contact and registers anew.
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -290,6 +291,18 @@ class Queue:
         except ValueError:  # a foreign value: read_control reports it
             version_clock = VersionClock.ENGINE
         return Heartbeat(text(status) == "reaped", bool(paused), int(version), int(lease_ms) / 1000, version_clock)
+
+    def reap_logged(self, worker: str) -> bool:
+        """Whether the `reaped` log (lua/reap.lua's last 50 departures) names `worker`: a
+        worker that finds itself unregistered was reaped, or else its registration was
+        deleted (a purge, or by hand)."""
+        for raw in self.redis.lrange(self.keys.reaped, 0, -1):
+            try:
+                if json.loads(raw).get("worker") == worker:
+                    return True
+            except (ValueError, AttributeError):  # a foreign record: status reports it
+                continue
+        return False
 
     def held(self, worker: str) -> dict[str, str]:
         """The groups `worker` holds in Redis: group id -> claim token."""

@@ -390,6 +390,17 @@ def test_purge(run, queue, client, namespace):
     assert "already empty" in run("purge", "--yes").output
 
 
+def test_purge_counts_in_words_and_asks_nothing_of_an_empty_namespace(run, client, namespace):
+    empty = run("purge")  # nothing to confirm: not "deletes all 0 keys ... --yes"
+    assert empty.exit_code == 0 and empty.output == f"namespace {namespace!r} is already empty: nothing to delete\n"
+    client.hset(Queue(client, namespace).keys.control, "lease_ms", 10_000)
+    assert "deletes all 1 key of namespace" in one_error_line(run("purge"))
+    Queue(client, namespace).register("w-live")
+    result = run("purge", "--yes")
+    assert "purged namespace" in result.output and "3 keys deleted" in result.output  # + workers, worker_info
+    assert "1 live worker still uses" in result.stderr and "default settings" in result.stderr
+
+
 # -- push (bad input) ------------------------------------------------------------------
 
 

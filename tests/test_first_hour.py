@@ -239,6 +239,24 @@ def test_inspect_of_an_unknown_group_id_exits_1(run, queue):
     assert run("inspect", "no-such-group", "--json").exit_code == 1
 
 
+def test_inspect_counts_claims_only_of_a_group_still_to_finish(run, queue):
+    """Not "claims 0 since it last finished (dead-lettered past 5)" of a committed group,
+    nor of one that never existed."""
+    from pipeline.consumer import Consumer
+    from pipeline.queue import Place
+    from pipeline.types import Group
+    from tests.groups import claim, finish, publish
+
+    queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
+    assert "claims     0 since it last finished (dead-lettered past 5)" in run("inspect", "g1").output  # queued
+    c = claim(queue, "w", 1).groups[0]
+    publish(queue, "w", c, Place.RESULTS, group=finish(c.group))
+    consumer = Consumer(queue.redis, queue.keys.namespace)
+    consumer.commit(consumer.next_batch(1, timeout=5))
+    for gid in ("g0", "no-such-group"):
+        assert "claims" not in run("inspect", gid).output, gid
+
+
 def test_version():
     from importlib.metadata import version
 
@@ -562,3 +580,25 @@ def test_up_on_a_taken_redis_port_says_so_in_one_line(run, tmp_path):
             RedisServer(tmp_path / "r", port=port).start()
     message = str(failed.value)
     assert "Address already in use" in message and "Redis is starting" not in message and "\n" not in message
+
+
+def test_up_sets_its_lease_again_after_a_purge(tmp_path, monkeypatch):
+    """`rollout up --lease 10`: a purge deletes the namespace's settings with its keys, and
+    the lease silently became the default 30 s; the stack notices and sets it again."""
+    from pipeline.control import read_control
+    from pipeline.keys import Keys
+    from pipeline.ops.admin import purge
+    from local.stack import Stack, StackOptions
+
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
+    stack = Stack(StackOptions(namespace="leased", workers=0, lease_s=10.0, data_dir=tmp_path / "stack"))
+    try:
+        stack.start()
+        assert stack.supervise() == []
+        purge(stack.client, "leased")
+        assert read_control(stack.client, Keys("leased")).lease_s == 30.0
+        [event] = stack.supervise()
+        assert "lease was 30s, not --lease 10" in event and "purge" in event
+        assert read_control(stack.client, Keys("leased")).lease_s == 10.0
+    finally:
+        stack.stop()

@@ -12,6 +12,7 @@ from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.ops.acl import Role
 from pipeline.types import ReleasePolicy, choices
+from pipeline.wording import counted
 
 
 @click.command()
@@ -110,19 +111,21 @@ def purge(obj: Context, yes) -> None:
 
     queue = obj.queue()
     n_keys = sum(1 for _ in namespace_keys(queue.redis, obj.namespace))
-    if not yes:
-        raise click.ClickException(f"purge deletes all {n_keys} keys of namespace {obj.namespace!r}; "
-                                   "re-run with --yes to do it")
     if n_keys == 0:
         click.echo(f"namespace {obj.namespace!r} is already empty: nothing to delete")
         return
+    if not yes:
+        raise click.ClickException(f"purge deletes all {counted(n_keys, 'key')} of namespace {obj.namespace!r}; "
+                                   "re-run with --yes to do it")
     live = queue.live_workers()
     if live:
-        click.echo(f"warning: {len(live)} live workers still use namespace {obj.namespace!r}; they will "
-                   "re-register (stop them to keep it empty)", err=True)
-    with rich_console(stderr=True).status(f"deleting {n_keys} keys ..."):
+        still = "still uses" if len(live) == 1 else "still use"
+        click.echo(f"warning: {counted(len(live), 'live worker')} {still} namespace {obj.namespace!r}: they register "
+                   "anew at once, under the default settings (the namespace's settings, such as its lease, go with "
+                   "its keys: `rollout configure` them again), unless you stop them first", err=True)
+    with rich_console(stderr=True).status(f"deleting {counted(n_keys, 'key')} ..."):
         deleted = purge_keys(queue.redis, obj.namespace)
-    click.echo(f"purged namespace {obj.namespace!r}: {deleted} keys deleted")
+    click.echo(f"purged namespace {obj.namespace!r}: {counted(deleted, 'key')} deleted")
 
 
 @click.command()
