@@ -287,10 +287,26 @@ def test_a_worker_takes_the_served_models_tokenizer_and_refuses_bytes(tokenizer_
         assert run(tokenizer_json) == tokenizer_json
         engine = FakeModelEngine(tokenizer_json)
         engine.model_info["tokenizer_path"] = str(tokenizer_json) + ".missing.json"
-        with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing"):
+        with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing") as failed:
             run(None)
+        assert str(failed.value).count("cannot load tokenizer") == 1
+        assert str(failed.value).endswith("(the one the engines serve; --tokenizer picks another)")
     finally:
         engine.close()
+
+
+def test_a_tokenizer_that_cannot_load_offline_is_said_once_with_what_to_do(monkeypatch):
+    """Not "cannot load tokenizer X (the one the engines serve ...): cannot load tokenizer X: ..."
+    for a tokenizer given with --tokenizer."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TokenizerChoiceError) as failed:
+        asyncio.run(worker_tokenizer([], "no-such-org/no-such-model", allow_byte=False, apply_chat_template=False))
+    message = str(failed.value)
+    assert message.startswith("cannot load tokenizer 'no-such-org/no-such-model': ") and "\n" not in message
+    assert message.count("cannot load tokenizer") == 1 and "the engines serve" not in message
+    assert message.endswith("(given with --tokenizer; offline (HF_HUB_OFFLINE=1) it must be in the Hugging Face "
+                            "cache, or a local folder)")
 
 
 def test_a_worker_waits_for_an_engine_that_is_not_up_yet(caplog):

@@ -431,8 +431,13 @@ async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_
     try:
         tokenizer = load_tokenizer(name)
     except Exception as exc:  # transformers raises OSError, ValueError, ... for a missing model
-        raise TokenizerChoiceError(f"cannot load tokenizer {name!r} (the one the engines serve unless --tokenizer "
-                                   f"is given): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not isinstance(exc, TokenizerError):  # those name the tokenizer already
+            said = f"cannot load tokenizer {name!r}: {said}"
+        whose = "given with --tokenizer" if requested is not None else "the one the engines serve; --tokenizer picks another"
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            whose += "; offline (HF_HUB_OFFLINE=1) it must be in the Hugging Face cache, or a local folder"
+        raise TokenizerChoiceError(f"{said} ({whose})") from None
     if apply_chat_template and not tokenizer.has_chat_template:
         raise TokenizerChoiceError(f"--apply-chat-template, but tokenizer {name!r} has no chat template (a base "
                                    "model): prompts would be wrapped in one it never saw; leave the option out "
