@@ -177,6 +177,25 @@ class RedisServer:
 
 # -- the local Redis other commands find without --redis-url ---------------------------
 
+def replica_caught_up(primary: redis.Redis, replica: redis.Redis, primary_port: int | None = None) -> bool:
+    """Whether `replica` replicates (`primary_port`, when given) and has applied everything
+    `primary` wrote so far."""
+    offset = primary.info("replication").get("master_repl_offset", 0)
+    info = replica.info("replication")
+    return (info.get("master_link_status") == "up" and info.get("slave_repl_offset", -1) >= offset
+            and (primary_port is None or info.get("master_port") == primary_port))
+
+
+def wait_replicated(primary: redis.Redis, replica: redis.Redis, timeout: float = 10) -> None:
+    """Until the replica has applied everything the primary wrote so far."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if replica_caught_up(primary, replica):
+            return
+        time.sleep(0.02)
+    raise RedisServerError("replica did not catch up")
+
+
 def rollout_home() -> Path:
     return Path(os.environ.get("ROLLOUT_HOME", Path.home() / ".rollout"))
 
