@@ -562,6 +562,42 @@ class Outside:
                               env=self.environment(name))
 
 
+def test_the_hugging_face_token_is_a_secret_not_an_environment_variable(config):
+    """`docker inspect` and every process of the container show its environment: the token
+    is a file mounted as a secret, which huggingface_hub reads through HF_TOKEN_PATH."""
+    services = config["services"]
+    for name, svc in services.items():
+        assert not any("TOKEN" in k and k != "HF_TOKEN_PATH" for k in (svc.get("environment") or {})), name
+    for name in ("engine-0", "engine-1"):
+        svc = services[name]
+        assert [s["source"] if isinstance(s, dict) else s for s in svc["secrets"]] == ["hf_token"]
+        assert svc["environment"]["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+    assert config["secrets"]["hf_token"]["file"] == "/dev/null"  # none given: an empty token, no token
+    given = resolved({"HF_TOKEN_FILE": "/home/me/.cache/huggingface/token"})
+    assert given["secrets"]["hf_token"]["file"] == "/home/me/.cache/huggingface/token"
+
+
+def test_a_registry_rollout_image_is_pulled(raw):
+    """ROLLOUT_IMAGE from a registry: with ROLLOUT_PULL_POLICY=if_not_present every service pulls it
+    (pull_policy: never never did); by default the worker builds it and the others use it."""
+    default = resolved({})["services"]
+    assert default["worker"]["pull_policy"] == "build" and default["feeder"]["pull_policy"] == "never"
+    pulled = resolved({"ROLLOUT_IMAGE": "ghcr.io/example/rollout-queue:1.0", "ROLLOUT_PULL_POLICY": "if_not_present"})
+    project = {n: s for n, s in pulled["services"].items() if s.get("image") == "ghcr.io/example/rollout-queue:1.0"}
+    assert {"worker", "feeder", "trainer", "sim-0"} <= set(project)
+    assert {s["pull_policy"] for s in project.values()} == {"if_not_present"}
+    header = COMPOSE.read_text().split("\nx-logging:")[0]
+    assert "ROLLOUT_IMAGE" in header and "ROLLOUT_PULL_POLICY" in header
+
+
+def test_the_file_says_why_ipc_host_and_that_a_trainer_needs_its_own_gpu(config):
+    text = COMPOSE.read_text()
+    before_ipc = text[:text.index("  ipc: host")].rsplit("\n\n", 1)[-1]
+    assert "/dev/shm" in before_ipc and "IPC namespace" in before_ipc  # why, and what it shares
+    for doc in (text, (REPO / "README.md").read_text()):
+        assert "its own GPU" in doc  # the engines hold theirs: ENGINE0_GPU, ENGINE1_GPU
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     """SIGTERM each still running, in this order (as `docker compose stop`); SIGKILL what
     does not stop within 30 s."""
