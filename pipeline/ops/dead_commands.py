@@ -86,19 +86,34 @@ DEAD_COLUMNS = [Col("id"), Col("group", flex=True, min_width=10), Col("age", "ri
 
 def _two_lines(error: str, width: int) -> str:
     """`error` on at most two lines of `width`, broken between words (a flag is never
-    split). A longer one keeps what says most: its start (the first clause, "engine
-    failed 3 times;") and, after "…", its last words (the last error)."""
+    split). A longer one keeps what says most: its first clause ("engine failed 3 times;")
+    on the first line when it fits there, and its end (the last error) after "…"."""
     import textwrap
 
     lines = textwrap.wrap(error, width, break_on_hyphens=False)
     if len(lines) <= 2:
         return "\n".join(lines)
-    tail: list[str] = []
-    for word in reversed(error.split()):
-        if len(" ".join([word, *tail])) > width - 1:
+    head = error.split("; ", 1)[0] + ";"
+    if "; " in error and len(head) <= width:
+        return head + "\n…" + _end(error, width - 1)
+    budget = 2 * width - 1  # no short first clause: both lines for the end
+    while True:
+        lines = textwrap.wrap("…" + _end(error, budget), width, break_on_hyphens=False)
+        if len(lines) <= 2:
+            return "\n".join(lines)
+        budget -= 2
+
+
+def _end(text: str, n: int) -> str:
+    """The last words of `text` in at most `n` characters; its last `n` characters when
+    whole words would leave most of them empty (one long word)."""
+    words: list[str] = []
+    for word in reversed(text.split()):
+        if len(" ".join([word, *words])) > n:
             break
-        tail.insert(0, word)
-    return lines[0] + "\n…" + (" ".join(tail) or error[-(width - 1):])
+        words.insert(0, word)
+    joined = " ".join(words)
+    return joined if len(joined) >= n // 2 else text[-n:]
 
 
 def _age(seconds) -> str:
