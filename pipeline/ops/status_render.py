@@ -141,8 +141,9 @@ def _workers_table(s: StatusSnapshot) -> FittedTable:
         rows.append((w.worker, w.state.partition(": ")[0], engines.replace("http://", ""), str(w.inflight_groups),
                      samples, str(w.counters.get("groups_completed", "-")), age(w.last_heartbeat_s)))
         styles.append(None if w.alive else "dim")
-    leases = {w.lease_s or s.lease_s for w in s.workers}
-    lease = f", lease {age(leases.pop())}" if len(leases) == 1 and None not in leases else ""
+    leases = sorted({w.lease_s or s.lease_s for w in s.workers} - {None})
+    lease = (f", lease {age(leases[0])}" if len(leases) == 1 else
+             f", leases {age(leases[0])} to {age(leases[-1])}" if leases else "")
     expired = len(s.workers) - s.workers_alive
     title = f"workers: {s.workers_alive} alive" + (f", {expired} expired" if expired else "") + lease
     return FittedTable(WORKER_COLUMNS, rows, title=title, row_styles=styles)
