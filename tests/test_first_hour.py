@@ -52,6 +52,24 @@ def test_every_torch_install_command_says_how_to_get_the_cpu_build():
     assert CPU_BUILD in TORCH_INSTALL_HINT and CPU_BUILD in LLM_INSTALL_HINT
 
 
+@pytest.mark.parametrize("args", [["demo", "--engine", "torch"], ["torch-engine"],
+                                  ["demo", "--engine", "llm", "--model", "."]])
+def test_a_command_that_needs_torch_says_how_to_get_the_cpu_build(args, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    for name in [m for m in sys.modules if m == "torch" or m.startswith(("torch.", "local.grpo", "engines.torch",
+                                                                            "engines.byte_lm", "engines.llama"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as without it
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert CPU_BUILD in result.output and "pip install -e '.[" in result.output
+
+
 def test_the_test_extra_never_downgrades_an_installed_torch():
     """The extras accept any torch from the tested minor version on (a user's 2.14 or CPU
     build stays); scripts/test installs the tested release only when none is there."""
