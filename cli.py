@@ -49,8 +49,12 @@ class RolloutGroup(click.Group):
             fixed = _global_options_first(ctx.meta.get("rollout.argv", []), exc)
             if fixed is None:
                 raise
+            command, secret = fixed
+            note = (f" (with {REDIS_URL_ENV} set to your URL, as `export {REDIS_URL_ENV}=URL`: the URL you gave "
+                    "holds a password, which is not repeated here, and the environment keeps it out of `ps`)"
+                    if secret else "")
             raise click.UsageError(f"{exc.option_name} is a global option: it goes before the command, as in "
-                                   f"`{ctx.info_name} {fixed}`", ctx=exc.ctx) from None
+                                   f"`{ctx.info_name} {command}`{note}", ctx=exc.ctx) from None
         except ConnectionFailed as exc:
             raise click.ClickException(_scrub(ctx, str(exc))) from None
         except redis.AuthenticationError as exc:
@@ -61,9 +65,10 @@ class RolloutGroup(click.Group):
             raise click.ClickException(_scrub(ctx, f"Redis error: {exc}")) from None
 
 
-def _global_options_first(argv: list[str], exc: click.NoSuchOption) -> str | None:
+def _global_options_first(argv: list[str], exc: click.NoSuchOption) -> tuple[str, bool] | None:
     """The command line `argv` with the global options given after the command moved
-    before it (a Redis password masked), if the unknown option is one of them."""
+    before it, if the unknown option is one of them, and whether a --redis-url holding a
+    password was left out (a masked one would not work: the environment variable will)."""
     from pipeline.connection import redact
 
     def name(token: str) -> str:
@@ -76,18 +81,21 @@ def _global_options_first(argv: list[str], exc: click.NoSuchOption) -> str | Non
     while i < len(argv) and argv[i].startswith("-"):  # the global options already in front
         i += 2 if GLOBAL_OPTIONS.get(argv[i]) else 1
     front, rest, moved = argv[:i], [], []
+    secret = False
     tokens = iter(argv[i:])
     for token in tokens:
         if token == "--":
             rest += [token, *tokens]
         elif name(token) in GLOBAL_OPTIONS and name(token) not in own:
-            moved.append(token)
-            if GLOBAL_OPTIONS[name(token)] and "=" not in token:
-                moved.append(next(tokens, ""))
+            option = [token] + ([next(tokens, "")] if GLOBAL_OPTIONS[name(token)] and "=" not in token else [])
+            if name(token) == "--redis-url" and redact(option[-1]) != option[-1]:
+                secret = True  # left out: ROLLOUT_REDIS_URL gives it
+            else:
+                moved += option
         else:
             rest.append(token)
     words = [redact(w) if "://" in w else w for w in front + moved + rest]
-    return shlex.join(words)
+    return shlex.join(words), secret
 
 
 def _scrub(ctx: click.Context, text: str) -> str:

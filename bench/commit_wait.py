@@ -22,9 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
-from pipeline.redis_server import RedisServer, free_port  # noqa: E402
-from tests.groups import produce  # noqa: E402
-from tests.helpers import wait_replicated  # noqa: E402
+from pipeline.redis_server import RedisServer, free_port, wait_replicated  # noqa: E402
+from tests.groups import produce  # noqa: E402  (tests/groups.py needs nothing of the test extra)
 
 BATCH = 8
 

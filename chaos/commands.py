@@ -41,14 +41,20 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     drains and checks that every pushed group was trained exactly once or is a
     dead letter or a drop with its reason. Progress goes to stderr; exit code 1
     when the campaign is not ok. It starts its own Redis (--redis-url is not used).
+    Needs sglang-router (the router extra: pip install -e '.[router]').
 
     \b
     Example:
       rollout chaos --minutes 1 --seed 7
     """
     from chaos.campaign import ChaosError, ChaosSettings, run_campaign
-    from local.router import RouterError
+    from local.router import RouterError, require_router
     from pipeline.redis_sentinel import DeploymentError
+
+    try:  # before anything starts (or a run directory is made)
+        require_router()
+    except RouterError as exc:
+        raise click.ClickException(str(exc)) from None
 
     settings = ChaosSettings(minutes=minutes, seed=seed, fsync=Fsync(fsync), workers=workers, work_dir=work_dir,
                              keep=keep)

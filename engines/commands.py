@@ -88,12 +88,14 @@ def torch_engine(host, port, seed, model_path, model_dir, layers, width, heads, 
     A small byte-level causal LM (the workers' default tokenizer works with it), with
     continuous batching over a KV cache, return_logprob, every pause mode and
     /update_weights_from_disk for checkpoints the trainer writes. Needs torch
-    (pip install -e '.[torch]' in your clone).
+    (pip install -e '.[torch]' in your clone; without a GPU, first its CPU build:
+    pip install torch --index-url https://download.pytorch.org/whl/cpu).
 
     With --model DIR it serves a real Llama-family model from a Hugging Face folder
     (the project's own forward, the folder's tokenizer, chat template and EOS ids;
     /update_weights_from_disk takes another folder of the same architecture). Needs
-    the llm extra (pip install -e '.[llm]' in your clone).
+    the llm extra (pip install -e '.[llm]' in your clone; without a GPU, first the CPU
+    build as above: pip install torch --index-url https://download.pytorch.org/whl/cpu).
 
     \b
     Example:

@@ -120,8 +120,8 @@ class WeightLoadError(Exception):
 
 
 #: SGLang 0.5.23's answer when the weights loaded but the cache could not be flushed
-#: (scheduler_components/weight_updater.py, flush_cache_after_weight_update). 0.5.15
-#: asserted instead, which killed its scheduler.
+#: (scheduler_components/weight_updater.py, flush_cache_after_weight_update). 0.5.15 and
+#: 0.5.20 (the image compose pins) assert instead, which kills the scheduler.
 CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                      "queued. Retract or finish them, then call /flush_cache.")
 

@@ -324,7 +324,7 @@ class EngineServer:
             message += f" Weight version updated to {version}."
         out: dict[str, Any] = {"success": True, "message": message}
         if source == WeightSource.DISK:
-            # SGLang's scheduler answers 0 whatever sat paused (0.5.15.post1 and 0.5.23).
+            # SGLang's scheduler answers 0 whatever sat paused (0.5.15.post1, 0.5.20 and 0.5.23).
             out["num_paused_requests"] = 0
         return json_reply(out)
 

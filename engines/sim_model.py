@@ -149,7 +149,7 @@ def plan_generation(spec: GenSpec, key: str, tokenizer: ByteTokenizer, config: O
         tokens = list(data) + [eos]
     data, tokens = data[produced:], tokens[produced:]
 
-    # The earliest token that stops generation. SGLang 0.5.23 checks, after each token,
+    # The earliest token that stops generation. SGLang (0.5.20 to 0.5.23) checks, after each token,
     # stop strings, then stop token ids (EOS included, unless ignore_eos), then the length
     # limit: a tie goes to the string, and a stop on the last allowed token beats the limit.
     stop_at: int | None = None

@@ -409,9 +409,10 @@ class TorchEngine(Engine):
         return sample(logits, temperature, top_p, top_k, min_p, uniforms)
 
     def _stop_reason(self, req: TorchRequest) -> dict | None:
-        """SGLang 0.5.23's order (Req.update_finish_state): a stop string, then a stop token
-        id (EOS unless ignore_eos), then the length limit. Stop strings are matched on the
-        decoded tail of the output: as many tokens as the longest stop string has, plus one."""
+        """SGLang's order (Req.update_finish_state, 0.5.20, the pinned image, to 0.5.23): a stop
+        string, then a stop token id (EOS unless ignore_eos), then the length limit. Stop
+        strings are matched on the decoded tail of the output: as many tokens as the longest
+        stop string has, plus one."""
         spec, token = req.spec, req.tokens[-1]
         if spec.stop_strs:
             tail = self.tokenizer.decode(req.tokens[-req.stop_window:], skip_special_tokens=False)

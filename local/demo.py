@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from pipeline.ops import deadletters
 from pipeline.ops.audit import audit
 from pipeline.wording import counted
 from pipeline.connection import connect
@@ -143,6 +144,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         say(f"trained {len(trained)} groups in {len(steps)} steps, mean reward "
             f"{statistics.fmean(all_rewards):.3f}, {duplicates} trained twice" if all_rewards else "no rewards")
         say(f"audit: {result.summary()}")
+        dead = _dead_letters(queue, say)
         return {
             "ok": ok,
             "error": None,
@@ -151,14 +153,17 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
             "trained_twice": duplicates,
             "mean_reward": round(statistics.fmean(all_rewards), 4) if all_rewards else None,
             "audit": result.to_dict(),
+            "dead_letters": dead.to_dict(),
         }
     except BatchTimeout as exc:
         say(f"demo failed: {exc}")
+        dead = _dead_letters(queue, say)  # often why no batch came
         for i, p in enumerate(procs):
             tail = (workdir / f"worker-{i}.log").read_text()[-2000:]
             say(f"--- worker {i} log (last lines) ---\n{tail}")
         return {"ok": False, "error": str(exc), "steps": steps, "groups_trained": len(trained),
-                "trained_twice": len(trained) - len(set(trained)), "mean_reward": None, "audit": None}
+                "trained_twice": len(trained) - len(set(trained)), "mean_reward": None, "audit": None,
+                "dead_letters": dead.to_dict()}
     finally:
         stop_processes(procs)
         if loop is not None:
@@ -169,6 +174,14 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         unregister_local(server)
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _dead_letters(queue: Queue, say: Callable[[str], None]) -> deadletters.DeadSummary:
+    """How many groups were dead-lettered and why, said now: the demo's Redis goes with it."""
+    dead = deadletters.summarize(deadletters.list_dead(queue))
+    for line in dead.lines():
+        say(line)
+    return dead
 
 
 def _or_dash(value) -> str:

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.ops import deadletters
 from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import Consumer
@@ -244,14 +245,16 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
             say(f"--- {path.name} (last lines) ---\n{path.read_text()[-1500:]}")
     finally:
         stop_processes(procs)
-        audit_report = audit(queue) if queue is not None and server.process is not None else None
+        alive = queue is not None and server.process is not None
+        audit_report = audit(queue) if alive else None
+        dead = deadletters.summarize(deadletters.list_dead(queue)) if alive else None
         stop_processes(engines_proc)
         if engine_set is not None:
             loop.run_until_complete(engine_set.close())
         loop.close()
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    summary = _summary(opts, rows, error, engine_versions_ok, audit_report, time.monotonic() - started, say)
+    summary = _summary(opts, rows, error, engine_versions_ok, audit_report, dead, time.monotonic() - started, say)
     if opts.trainer.model_dir is not None:
         summary["model"] = (served or {}).get("model") or str(opts.trainer.model_dir)
         summary["tokenizer"] = (served or {}).get("tokenizer")
@@ -259,7 +262,7 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
 
 
 def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_versions_ok: bool, audit_report,
-             seconds: float, say: Callable[[str], None]) -> dict:
+             dead: deadletters.DeadSummary | None, seconds: float, say: Callable[[str], None]) -> dict:
     window = max(1, min(5, len(rows) // 4))  # steps averaged at each end of the curve
     rewards = [r["reward"] for r in rows]
     seen = sorted({v for r in rows for v in r["versions"]}, key=parse_version)
@@ -278,6 +281,7 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
         "samples_continued": sum(r["continued"] for r in rows),
         "audit_ok": audit_ok,
         "audit": audit_report.to_dict() if audit_report is not None else None,
+        "dead_letters": dead.to_dict() if dead is not None else None,
         "seconds": round(seconds, 1),
         "curve": rows,
     }
@@ -288,6 +292,8 @@ def _summary(opts: GRPOOptions, rows: list[dict], error: str | None, engine_vers
             f"a weight update; {len(seen)} weight versions seen; {summary['seconds']}s")
     if audit_report is not None:
         say(f"audit: {audit_report.summary()}")
+    for line in dead.lines() if dead is not None else []:  # what the audit counts as dead, and why
+        say(line)
     if opts.curve_png is not None and rows:
         title = (f"GRPO on the capital task ({opts.trainer.model_dir.name}, CPU)" if opts.trainer.model_dir is not None
                  else "GRPO on the case task (byte-level LM, CPU)")

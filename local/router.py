@@ -33,13 +33,18 @@ def router_engine_urls(router_url: str) -> list[str]:
         return []
 
 
+def require_router() -> None:
+    """RouterError, saying how to install it, when sglang-router is not installed."""
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError as exc:
+        raise RouterError(f"sglang-router is not installed ({exc}): pip install -e '.[router]' in your clone "
+                          "(the router extra)") from None
+
+
 class RouterProcess:
     def __init__(self, worker_urls: list[str], log_path: str | Path, extra_args: list[str] | tuple = ()):
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError as exc:
-            raise RouterError(f"sglang-router is not installed ({exc}): `pip install sglang-router` "
-                              "(the [router] extra)") from None
+        require_router()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = str(log_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.connection import connect, redact
-from pipeline.control import configure
+from pipeline.control import configure, read_control
 from pipeline.keys import Keys
 from pipeline.queue import Queue
 from pipeline.redis_server import (Fsync, RedisServer, RedisServerError, local_redis_url, register_local,
@@ -73,6 +73,7 @@ class Stack:
         self.engine_urls: list[str] = []
         self.workers: list[WorkerProcess] = []
         self.url: str | None = None
+        self.client = None  # the stack's own connection to its Redis
         self._registered = False
 
     # -- lifecycle -----------------------------------------------------------------
@@ -91,10 +92,9 @@ class Stack:
         register_local(self.server)
         self._registered = True
         say(f"redis {self.url} (data in {self.server.data_dir}, AOF on, fsync {self.opts.fsync.value})")
+        self.client = connect(self.url)
         if self.opts.lease_s is not None:
-            client = connect(self.url)
-            configure(client, Keys(self.opts.namespace), lease_s=self.opts.lease_s)
-            client.close()
+            configure(self.client, Keys(self.opts.namespace), lease_s=self.opts.lease_s)
         if self.opts.engine_urls:
             self.engine_urls = list(self.opts.engine_urls)
         else:
@@ -119,9 +119,17 @@ class Stack:
         return WorkerProcess(index, path, proc, time.monotonic(), restarts)
 
     def supervise(self) -> list[str]:
-        """Restart workers that exited (they are stateless); give up on a crash loop.
+        """Restart workers that exited (they are stateless); give up on a crash loop; set
+        --lease again if the namespace lost it (a purge deletes its settings with its keys).
         Returns what happened, one line per event."""
         events = []
+        if self.opts.lease_s is not None:
+            keys = Keys(self.opts.namespace)
+            lease_s = read_control(self.client, keys).lease_s
+            if lease_s != self.opts.lease_s:
+                configure(self.client, keys, lease_s=self.opts.lease_s)
+                events.append(f"the namespace's lease was {lease_s:g}s, not --lease {self.opts.lease_s:g} (its "
+                              "settings were deleted, by a purge?): set it again")
         for i, w in enumerate(self.workers):
             code = w.proc.poll()
             if code is None or w.failed:
@@ -144,6 +152,8 @@ class Stack:
         if self.server is not None:
             if self._registered:
                 unregister_local(self.server)
+            if self.client is not None:
+                self.client.close()
             self.server.stop()
 
     # -- dashboard -----------------------------------------------------------------
@@ -244,10 +254,11 @@ def run_stack(opts: StackOptions, console) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            if stack.server is not None:
+            started = stack.url is not None  # Redis answered: there is something to stop and keep
+            if started:
                 say("stopping: workers hand their groups back, then simulators and Redis ...")
             stack.stop()
-            if stack.server is not None:
+            if started:
                 say(f"stopped; Redis data kept in {stack.data_dir / 'redis'} "
                     "(the next `rollout up` continues from it)")
         finally:

@@ -69,9 +69,22 @@ class Context:
         """`text` with the Redis password (if any) masked: errors never show it."""
         return scrub(text, self.redis_url) if self.redis_url else text
 
+    def control_queue(self, command: str, create: bool) -> Queue:
+        """The queue for a command that writes control state (`command`, for the message).
+        A namespace nobody has pushed to or registered in is refused unless `create`: a
+        typo there would pause (or resume, or configure) nothing and leave the real
+        pipeline running. With `create` it is written anyway (pause before the first push)."""
+        from pipeline.namespaces import empty_message, namespace_is_empty
+
+        queue = self.queue()
+        if not create and namespace_is_empty(queue.redis, queue.keys):
+            raise click.ClickException(f"{empty_message(queue.redis, self.namespace)}; nothing done: "
+                                       f"`rollout --namespace {self.namespace} {command} --create` writes to it "
+                                       f"anyway (e.g. to pause before the first push)")
+        return queue
+
     def warn_if_empty(self, queue: Queue) -> None:
-        """Control commands act on an empty namespace too (e.g. pause before the first
-        push), but a typo there would leave the real pipeline running: say so."""
+        """A command that only reads says when the namespace holds nothing (a typo?)."""
         from pipeline.namespaces import empty_message, namespace_is_empty
 
         if namespace_is_empty(queue.redis, queue.keys):
@@ -93,13 +106,19 @@ ENGINE_API_KEY_OPTION = click.option(
     help="The engines' SGLang --api-key, sent with every request to them (prefer the environment "
          "variable: a command line is visible to every local user).")
 
+CREATE_OPTION = click.option(
+    "--create", is_flag=True,
+    help="Write to a namespace nobody has pushed to or registered in yet (e.g. pause before the first push); "
+         "without it such a namespace is refused, as a misspelled one would be.")
+
 REPLICAS_OPTION = click.option(
     "--replicas", type=click.IntRange(min=0), default=0, show_default=True,
     help="Redis behind Sentinel: return once this many replicas have the change (WAIT; waiting while none is "
          "in sync), so a failover cannot forget it (docs/operations.md, Durability).")
 
-TORCH_INSTALL_HINT = ("pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: pip install "
-                      "torch --index-url https://download.pytorch.org/whl/cpu)")
+#: PyTorch's CPU build: pip's default torch is the CUDA build (GBs), useless without a GPU.
+TORCH_CPU_BUILD = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH_INSTALL_HINT = f"pip install -e '.[torch]' in your clone (without a GPU, first the CPU build: {TORCH_CPU_BUILD})"
 
 
 METRICS_HOST_OPTION = click.option(
@@ -108,9 +127,52 @@ METRICS_HOST_OPTION = click.option(
 
 
 def rich_console(stderr: bool = False):
+    """A console for a command's output. Piped or redirected, its lines are not padded with
+    the spaces rich fills a table's cells with (a log or a diff reads them as content); on a
+    terminal they stay, since a live display overwrites the lines it drew before."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    out = stream if stream.isatty() else _TrimmedLines(stream)
+    return Console(file=out, highlight=False, soft_wrap=False)
+
+
+def text_width() -> int:
+    """The width plain lines are wrapped at: the terminal's, else $COLUMNS, else 80 (as rich)."""
+    return rich_console().width
+
+
+def echo_wrapped(line: str, indent: int = 0, err: bool = False) -> None:
+    """`line` wrapped between words at the terminal's width, continuation lines indented."""
+    from pipeline.tables import wrapped
+
+    click.echo(wrapped(line, text_width(), indent), err=err)
+
+
+class _TrimmedLines:
+    """A text stream that writes each line without its trailing spaces (a line not ended
+    yet waits for its end, or for a flush: rich writes and flushes a whole print at once)."""
+
+    def __init__(self, out):
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        if lines:
+            self.out.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.out.write(self.pending)
+            self.pending = ""
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.out.fileno()
 
 
 @contextmanager

@@ -35,7 +35,7 @@ from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect, RedisUnavailable
-from .types import Group, VersionClock
+from .types import DeadReason, Group, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,8 @@ class Consumer:
                 error = (f"delivered {deliveries} times to the trainer without a commit (it may crash the "
                          f"trainer's step); `rollout dead retry` sends it back")
                 log.error("group %s: %s; dead-lettering it", group.group_id, error)
-                settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
+                settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token,
+                                     DeadReason.DELIVERIES))
                 metrics.dead += 1
                 continue
             lag = control.lag(group)
@@ -246,7 +247,8 @@ class Consumer:
                 except Exception as exc:  # the trainer's own code: one bad group must not stop training
                     error = f"filter raised {type(exc).__name__}: {exc}"
                     log.exception("group %s: %s; dead-lettering it", group.group_id, error)
-                    settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token))
+                    settle.append(Settle("dead", entry.entry_id, group.group_id, error, entry.data, entry.token,
+                                         DeadReason.FILTER))
                     metrics.dead += 1
                     continue
                 if verdict.fallback:
@@ -278,7 +280,8 @@ class Consumer:
             log.error("group %s: %s after %d restarts; dead-lettering it", group.group_id, reason, group.restarts)
             metrics.dead += 1
             group.error = f"{reason}; restarted {group.restarts} times"
-            return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token)
+            return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token,
+                          DeadReason.STALE)
         log.info("group %s: %s; restarting it from its prompt", group.group_id, reason)
         metrics.restarted += 1
         return self._restart(entry, group, control, "stale restart")

@@ -157,7 +157,8 @@ class Controller:
         pause = await self.pause(mode)
         try:
             # Requests paused in retract or in_place mode are still live on the engine, and
-            # SGLang refuses to flush its cache under them (0.5.23 fails the update).
+            # SGLang refuses to flush its cache under them (0.5.20 then asserts, killing its
+            # scheduler; 0.5.23 fails the update).
             await self.engines.update_weights_from_disk(model_path, weight_version=str(weight_version),
                                                         flush_cache=pause.mode == PauseMode.ABORT)
         except Exception as exc:

@@ -3,10 +3,20 @@
 Workers serve them with `rollout worker --metrics-port` (on 127.0.0.1 unless
 `--metrics-host` says otherwise); a trainer process calls `serve_metrics(port)` (the
 Consumer records its metrics in any case), as `rollout consume --metrics-port` does.
+Beside /metrics, a process may serve /health: 200 when it works, 503 while it starts,
+each with `{"ready": ..., "state": "what it does or waits for"}` (a worker serves it from
+its first second, while it waits for a model to load: compose's healthcheck reads it).
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import json
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 _LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -55,6 +65,48 @@ def sample_namespace(depths: dict[str, int], stats: dict[str, int]) -> None:
 DEFAULT_HOST = "127.0.0.1"
 
 
-def serve_metrics(port: int, host: str = DEFAULT_HOST) -> None:
-    """Serve /metrics on `host`:`port` from a background thread."""
-    start_http_server(port, addr=host)
+#: What /health answers: (ready, what the process does or waits for).
+Health = Callable[[], tuple[bool, str]]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a scrape every few seconds is no news
+        pass
+
+
+class _Served:
+    """One port's server; its /health answer can be replaced (the worker command serves it
+    before the Worker exists, which then takes it over)."""
+
+    def __init__(self, health: Health | None):
+        self.health = health
+        self.metrics = make_wsgi_app()
+
+    def __call__(self, environ, start_response):
+        if environ.get("PATH_INFO") == "/health" and self.health is not None:
+            ready, state = self.health()
+            start_response("200 OK" if ready else "503 Service Unavailable",
+                           [("Content-Type", "application/json")])
+            return [json.dumps({"ready": ready, "state": state}).encode()]
+        return self.metrics(environ, start_response)
+
+
+_served: dict[tuple[str, int], _Served] = {}
+
+
+def serve_metrics(port: int, host: str = DEFAULT_HOST, health: Health | None = None) -> None:
+    """Serve /metrics (and /health when `health` is given) on `host`:`port` from a background
+    thread. Served already on that port: only its /health answer changes."""
+    app = _served.get((host, port))
+    if app is not None:
+        app.health = health or app.health
+        return
+    app = _Served(health)
+    server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    httpd = make_server(host, port, app, server_class, handler_class=_Quiet)
+    _served[(host, port)] = app
+    threading.Thread(target=httpd.serve_forever, name=f"metrics-{port}", daemon=True).start()

@@ -13,6 +13,7 @@ was reaped learns so at its next contact and registers anew.
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from . import scripts
 from .codec import DecodeError, decode_group, encode_group
 from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
 from .keys import CONSUMER_GROUP, Keys
-from .types import Group, ReleasePolicy, VersionClock
+from .types import DeadReason, Group, ReleasePolicy, VersionClock
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class StreamEntry:
             log.error("group %s: %s entry %s is malformed (%s); dead-lettering it",
                       self.group_id, stream, self.entry_id, exc)
             return None, Settle("dead", self.entry_id, self.group_id, f"malformed {stream} entry: {exc}",
-                                bounded_dead_letter(self.data)[0])
+                                bounded_dead_letter(self.data)[0], reason=DeadReason.MALFORMED)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Settle:
     text: str = ""
     payload: bytes = b""
     token: str = ""  # results entries: names the payload key deleted with the entry
+    reason: str = ""  # dead: the dead letter's category (DeadReason)
 
 
 def text(value: bytes | str | None) -> str | None:
@@ -210,7 +212,7 @@ class Queue:
         except (DecodeError, UnicodeDecodeError) as exc:
             error = "group id is not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"malformed payload: {exc}"
             log.error("group %s: %s; dead-lettering it", gid, error)
-            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error, reason="malformed")
+            self.publish(worker, raw_gid, token, payload, Place.DEAD, error=error, reason=DeadReason.MALFORMED)
             return ClaimedGroup(gid, token, payload, None)
         if group.admitted_version is None and admitted is not None:
             group.admitted_version = int(admitted)
@@ -289,6 +291,18 @@ class Queue:
         except ValueError:  # a foreign value: read_control reports it
             version_clock = VersionClock.ENGINE
         return Heartbeat(text(status) == "reaped", bool(paused), int(version), int(lease_ms) / 1000, version_clock)
+
+    def reap_logged(self, worker: str) -> bool:
+        """Whether the `reaped` log (lua/reap.lua's last 50 departures) names `worker`: a
+        worker that finds itself unregistered was reaped, or else its registration was
+        deleted (a purge, or by hand)."""
+        for raw in self.redis.lrange(self.keys.reaped, 0, -1):
+            try:
+                if json.loads(raw).get("worker") == worker:
+                    return True
+            except (ValueError, AttributeError):  # a foreign record: status reports it
+                continue
+        return False
 
     def held(self, worker: str) -> dict[str, str]:
         """The groups `worker` holds in Redis: group id -> claim token."""
@@ -419,7 +433,7 @@ class Queue:
         args: list = [CONSUMER_GROUP, session.consumer, session.id] if session else ["", "", ""]
         args.append(COMMITTED_IDS_KEPT)
         for it in items:
-            args += [it.action, it.entry_id, it.group_id, it.text, it.payload]
+            args += [it.action, it.entry_id, it.group_id, it.text, it.payload, it.reason]
         keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted, k.claims,
                 k.history, k.trainer]
         if stream == k.results:

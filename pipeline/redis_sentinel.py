@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from .redis_server import Fsync, RedisServer, find_redis_server, free_port
+from .redis_server import Fsync, RedisServer, find_redis_server, free_port, replica_caught_up
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +138,8 @@ class SentinelDeployment:
     def wait_synced(self, primary: RedisServer, replica: RedisServer, timeout_s: float = 30.0) -> None:
         """Until `replica` replicates `primary` and has applied everything it wrote so far."""
         p, r = _client(primary.port), _client(replica.port)
-
-        def synced() -> bool:
-            offset = p.info("replication").get("master_repl_offset", 0)
-            info = r.info("replication")
-            return (info.get("master_port") == primary.port and info.get("master_link_status") == "up"
-                    and info.get("slave_repl_offset", -1) >= offset)
-
-        _wait(synced, timeout_s, f"127.0.0.1:{replica.port} to replicate 127.0.0.1:{primary.port}")
+        _wait(lambda: replica_caught_up(p, r, primary.port), timeout_s,
+              f"127.0.0.1:{replica.port} to replicate 127.0.0.1:{primary.port}")
 
     # -- faults ----------------------------------------------------------------------------
 

@@ -25,6 +25,16 @@ import redis
 log = logging.getLogger(__name__)
 
 
+def _why_it_stopped(output: str) -> str:
+    """What redis-server said about why it stopped: its warning lines (`pid:M date # ...`),
+    not its start-up banner; the raw output when it wrote none."""
+    import re
+
+    said = [m.group(1).strip() for m in re.finditer(r"^\d+:[A-Z] [^#\n]*# (.*)$", output, re.M)]
+    said = [line for line in said if not line.startswith(("Redis version=", "Configuration loaded", "oO0OoO0OoO0Oo"))]
+    return "; ".join(said[-3:]) if said else " ".join(output.split())[-500:]
+
+
 class RedisServerError(RuntimeError):
     pass
 
@@ -124,8 +134,9 @@ class RedisServer:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                 logfile = self.data_dir / "redis.log"
-                tail = logfile.read_text()[-500:] if logfile.exists() else ""
-                raise RedisServerError(f"{self.binary} exited with code {self.process.returncode}: {err}{tail}")
+                tail = logfile.read_text()[-2000:] if logfile.exists() else ""
+                raise RedisServerError(f"{self.binary} exited with code {self.process.returncode}: "
+                                       f"{_why_it_stopped(err + tail)}")
             try:
                 client = redis.Redis.from_url(self.url, socket_timeout=1)
                 if client.ping():
@@ -165,6 +176,25 @@ class RedisServer:
 
 
 # -- the local Redis other commands find without --redis-url ---------------------------
+
+def replica_caught_up(primary: redis.Redis, replica: redis.Redis, primary_port: int | None = None) -> bool:
+    """Whether `replica` replicates (`primary_port`, when given) and has applied everything
+    `primary` wrote so far."""
+    offset = primary.info("replication").get("master_repl_offset", 0)
+    info = replica.info("replication")
+    return (info.get("master_link_status") == "up" and info.get("slave_repl_offset", -1) >= offset
+            and (primary_port is None or info.get("master_port") == primary_port))
+
+
+def wait_replicated(primary: redis.Redis, replica: redis.Redis, timeout: float = 10) -> None:
+    """Until the replica has applied everything the primary wrote so far."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if replica_caught_up(primary, replica):
+            return
+        time.sleep(0.02)
+    raise RedisServerError("replica did not catch up")
+
 
 def rollout_home() -> Path:
     return Path(os.environ.get("ROLLOUT_HOME", Path.home() / ".rollout"))

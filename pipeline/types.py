@@ -52,6 +52,26 @@ class VersionClock(StrEnum):
     QUEUE = "queue"
 
 
+class DeadReason(StrEnum):
+    """A dead letter's category (its stream entry's `reason`, the `dead_<reason>` counter,
+    `dead list`): why a group failed for good, in a word."""
+
+    ENGINE = "engine"  # engine failures past the attempt limit
+    BAD_REQUEST = "bad_request"  # the engine refused the request (4xx)
+    REWARD = "reward"  # the reward failed past the attempt limit
+    MISSING_LABEL = "missing_label"  # the reward needs a label the row does not have
+    INPUT = "input"  # a prompt the worker cannot tokenize or send
+    ENCODE = "encode"  # the generated group cannot be stored
+    GENERATE_FUNCTION = "generate_function"  # the user's generate function failed
+    WORKER_ERROR = "worker_error"  # a bug in the worker itself
+    MALFORMED = "malformed"  # an entry or payload that does not decode
+    MAX_CLAIMS = "max_claims"  # claimed again and again without finishing (it kills its workers)
+    BAD_ROW = "bad_row"  # a dataset row pushed with --skip-bad
+    STALE = "stale"  # too stale at consumption, restarted from its prompt max_restarts times already
+    FILTER = "filter"  # the trainer's filter raised on it
+    DELIVERIES = "deliveries"  # delivered to the trainer max_deliveries times without a commit
+
+
 def choices(enum: type[Enum]) -> list[str]:
     """The values of a closed vocabulary, for click.Choice and error messages."""
     return [m.value for m in enum]

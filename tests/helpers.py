@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from pipeline.consumer import Consumer
-from pipeline.redis_server import free_port
+from pipeline.redis_server import free_port, wait_replicated  # noqa: F401 - wait_replicated re-exported
 from pipeline.types import Group
 from local import router
 from local.router import router_engine_urls  # noqa: F401 - re-exported for the tests
@@ -238,18 +238,6 @@ class FakeModelEngine:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-
-def wait_replicated(primary, replica, timeout: float = 10) -> None:
-    """Until the replica has applied everything the primary wrote so far."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        offset = primary.info("replication").get("master_repl_offset", 0)
-        info = replica.info("replication")
-        if info.get("master_link_status") == "up" and info.get("slave_repl_offset", -1) >= offset:
-            return
-        time.sleep(0.02)
-    raise RuntimeError("replica did not catch up")
 
 
 class Forwarder:

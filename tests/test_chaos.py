@@ -146,6 +146,23 @@ def test_a_proxy_with_a_resolver_follows_its_upstream(proxies, tmp_path):
         b.__exit__(None, None, None)
 
 
+def test_chaos_without_sglang_router_says_so_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The campaign needs the real router: said before anything starts (a run directory was
+    left behind), with the extra that installs it."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    monkeypatch.setitem(sys.modules, "sglang_router", None)  # `import sglang_router` fails
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = CliRunner().invoke(main, ["chaos", "--minutes", "0.25"])
+    assert result.exit_code == 1, result.output
+    assert "sglang-router" in result.output and "pip install -e '.[router]'" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_link_fault_settings_are_checked():
     with pytest.raises(ValueError, match="drop_reply_rate"):
         LinkFaults(drop_reply_rate=1.5)

@@ -192,11 +192,35 @@ def test_audit_stray_group(run, queue, client):
 # -- pause / resume --------------------------------------------------------------------
 
 
-def test_pause_on_empty_namespace_warns(run, queue, client, namespace):
-    result = run("pause")
-    assert result.exit_code == 0
-    assert f"warning: namespace {namespace!r} is empty" in result.stderr
+@pytest.mark.parametrize("command", [["pause"], ["resume", "--weight-version", "2"], ["configure", "--lease", "20"]])
+def test_control_writes_refuse_a_namespace_nobody_pushed_to_naming_the_ones_there(run, client, namespace, command):
+    """A typo in --namespace would pause (or resume, or configure) nothing: refused, naming
+    the namespaces on the server, and nothing is written; --create writes anyway."""
+    Queue(client, namespace + "-real").push_groups(groups(1))
+    typo = namespace + "-rael"
+    result = run(*command, ns=typo)
+    assert result.exit_code == 1, result.output
+    assert f"namespace {typo!r} is empty" in result.output and f"'{namespace}-real'" in result.output
+    assert f"{command[0]} --create" in result.output
+    assert not client.keys(f"{{{typo}}}:*")  # nothing created
+    created = run(*command, "--create", ns=typo)
+    assert created.exit_code == 0, created.output
+    assert client.exists(Queue(client, typo).keys.control)
+
+
+def test_pause_before_the_first_push_takes_create(run, queue, client):
+    assert run("pause").exit_code == 1
+    result = run("pause", "--create")
+    assert result.exit_code == 0, result.output
     assert read_control(client, queue.keys).paused  # pausing before the first push is allowed
+    assert run("resume").exit_code == 0  # the namespace exists now
+
+
+def test_configure_shows_an_empty_namespaces_defaults_with_a_warning(run, namespace, client):
+    result = run("configure")
+    assert result.exit_code == 0, result.output
+    assert f"warning: namespace {namespace!r} is empty" in result.stderr and "lease            30s" in result.stdout
+    assert not client.keys(f"{{{namespace}}}:*")
 
 
 def test_pause_resume_without_engines(run, queue, client):
@@ -270,11 +294,13 @@ def test_dead_list_show(run, queue, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(len(l.rstrip()) for l in lines) <= 80
-    assert lines[0].split() == ["id", "group", "age", "try", "error"]
+    assert lines[0].split() == ["id", "group", "age", "try", "reason", "error"]
     assert ids["fail0"] in result.output and "engine failed 3 times" in result.output
-    # Too long for the line: the first clause and the end (the last error) are what is kept.
-    assert "engine failed 3 times; …" in result.output and "(fail0)" in result.output
-    assert "[bad row]" in result.output and "3 dead letters" in result.output
+    # Too long for two lines: the first clause and, after "…", the end (the last error) are kept.
+    first = next(i for i, l in enumerate(lines) if ids["fail0"] in l)
+    assert "engine failed 3 times;" in lines[first]
+    assert lines[first + 1].strip().startswith("…") and lines[first + 1].endswith("(fail0)")
+    assert " bad_row " in result.output and "3 dead letters (other 2, bad_row 1)" in result.output
     d = json.loads(run("dead", "list", "--json").output)
     assert d["total"] == 3 and [x["group_id"] for x in d["dead_letters"]] == ["fail0", "fail1", "rows.jsonl:0:1"]
     assert {"entry_id", "group_id", "error", "age_s", "retriable"} <= set(d["dead_letters"][0])
@@ -362,6 +388,17 @@ def test_purge(run, queue, client, namespace):
     assert list(client.scan_iter(match=f"{{{namespace}}}:*")) == []
     assert sorted(client.scan_iter(match=f"{{{namespace}-keep}}:*")) == keep
     assert "already empty" in run("purge", "--yes").output
+
+
+def test_purge_counts_in_words_and_asks_nothing_of_an_empty_namespace(run, client, namespace):
+    empty = run("purge")  # nothing to confirm: not "deletes all 0 keys ... --yes"
+    assert empty.exit_code == 0 and empty.output == f"namespace {namespace!r} is already empty: nothing to delete\n"
+    client.hset(Queue(client, namespace).keys.control, "lease_ms", 10_000)
+    assert "deletes all 1 key of namespace" in one_error_line(run("purge"))
+    Queue(client, namespace).register("w-live")
+    result = run("purge", "--yes")
+    assert "purged namespace" in result.output and "3 keys deleted" in result.output  # + workers, worker_info
+    assert "1 live worker still uses" in result.stderr and "default settings" in result.stderr
 
 
 # -- push (bad input) ------------------------------------------------------------------

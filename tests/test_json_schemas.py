@@ -94,15 +94,16 @@ CONSUME = {"step": int, "groups": ListOf({"group_id": str, "statuses": ListOf(st
            "group_ids": ListOf(str), "weight_version": int, "wait_s": NUM, "mean_reward": (*NUM, NONE),
            "staleness": MapOf(int), "dropped": MapOf(int), "restarted": int, "dead": int,
            "duplicates_discarded": int}
+DEAD_SUMMARY = {"total": int, "by_reason": MapOf(int), "example": MapOf(str)}
 DEMO_SIM = {"ok": bool, "error": (str, NONE), "groups_trained": int, "trained_twice": int,
-            "mean_reward": (*NUM, NONE), "audit": (AUDIT, NONE),
+            "mean_reward": (*NUM, NONE), "audit": (AUDIT, NONE), "dead_letters": DEAD_SUMMARY,
             "steps": ListOf({"step": int, "wait_s": NUM, "groups": int, "samples": int, "mean_reward": (*NUM, NONE),
                              "truncated": int, "mean_turns": (*NUM, NONE), "tool_tokens": (int, NONE),
                              "max_staleness": int, "group_ids": ListOf(str),
                              "update_s": (*NUM, NONE), "requeued": (int, NONE)})}
 DEMO_TORCH_KEYS = {"ok", "error", "steps", "reward_first", "reward_last", "reward_window", "logprob_max_abs_diff",
                    "logprob_mean_abs_diff", "weight_versions_seen", "engine_versions_ok", "samples_continued",
-                   "audit_ok", "audit", "seconds", "curve"}
+                   "audit_ok", "audit", "dead_letters", "seconds", "curve"}
 
 CHAOS = {"pushed": int, "trained_once": int, "trained_twice": int, "lost": int, "dead": int, "dropped": int,
          "faults": MapOf(int), "ok": bool, "seed": int, "minutes": NUM, "batches": int,

@@ -10,7 +10,7 @@ from pipeline.redis_server import free_port
 from pipeline.types import Group
 from tests.helpers import WorkerThread, http_json, wait_for
 from engines.simulator import SimConfig, start_simulator
-from workers.worker import SamplingSettings, WorkerSettings
+from workers.worker import SamplingSettings, WorkerSettings, WorkerState
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -45,6 +45,9 @@ def test_worker_and_consumer_metrics_from_real_traffic(redis_url, queue, namespa
         http_json(sim.url + "/sim/faults", {"hang_rate": 1.0})
         queue.push_groups([Group.fresh(f"h{i}", "What is 1 + 1?", 4, label="2", row=i) for i in range(2)])
         wait_for(lambda: scrape(port).get("rollout_inflight_samples") == 8, timeout=10, what="8 samples in flight")
+        # /health on the same port: registered, so ready, with the state status shows.
+        health = http_json(f"http://127.0.0.1:{port}/health")
+        assert health["ready"] is True and health["state"].split(":")[0] in {s.value for s in WorkerState}
     finally:
         worker.stop()
         sim.stop()

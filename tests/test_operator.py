@@ -178,7 +178,7 @@ def test_dead_show_names_the_holders_of_a_group_that_killed_them_and_retry_reset
     assert claim(queue, "w2", 1).groups == []  # the third claim dead-letters it
     shown = run("dead", "show", "g0")
     assert shown.exit_code == 0, shown.output
-    assert "held by w0 (reaped), w1 (reaped)" in shown.output and "(max_claims)" in shown.output
+    assert "held by w0 (reaped), w1 (reaped)" in shown.output and "  reason     max_claims\n" in shown.output
     assert "reaped      w0" in shown.output and "reaped      w1" in shown.output
     [d] = [json.loads(line) for line in run("dead", "show", "g0", "--json").stdout.splitlines()]
     assert d["reason"] == "max_claims"
@@ -251,8 +251,11 @@ def test_push_warns_about_rows_without_a_label(run, tmp_path):
 
 
 @pytest.mark.parametrize("args,fixed", [
+    # A masked password would make the suggested command fail: the environment variable gives the URL.
     (["push", "data.jsonl", "--redis-url", "redis://u:secret@h:1", "--n-samples", "2"],
-     "rollout --redis-url 'redis://***@h:1' push data.jsonl --n-samples 2"),
+     "rollout push data.jsonl --n-samples 2"),
+    (["push", "data.jsonl", "--redis-url", "redis://h:1", "--namespace", "x"],
+     "rollout --redis-url redis://h:1 --namespace x push data.jsonl"),
     (["worker", "-v", "--engine-url", "http://e:1"], "rollout -v worker --engine-url http://e:1"),
     (["dead", "list", "--namespace=exp1", "-vv"], "rollout --namespace=exp1 -vv dead list"),
 ])
@@ -262,8 +265,9 @@ def test_a_global_option_after_the_command_says_where_it_goes(args, fixed):
     from cli import main
 
     result = CliRunner().invoke(main, args, prog_name="rollout")
-    assert result.exit_code == 2 and "secret" not in result.output
+    assert result.exit_code == 2 and "secret" not in result.output and "***" not in result.output
     assert f"is a global option: it goes before the command, as in `{fixed}`" in result.output
+    assert ("export ROLLOUT_REDIS_URL=URL" in result.output) == ("secret" in " ".join(args))
 
 
 def test_an_unknown_option_is_still_unknown_and_a_commands_own_namespace_is_its_own(run):

@@ -44,7 +44,8 @@ def test_untrusted_text_reaches_the_terminal_with_control_characters_escaped(com
     result = run(*command)
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.output and "\x07" not in result.output and BIDI not in result.output
-    assert "\\x1b]52;c;" in result.output  # shown, not obeyed
+    unwrapped = "".join(line.strip() for line in result.output.splitlines())  # tables wrap long text
+    assert "\\x1b]52;c;" in unwrapped  # shown, not obeyed
 
 
 def test_printable_leaves_plain_text_alone():

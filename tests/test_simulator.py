@@ -160,7 +160,7 @@ def test_stop_strings(fast):
 
 
 def test_a_stop_string_beats_a_stop_token_which_beats_the_length_limit_as_in_sglang(fast):
-    """SGLang 0.5.23's Req.update_finish_state checks stop strings, then stop tokens, then
+    """SGLang's Req.update_finish_state (0.5.20 to 0.5.23) checks stop strings, then stop tokens, then
     the length, when several end a request on the same token (as the torch engine does)."""
     seed = {"sampling_seed": 5}  # the same response whatever the limits
     free = generate(fast, {"text": "w", "sampling_params": {**seed, "max_new_tokens": 500, "stop_token_ids": [32]}})

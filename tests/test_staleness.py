@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from pipeline.ops import deadletters
 from pipeline.ops.audit import audit
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure, read_control, set_weight_version, staleness_limit
@@ -240,6 +241,9 @@ def test_stale_group_is_restarted_at_the_head_then_dead_lettered(queue, client, 
     assert queue.redis.lrange(queue.keys.prompts, 0, -1) == [b"later0", b"later1", b"later2"]
     stats = queue.stats()
     assert stats["released"] == 3 and stats["dead"] == 1
+    # A category of its own: `dead list`, the dead_<reason> counter behind the metrics, a demo's summary.
+    assert dead.reason == "stale" and stats["dead_stale"] == 1
+    assert deadletters.summarize(deadletters.list_dead(queue)).by_reason == {"stale": 1}
     report = audit(queue)
     assert report.ok and report.dead == 1, report.summary()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -15,7 +16,8 @@ from pipeline.producer import PushOptions, push_dataset
 from pipeline.queue import Place, Queue
 from pipeline.namespaces import empty_message, namespace_is_empty
 from pipeline.ops.status import RateTracker, snapshot
-from pipeline.ops.status_render import render
+from pipeline.ops.status_render import Outage, render
+from pipeline.ops.status_watch import StatusWatch
 from pipeline.types import Group, Status
 from tests.groups import claim, publish
 from tests.helpers import wait_for
@@ -155,6 +157,78 @@ def test_render_fits_80_columns(queue):
     text = out.getvalue()
     for word in ("prompts 3", "workers: 1 alive", "staleness", "committed", "engine-down"):
         assert word in text
+
+
+def _outage_text(renderable, **console) -> str:
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, color_system=None, **{"width": 80, **console}).print(renderable)
+    return out.getvalue()
+
+
+def test_render_under_an_outage_shows_a_banner_and_the_age_of_the_last_good_read(queue):
+    queue.push_groups(make_groups(2))
+    snap = snapshot(queue, RateTracker())
+    outage = Outage("ConnectionError", since=1000.0, last_good=998.0, retry_s=2.0, now=1012.0)
+    text = _outage_text(render(snap, outage=outage))
+    assert text.startswith("REDIS UNREACHABLE for 12.0s (ConnectionError), retrying every 2s")
+    assert "the numbers below are from the last good read, 14.0s ago" in " ".join(text.split())
+    assert "prompts 2" in text  # the last good numbers, under the banner
+    outage.ended = 1020.0
+    back = _outage_text(render(snap, outage=outage))
+    assert back.startswith("Redis was unreachable for 20.0s (ConnectionError), back since ")
+    assert "REDIS UNREACHABLE" not in back
+
+
+def _watched(redis_factory, name: str):
+    from pipeline.connection import connect
+
+    server = redis_factory(name)
+    queue = Queue(connect(server.url), "w")
+    queue.push_groups(make_groups(2))
+    return server, StatusWatch(queue, RateTracker(), interval=0.01)
+
+
+def test_watch_on_a_terminal_draws_a_redis_outage_in_the_live_view(redis_factory):
+    from rich.console import Console
+
+    server, watch = _watched(redis_factory, "tty")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    watch.run_live(console, reads=1)
+    assert "prompts 2" in out.getvalue() and "UNREACHABLE" not in out.getvalue()
+    server.kill()
+    seen = len(out.getvalue())
+    watch.run_live(console, reads=2)
+    during = out.getvalue()[seen:]
+    assert "REDIS UNREACHABLE for" in during and "(ConnectionError)" in during
+    assert "the numbers below are from the last good read" in during and "prompts 2" in during
+    redis_factory("tty", data_dir=server.data_dir, port=server.port)
+    seen = len(out.getvalue())
+    watch.run_live(console, reads=1)
+    after = out.getvalue()[seen:]
+    assert after.rfind("Redis was unreachable for") > after.rfind("REDIS UNREACHABLE")  # the last frame says it
+
+
+def test_watch_piped_prints_a_redis_outage_in_its_output(redis_factory):
+    from rich.console import Console
+
+    server, watch = _watched(redis_factory, "piped")
+    out = io.StringIO()
+    console = Console(file=out, width=80, color_system=None)
+    assert not console.is_terminal
+    watch.run_piped(console, reads=1)
+    server.kill()
+    watch.run_piped(console, reads=2)
+    banners = [l for l in out.getvalue().splitlines() if "REDIS UNREACHABLE" in l]
+    assert len(banners) == 2 and all("the numbers below are from the last good read" in l for l in banners)
+    assert re.match(r"\d\d:\d\d:\d\d REDIS UNREACHABLE for ", banners[0]), banners[0]
+    redis_factory("piped", data_dir=server.data_dir, port=server.port)
+    seen = len(out.getvalue())
+    watch.run_piped(console, reads=1)
+    after = out.getvalue()[seen:]
+    assert after.startswith("Redis was unreachable for") and "prompts 2" in after
 
 
 # -- dead letters -----------------------------------------------------------------------

@@ -298,31 +298,83 @@ def test_a_worker_takes_the_served_models_tokenizer_and_refuses_bytes(tokenizer_
         assert run(tokenizer_json) == tokenizer_json
         engine = FakeModelEngine(tokenizer_json)
         engine.model_info["tokenizer_path"] = str(tokenizer_json) + ".missing.json"
-        with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing"):
+        with pytest.raises(TokenizerChoiceError, match=r"cannot load tokenizer .*missing") as failed:
             run(None)
+        assert str(failed.value).count("cannot load tokenizer") == 1
+        assert str(failed.value).endswith("(the one the engines serve; --tokenizer picks another)")
     finally:
         engine.close()
 
 
+def test_a_tokenizer_that_cannot_load_offline_is_said_once_with_what_to_do(monkeypatch):
+    """Not "cannot load tokenizer X (the one the engines serve ...): cannot load tokenizer X: ..."
+    for a tokenizer given with --tokenizer."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TokenizerChoiceError) as failed:
+        asyncio.run(worker_tokenizer([], "no-such-org/no-such-model", allow_byte=False, apply_chat_template=False))
+    message = str(failed.value)
+    assert message.startswith("cannot load tokenizer 'no-such-org/no-such-model': ") and "\n" not in message
+    assert message.count("cannot load tokenizer") == 1 and "the engines serve" not in message
+    assert message.endswith("(given with --tokenizer; offline (HF_HUB_OFFLINE=1) it must be in the Hugging Face "
+                            "cache, or a local folder)")
+
+
 def test_a_worker_waits_for_an_engine_that_is_not_up_yet(caplog):
+    """Nothing listens at the URL: the waiting line says to check it (a wrong port waits
+    forever otherwise), and what it waits for goes to `on_wait` (the worker's /health)."""
     port = free_port()
     result: dict = {}
+    states: list[str] = []
     caplog.set_level(logging.WARNING, logger="workers.tokenizer")
 
     def wait() -> None:
         result["tokenizer"] = asyncio.run(worker_tokenizer([f"http://127.0.0.1:{port}"], None, allow_byte=False,
-                                                           apply_chat_template=False, wait_log_s=0))
+                                                           apply_chat_template=False, wait_log_s=0,
+                                                           on_wait=states.append))
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
     wait_for(lambda: "waiting for engine" in caplog.text, what="the waiting log line")
     assert thread.is_alive()
+    assert "nothing listens there (connection refused): check the URL" in caplog.text
+    assert "a model may still be loading" not in caplog.text
+    assert states[0].startswith(f"waiting for engine http://127.0.0.1:{port} to answer /get_model_info")
     sim = start_simulator(SimConfig(seed=0), port=port)
     try:
         thread.join(30)
         assert not thread.is_alive() and result == {"tokenizer": None}
+        assert states[-1] == "loading tokenizer byte"
     finally:
         sim.stop()
+
+
+def test_an_engine_that_answers_503_while_loading_is_waited_for_as_loading(caplog):
+    import http.server
+
+    class Loading(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    caplog.set_level(logging.WARNING, logger="workers.tokenizer")
+
+    async def briefly():
+        await asyncio.wait_for(worker_tokenizer([f"http://127.0.0.1:{server.server_address[1]}"], None, False,
+                                                False, wait_log_s=0), 1.0)
+
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(briefly())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "(a model may still be loading)" in caplog.text and "check the URL" not in caplog.text
 
 
 def _chatml_tokenizer_json(folder):

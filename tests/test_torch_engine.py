@@ -162,7 +162,7 @@ def test_stop_string_ends_the_sample(engine):
 
 
 def test_a_stop_string_beats_a_stop_token_which_beats_the_length_limit_as_in_sglang(engine):
-    """SGLang 0.5.23's Req.update_finish_state checks stop strings, then stop tokens, then
+    """SGLang's Req.update_finish_state (0.5.20 to 0.5.23) checks stop strings, then stop tokens, then
     the length, when several end a request on the same token."""
     free = generate(engine.url, {"input_ids": PROMPT, "sampling_params": {
         "max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})["output_ids"]

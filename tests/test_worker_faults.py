@@ -219,6 +219,31 @@ def test_a_worker_that_learns_twice_at_once_that_it_was_reaped_registers_anew_on
     assert_audit_ok(queue)
 
 
+def test_a_purge_under_a_running_worker_is_not_called_a_reap(redis_url, queue, namespace, sim, caplog):
+    """`rollout purge` deletes the worker's registration with the rest: it registers anew,
+    saying its registration was deleted (not that it was reaped, which nobody did), and
+    that the namespace's lease went back to the default with the settings."""
+    import logging
+
+    from pipeline.ops.admin import purge
+
+    configure(queue.redis, queue.keys, lease_s=10)
+    caplog.set_level(logging.INFO, logger="workers.worker")
+    worker = WorkerThread(settings(redis_url, namespace, [sim.url]))
+    try:
+        first = worker.worker.id
+        assert worker.worker.lease_s == 10
+        purge(queue.redis, namespace)
+        wait_for(lambda: worker.worker.id != first and worker.worker.id in queue.workers(),
+                 what="the worker registered anew")
+    finally:
+        worker.stop()
+    said = caplog.text
+    assert "was reaped" not in said
+    assert f"worker {first}: its registration was deleted without a reap" in said
+    assert "the namespace's lease is now 30s (was 10s)" in said
+
+
 # -- rewards ----------------------------------------------------------------------------
 
 

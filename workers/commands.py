@@ -106,7 +106,10 @@ DEFAULT_MAX_NEW_TOKENS = 1024
               help="Seconds one --generate-function call may take; then its group is dead-lettered.")
 @click.option("--max-context-len", type=click.IntRange(min=1),
               help="slime's rollout_max_context_len, handed to --generate-function (prompt + all turns).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535),
+              help="Serve Prometheus metrics on this port (/metrics), and /health from the start: 503 with what the "
+                   "worker waits for (an engine loading its model, Redis) until it registers, then 200 with its "
+                   "state, as JSON {ready, state}.")
 @METRICS_HOST_OPTION
 @click.option("--progress-every", "progress_s", default=60.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds between progress lines in the log (claimed, published, samples/s, in flight, engines "
@@ -142,11 +145,14 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
     from workers.engine_errors import EngineError
     from workers.sampling import SamplingError, SamplingSettings
     from workers.tokenizer import TokenizerChoiceError, TokenizerError, worker_tokenizer
-    from workers.worker import WorkerConfigError, run_worker
+    from pipeline import metrics
+    from workers.worker import Starting, WorkerConfigError, run_worker
 
     urls = given_engine_urls(engine_urls)
-    if metrics_port:
+    starting = Starting("asking the engines which model they serve")
+    if metrics_port:  # from the start: /health says what the worker waits for (a model loading, ...)
         check_port_free(metrics_host, metrics_port, "--metrics-port")
+        metrics.serve_metrics(metrics_port, metrics_host, health=starting)
     try:
         sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                     top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
@@ -169,7 +175,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
     with stop_on_sigterm():
         try:
             tokenizer = asyncio.run(worker_tokenizer(urls, tokenizer, allow_byte_tokenizer, apply_chat_template,
-                                                     api_key=api_key))
+                                                     api_key=api_key, on_wait=starting.say))
         except (TokenizerChoiceError, TokenizerError, EngineError) as exc:
             raise click.ClickException(obj.scrub(str(exc))) from None
     if apply_chat_template is None and generate_function:
@@ -191,6 +197,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
         sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
     )
+    starting.say("connecting to Redis")
     try:
         asyncio.run(run_worker(settings))
     except (ConnectionFailed, TokenizerError, ValueError, WorkerConfigError) as exc:

@@ -230,7 +230,7 @@ class EngineClient:
         flush_cache: bool = True,
     ) -> dict:
         """`flush_cache=False` when requests stay paused on the engine (retract,
-        in_place): SGLang 0.5.23 fails the call otherwise, 0.5.15 crashes its scheduler."""
+        in_place): SGLang 0.5.23 fails the call otherwise, 0.5.15 and 0.5.20 crash their scheduler."""
         payload: dict[str, Any] = {
             "model_path": model_path,
             "abort_all_requests": abort_all_requests,

@@ -7,8 +7,8 @@ import json
 
 import click
 
-from pipeline.cli_support import (ENGINE_API_KEY_OPTION, ENGINE_URLS_ENV, REPLICAS_OPTION, Context, Seconds,
-                                  given_engine_urls)
+from pipeline.cli_support import (CREATE_OPTION, ENGINE_API_KEY_OPTION, ENGINE_URLS_ENV, REPLICAS_OPTION, Context,
+                                  Seconds, given_engine_urls)
 from pipeline.queue import Queue
 from pipeline.types import PauseMode, ReleasePolicy, choices
 from pipeline.wording import counted
@@ -61,8 +61,9 @@ _ENGINE_URL_OPTION = click.option(
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, type=Seconds(min=0),
               help="abort: seconds to wait for the workers to requeue every interrupted group.")
 @REPLICAS_OPTION
+@CREATE_OPTION
 @click.pass_obj
-def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas) -> None:
+def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas, create) -> None:
     """Stop admission and pause the engines (before a weight update).
 
     Workers stop claiming at once. Every engine (each one behind a router) gets
@@ -73,13 +74,13 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas) -> None
     Example:
       rollout pause --mode abort
       rollout pause --mode in_place --engine-url http://router:30000
+      rollout --namespace exp2 pause --create    # before the first push to exp2
     """
     from pipeline.controller import Controller
     from workers.engine_set import EngineSet
 
     given = given_engine_urls(engine_urls)
-    queue = obj.queue()
-    obj.warn_if_empty(queue)
+    queue = obj.control_queue("pause", create)
     urls, source = _engines_for_control(queue, given)
     if not urls:  # no engines to pause, and in-flight requests run on: nothing to wait for
         asyncio.run(Controller(queue, replicas=replicas).pause(PauseMode.IN_PLACE))
@@ -119,8 +120,9 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas) -> None
 @_ENGINE_URL_OPTION
 @ENGINE_API_KEY_OPTION
 @REPLICAS_OPTION
+@CREATE_OPTION
 @click.pass_obj
-def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, replicas) -> None:
+def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, replicas, create) -> None:
     """Record the new weight version, continue the engines, reopen admission.
 
     Aborted groups in the requeue stream go back to the head of the prompt list
@@ -135,8 +137,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, r
     from workers.engine_set import EngineSet
 
     given = given_engine_urls(engine_urls)
-    queue = obj.queue()
-    obj.warn_if_empty(queue)
+    queue = obj.control_queue("resume", create)
     urls, source = _engines_for_control(queue, given)
 
     async def go():

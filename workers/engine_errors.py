@@ -36,6 +36,20 @@ class EngineUnavailable(EngineError):
     """The engine could not answer (network, timeout, 5xx). Retriable."""
 
 
+def nothing_there(exc: EngineUnavailable) -> str | None:
+    """Why a connection was never made, when the address itself may be wrong: nothing
+    listens there (refused) or its host name does not resolve; None for a server that
+    is there but cannot answer yet (a timeout or a 503 while a model loads)."""
+    import socket
+
+    reason = getattr(exc.__cause__, "os_error", None)  # aiohttp's ClientConnectorError
+    if isinstance(reason, ConnectionRefusedError):
+        return "nothing listens there (connection refused)"
+    if isinstance(reason, socket.gaierror):
+        return "its host name does not resolve"
+    return None
+
+
 class EngineRequestError(EngineError):
     """The engine rejected the request (4xx). Not retriable as is."""
 

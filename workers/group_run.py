@@ -12,7 +12,7 @@ from pipeline import metrics
 from pipeline.codec import EncodeError, encode_group
 from pipeline.permissions import PermissionDenied
 from pipeline.queue import ClaimedGroup, Place, Publish, Published, Queue
-from pipeline.types import SEGMENTS_KEY, Group, Sample, Status, VersionClock, parse_version
+from pipeline.types import SEGMENTS_KEY, DeadReason, Group, Sample, Status, VersionClock, parse_version
 
 from .context import Halt, WorkerContext
 from .engine_answers import GenerateResult
@@ -36,9 +36,9 @@ PREEMPTED_RETRY_S = 0.5
 class GroupFailed(Exception):
     """A group cannot be finished; it goes to dead letters with this message."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: DeadReason):
         super().__init__(message)
-        self.reason = reason  # short category: engine, bad_request, reward, missing_label, input, encode
+        self.reason = reason
 
 
 @dataclass(eq=False)
@@ -174,7 +174,7 @@ class GroupRunner:
                                                         "the threads of the stuck calls"))
         except Exception as exc:  # one bad group must never take the worker down
             log.exception("group %s: unexpected error; dead-lettering it", group.group_id)
-            metrics.DEAD_LETTERS.labels("worker_error").inc()
+            metrics.DEAD_LETTERS.labels(DeadReason.WORKER_ERROR).inc()
             # What was claimed, not the group as generated: that may be what cannot be stored.
             # If even this fails, the group stays held in Redis with no task, and the next
             # reconciliation gives it back (and max_claims ends a group that keeps doing it).
@@ -182,7 +182,7 @@ class GroupRunner:
             try:
                 outcome = await self.publisher.publish(run.queue, Publish(
                     group.group_id, run.token, run.payload, Place.DEAD, f"worker error: {type(exc).__name__}: {exc}",
-                    "worker_error"))
+                    DeadReason.WORKER_ERROR))
             except Exception as again:
                 log.error("group %s: could not dead-letter it either (%s); reconciliation gives it back",
                           group.group_id, again)
@@ -201,7 +201,7 @@ class GroupRunner:
             log.error("group %s: cannot store it as generated (%s); dead-lettering it as claimed",
                       group.group_id, exc)
             place, payload = Place.DEAD, run.payload
-            failure = GroupFailed(f"cannot store the generated group: {exc}", "encode")
+            failure = GroupFailed(f"cannot store the generated group: {exc}", DeadReason.ENCODE)
         if failure is not None:
             metrics.DEAD_LETTERS.labels(failure.reason).inc()
         error, reason = (None, "") if failure is None else (str(failure), failure.reason)
@@ -228,7 +228,7 @@ class GroupRunner:
         group = run.group
         try:
             if not group.samples:
-                raise GroupFailed("group has no samples", "input")
+                raise GroupFailed("group has no samples", DeadReason.INPUT)
             self._stamp_sampling(group)
             self._render_prompts(group)
             if self.generate_function is not None:
@@ -247,7 +247,7 @@ class GroupRunner:
         except GroupFailed as exc:
             return Place.DEAD, exc
         except ValueError as exc:  # the tokenizer or the chat template refused the prompt
-            return Place.DEAD, GroupFailed(f"bad prompt: {exc}", "input")
+            return Place.DEAD, GroupFailed(f"bad prompt: {exc}", DeadReason.INPUT)
 
     def _render_prompts(self, group: Group) -> None:
         """--apply-chat-template: each prompt rendered into sample.prompt once, as slime's
@@ -330,7 +330,7 @@ class GroupRunner:
                                     f"({(result.finish_reason or {}).get('message', 'no message')})")
             except EngineRequestError as exc:
                 metrics.ENGINE_ERRORS.labels("bad_request").inc()
-                raise GroupFailed(f"engine rejected the request: {exc}", "bad_request") from None
+                raise GroupFailed(f"engine rejected the request: {exc}", DeadReason.BAD_REQUEST) from None
             except EngineError as exc:  # unavailable, timed out, or an answer that breaks the protocol
                 error = exc
             self.engine_health.failed(error)
@@ -341,7 +341,7 @@ class GroupRunner:
             failures += 1
             group.attempts = max(group.attempts, failures)
             if failures >= s.max_attempts:
-                raise GroupFailed(f"engine failed {failures} times; last error: {error}", "engine") from None
+                raise GroupFailed(f"engine failed {failures} times; last error: {error}", DeadReason.ENGINE) from None
             delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
             log.debug("group %s: engine error (%s); retry %d in %.1fs", group.group_id, error, failures, delay)
             await asyncio.sleep(delay)
@@ -372,7 +372,7 @@ class GroupRunner:
         if problem:
             self.ctx.counters.function_errors += 1
             raise GroupFailed(f"generate function {self.generate_function.name} returned {problem}",
-                              "generate_function")
+                              DeadReason.GENERATE_FUNCTION)
         if prompt_ids:
             group.prompt_ids = prompt_ids  # stored once for the group (the wire format shares it)
 
@@ -405,7 +405,7 @@ class GroupRunner:
                                                      f"{problem}")
                 except GenerateFunctionFailed as exc:
                     self.ctx.counters.function_errors += 1
-                    raise GroupFailed(str(exc), "generate_function") from None
+                    raise GroupFailed(str(exc), DeadReason.GENERATE_FUNCTION) from None
             self.last_answer = time.monotonic()
             progressed = any(p.response_length > sample.response_length
                              or len(p.weight_versions) > len(sample.weight_versions) for p in produced)
@@ -440,7 +440,7 @@ class GroupRunner:
             if failures >= s.max_attempts:
                 raise GroupFailed(f"generate function {self.generate_function.name} returned an aborted sample "
                                   f"{failures} times while nothing was paused, with no new token and no new "
-                                  f"weight version", "engine")
+                                  f"weight version", DeadReason.ENGINE)
             delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
             log.debug("group %s: aborted while nothing was paused; calling the function again in %.1fs",
                       group.group_id, delay)
@@ -459,7 +459,7 @@ class GroupRunner:
                 version = await self.engines.weight_version_at(url)
             except EngineError as exc:
                 raise GroupFailed(f"cannot read the weight version of {url} for a sample whose generate function "
-                                  f"recorded none: {exc}", "engine") from None
+                                  f"recorded none: {exc}", DeadReason.ENGINE) from None
             sample.weight_versions.append(version)
             new = [version]
         for version in new:
@@ -566,7 +566,7 @@ class GroupRunner:
                     s.reward = validate_reward(s.reward, getattr(self.reward_args, "reward_key", None),
                                                name=f"set by the generate function on sample {s.index}")
                 except RewardError as exc:
-                    raise GroupFailed(str(exc), "reward") from None
+                    raise GroupFailed(str(exc), DeadReason.REWARD) from None
         unscored = [s for s in group.samples if s.reward is None]
         if not unscored:
             return
@@ -581,7 +581,7 @@ class GroupRunner:
             except MissingLabel as exc:
                 self.ctx.counters.reward_errors += 1
                 raise GroupFailed(f"{exc}; not retried: give the rows a label (push --label-key), or use a reward "
-                                  f"that needs none", "missing_label") from None
+                                  f"that needs none", DeadReason.MISSING_LABEL) from None
             except (RewardError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, asyncio.TimeoutError):
                     # A synchronous reward still running is abandoned on its thread, which
@@ -590,7 +590,7 @@ class GroupRunner:
                                       f"(--reward-timeout); abandoned")
                 self.ctx.counters.reward_errors += 1
                 if attempt == self.settings.max_attempts:
-                    raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", "reward") from None
+                    raise GroupFailed(f"reward failed {attempt} times; last error: {exc}", DeadReason.REWARD) from None
                 log.warning("group %s: reward error (%s); retry %d", group.group_id, exc, attempt)
                 await asyncio.sleep(min(self.settings.backoff_max_s, self.settings.backoff_s * 2 ** (attempt - 1)))
 

@@ -71,11 +71,18 @@ class Liveness:
         async with ctx.claim_lock:
             if ctx.reconnect.down or ctx.id != reaped:
                 return
-            old = ctx.id
-            log.error("worker %s was reaped (no heartbeat within its %gs lease); cancelling its %d group tasks "
-                      "(their publishes would be refused) and registering anew", old, ctx.lease_s,
-                      len(self.runner.running))
-            await self.runner.cancel_all(f"worker {old} was reaped")
+            old, old_lease = ctx.id, ctx.lease_s
+            # Asked, not assumed: a purge deletes registrations with every other key.
+            reaped = any([await ctx.redis(queue.reap_logged, old) for queue in ctx.queues])
+            if reaped:
+                log.error("worker %s was reaped (no heartbeat within its %gs lease); cancelling its %d group tasks "
+                          "(their publishes would be refused) and registering anew", old, ctx.lease_s,
+                          len(self.runner.running))
+            else:
+                log.warning("worker %s: its registration was deleted without a reap (the namespace was purged, or "
+                            "it was deleted by hand); cancelling its %d group tasks and registering anew", old,
+                            len(self.runner.running))
+            await self.runner.cancel_all(f"worker {old} was reaped" if reaped else f"worker {old} was unregistered")
             for queue in ctx.queues:  # in case its lease ran out and nobody reaped it yet
                 await ctx.redis(queue.reap, old)
             self.incarnation += 1
@@ -84,6 +91,8 @@ class Liveness:
             ctx.reconnect.what = f"worker {ctx.id}"
             await self.register()
             log.warning("worker %s registered as %s", old, ctx.id)
+            if ctx.lease_s != old_lease:  # a purge takes the namespace's settings too
+                log.warning("worker %s: the namespace's lease is now %gs (was %gs)", ctx.id, ctx.lease_s, old_lease)
 
     # -- heartbeat and reconciliation ------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.types import SamplingRecord
 
-#: SGLang 0.5.23 rejects requests with more stop strings than this.
+#: SGLang (0.5.20, the pinned image, to 0.5.23: MAX_STOP_COUNT) rejects requests with more stop strings.
 MAX_STOP_STRINGS = 32
 _INT32_MAX = 2**31 - 1
 

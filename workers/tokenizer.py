@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -397,8 +397,21 @@ def choose_tokenizer(engines: list[EngineModel], requested: str | None, allow_by
     return served.pop()
 
 
-async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None) -> EngineModel:
-    """/get_model_info of `url`, waiting (with a log line now and then) while it cannot answer."""
+def waiting_for(url: str, exc: Exception) -> str:
+    """What a worker waiting for engine `url` to answer /get_model_info says: a model may
+    still be loading, or (nothing listens there, the name does not resolve) the URL is wrong."""
+    from .engine_errors import nothing_there
+
+    why = nothing_there(exc)
+    hint = (f"{why}: check the URL, unless the engine is still starting" if why
+            else "a model may still be loading")
+    return f"waiting for engine {url} to answer /get_model_info ({hint}): {exc}"
+
+
+async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None,
+                        on_wait: Callable[[str], None] | None = None) -> EngineModel:
+    """/get_model_info of `url`, waiting (with a log line now and then, and what it waits for
+    given to `on_wait`) while it cannot answer."""
     from .engine import EngineClient
     from .engine_errors import EngineUnavailable
 
@@ -410,9 +423,11 @@ async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None)
             try:
                 return EngineModel.from_model_info(url, await client.model_info())
             except EngineUnavailable as exc:
+                said = waiting_for(url, exc)
+                if on_wait is not None:
+                    on_wait(said)
                 if time.monotonic() - last_log >= wait_log_s:
-                    logger.warning("waiting for engine %s to answer /get_model_info (a model may still be "
-                                   "loading): %s", url, exc)
+                    logger.warning("%s", said)
                     last_log = time.monotonic()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -422,21 +437,29 @@ async def _engine_model(url: str, wait_log_s: float, api_key: str | None = None)
 
 async def worker_tokenizer(engine_urls: list[str], requested: str | None, allow_byte: bool,
                            apply_chat_template: bool | None, wait_log_s: float = ENGINE_WAIT_LOG_S,
-                           api_key: str | None = None) -> str | None:
+                           api_key: str | None = None, on_wait: Callable[[str], None] | None = None) -> str | None:
     """The tokenizer a worker for `engine_urls` must use (see `choose_tokenizer`),
     loaded once here so a missing library or model fails now, in one line.
 
     Waits for every engine to answer /get_model_info, unless a tokenizer other than
-    bytes is requested (then what they serve changes nothing). Raises TokenizerChoiceError.
+    bytes is requested (then what they serve changes nothing); `on_wait` hears what it
+    waits for (the worker's /health says it). Raises TokenizerChoiceError.
     """
     asks_engines = requested in (None, "byte")
-    engines = [await _engine_model(url, wait_log_s, api_key) for url in engine_urls] if asks_engines else []
+    engines = [await _engine_model(url, wait_log_s, api_key, on_wait) for url in engine_urls] if asks_engines else []
     name = choose_tokenizer(engines, requested, allow_byte)
+    if on_wait is not None:
+        on_wait(f"loading tokenizer {name or 'byte'}")
     try:
         tokenizer = load_tokenizer(name)
     except Exception as exc:  # transformers raises OSError, ValueError, ... for a missing model
-        raise TokenizerChoiceError(f"cannot load tokenizer {name!r} (the one the engines serve unless --tokenizer "
-                                   f"is given): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not isinstance(exc, TokenizerError):  # those name the tokenizer already
+            said = f"cannot load tokenizer {name!r}: {said}"
+        whose = "given with --tokenizer" if requested is not None else "the one the engines serve; --tokenizer picks another"
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            whose += "; offline (HF_HUB_OFFLINE=1) it must be in the Hugging Face cache, or a local folder"
+        raise TokenizerChoiceError(f"{said} ({whose})") from None
     if apply_chat_template and not tokenizer.has_chat_template:
         raise TokenizerChoiceError(f"--apply-chat-template, but tokenizer {name!r} has no chat template (a base "
                                    "model): prompts would be wrapped in one it never saw; leave the option out "

@@ -41,7 +41,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from types import SimpleNamespace
 from typing import Any
@@ -89,6 +89,20 @@ class WorkerState(StrEnum):
     # refused a command under the worker's ACL), "reward-hung" (too many reward calls stuck).
 
 
+@dataclass
+class Starting:
+    """A worker's /health before it registers (compose's healthcheck reads it while a model
+    loads, up to 20 minutes on a first GPU start): not ready, and what it does or waits for."""
+
+    state: str = "starting"
+
+    def say(self, state: str) -> None:
+        self.state = state
+
+    def __call__(self) -> tuple[bool, str]:
+        return False, f"starting: {self.state}"
+
+
 class WorkerConfigError(RuntimeError):
     """The worker cannot work as configured (its Redis user lacks a command, its reward
     function hangs); it stopped after handing back what it held."""
@@ -133,6 +147,7 @@ class Worker:
         self.liveness = Liveness(self.ctx, settings.worker_id, self.runner, self.engine_health, self.info)
         self.claimer = Claimer(self.ctx, self.runner, self.engine_health, self.liveness)
         self.ready = asyncio.Event()  # set once registered
+        self.starting = Starting()
 
     def _load_reward(self):
         s = self.settings
@@ -161,9 +176,17 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------
 
+    def health(self) -> tuple[bool, str]:
+        """/health: ready once registered, with its state; before that, what it starts."""
+        return (True, self.state()) if self.ready.is_set() else self.starting()
+
     async def run(self) -> None:
         """Work until stop() is called; then hand back whatever is unfinished."""
+        if self.settings.metrics_port:  # from the start: /health says what it waits for
+            metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host, health=self.health)
+        self.starting.say("finding the engines (behind a router: asking it for them)")
         await self.engine_health.discover()
+        self.starting.say("registering in Redis")
         await self.liveness.register()
         await self.liveness.heartbeat()  # learns the namespace's control state before the first answer
         if self.lease_s < HEARTBEATS_PER_LEASE * self.settings.heartbeat_s:
@@ -171,8 +194,6 @@ class Worker:
             raise ValueError(f"the namespace's lease ({self.lease_s:g}s) is shorter than {HEARTBEATS_PER_LEASE} "
                              f"heartbeats of this worker ({self.settings.heartbeat_s:g}s each): raise it with "
                              f"`rollout configure --lease`")
-        if self.settings.metrics_port:
-            metrics.serve_metrics(self.settings.metrics_port, self.settings.metrics_host)
         log.info("%s", self.describe())
         fallback = scripts.fallback_reason(self.queue.redis)
         if fallback:  # said loudly where it matters: a long-running process holding a role's password

@@ -23,7 +23,7 @@ for i = 3, #ARGV, 3 do
       duplicates = duplicates + 1
     end
   else
-    redis.call('XADD', KEYS[5], '*', 'gid', gid, 'data', payload, 'error', dest)
+    redis.call('XADD', KEYS[5], '*', 'gid', gid, 'data', payload, 'error', dest, 'reason', 'bad_row')
     dead = dead + 1
   end
   rows = rows + 1
@@ -33,5 +33,8 @@ if ARGV[1] ~= '' then
   redis.call('HSET', KEYS[4], ARGV[1], cursor)
 end
 if pushed + dead > 0 then redis.call('HINCRBY', KEYS[3], 'pushed', pushed + dead) end
-if dead > 0 then redis.call('HINCRBY', KEYS[3], 'dead', dead) end
+if dead > 0 then
+  redis.call('HINCRBY', KEYS[3], 'dead', dead)
+  redis.call('HINCRBY', KEYS[3], 'dead_bad_row', dead)
+end
 return {'ok', cursor, duplicates}

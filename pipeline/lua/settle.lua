@@ -6,19 +6,19 @@
 --       trainer, result...
 -- (`settled` is the source stream; for the results stream one result payload key per entry follows)
 -- ARGV: consumer group, consumer, session id ('' x3 for streams without a consumer group),
---       max committed ids to remember, then five items per entry: action, entry id, group id,
---       text, encoded group.
+--       max committed ids to remember, then six items per entry: action, entry id, group id,
+--       text, encoded group, dead letter's reason category ('' for none).
 --   commit    the trainer trained on it (text: the batch, for the group's history)
 --   drop      filtered or too stale; logged with text as the reason
 --   duplicate a second copy of an already committed or held group
 --   prompt    back to the head of the prompt list as the encoded group
---   dead      to the dead-letter stream with text as the error
+--   dead      to the dead-letter stream with text as the error (and its reason: `dead_<reason>` counted)
 --   discard   an operator threw a dead letter away
 -- Entries already gone (settled before) are skipped; a commit of an entry already
 -- committed (a retried commit whose reply was lost) counts as done.
 -- Returns {settled, already committed} or an error starting with FENCED.
 local actions = {commit = true, drop = true, duplicate = true, prompt = true, dead = true, discard = true}
-for i = 5, #ARGV, 5 do
+for i = 5, #ARGV, 6 do
   if not actions[ARGV[i]] then return redis.error_reply('settle: unknown action ' .. ARGV[i]) end
 end
 local group, consumer, session_id = ARGV[1], ARGV[2], ARGV[3]
@@ -31,8 +31,9 @@ if session_id ~= '' then
 end
 local now = now_ms()
 local settled, already, committed = 0, 0, 0
-for i = 5, #ARGV, 5 do
-  local action, id, gid, text, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+for i = 5, #ARGV, 6 do
+  local action, id, gid, text, payload, reason = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4],
+                                                  ARGV[i + 5]
   local owned = true
   if group ~= '' then
     local p = redis.call('XPENDING', KEYS[1], group, id, id, 1)
@@ -41,7 +42,7 @@ for i = 5, #ARGV, 5 do
   end
   if owned and redis.call('XDEL', KEYS[1], id) == 1 then
     settled = settled + 1
-    if #KEYS > 11 then redis.call('DEL', KEYS[12 + (i - 5) / 5]) end
+    if #KEYS > 11 then redis.call('DEL', KEYS[12 + (i - 5) / 6]) end
     if action == 'commit' then
       redis.call('ZADD', KEYS[6], now, gid)
       redis.call('HDEL', KEYS[8], gid)
@@ -61,7 +62,12 @@ for i = 5, #ARGV, 5 do
       redis.call('HINCRBY', KEYS[7], 'released', 1)
       record(KEYS[10], gid, now, 'released', consumer, text)
     elseif action == 'dead' then
-      redis.call('XADD', KEYS[4], '*', 'gid', gid, 'data', payload, 'error', text)
+      if reason ~= '' then
+        redis.call('XADD', KEYS[4], '*', 'gid', gid, 'data', payload, 'error', text, 'reason', reason)
+        redis.call('HINCRBY', KEYS[7], 'dead_' .. reason, 1)
+      else
+        redis.call('XADD', KEYS[4], '*', 'gid', gid, 'data', payload, 'error', text)
+      end
       redis.call('HDEL', KEYS[8], gid)
       redis.call('HDEL', KEYS[9], gid)
       redis.call('HINCRBY', KEYS[7], 'dead', 1)

@@ -221,6 +221,7 @@ WORKER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
         "llen": ("prompts",), "xlen": ("results", "requeue", "dead"),  # depths
         "hgetall": ("inflight", "stats"),  # held() for reconciliation; the stats counters
         "zrange": ("workers",), "smembers": ("holders",),  # reap_orphans, without SCAN
+        "lrange": ("reaped",),  # reap_logged: unregistered by a reap, or by a purge
     },
     subscribes=True,
 )

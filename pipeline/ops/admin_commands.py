@@ -7,11 +7,12 @@ import json
 import click
 import redis
 
-from pipeline.cli_support import REPLICAS_OPTION, Context, Seconds, rich_console
+from pipeline.cli_support import CREATE_OPTION, REPLICAS_OPTION, Context, Seconds, rich_console
 from pipeline.control import DEFAULT_HEARTBEAT_S, HEARTBEATS_PER_LEASE
 from pipeline.keys import check_namespace
 from pipeline.ops.acl import Role
 from pipeline.types import ReleasePolicy, choices
+from pipeline.wording import counted
 
 
 @click.command()
@@ -32,9 +33,10 @@ from pipeline.types import ReleasePolicy, choices
               help="What happens to aborted groups when admission reopens.")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as one JSON object.")
 @REPLICAS_OPTION
+@CREATE_OPTION
 @click.pass_obj
 def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy,
-              as_json, replicas) -> None:
+              as_json, replicas, create) -> None:
     """Show or change the namespace's settings (every worker and trainer follows them).
 
     Without options, prints the current settings. The staleness bound needs
@@ -51,11 +53,17 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     Example:
       rollout configure --max-staleness 1 --batch-size 64
       rollout configure --lease 20 --max-claims 5
+      rollout --namespace exp2 configure --create --max-staleness 1 --batch-size 64   # before the first push
     """
     from pipeline.control import configure as set_settings
     from pipeline.retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect
 
-    queue = obj.queue()
+    changes = (max_staleness, batch_size, lease_s, max_claims, max_ready, release_policy)
+    if any(c is not None for c in changes):
+        queue = obj.control_queue("configure", create)
+    else:  # only shown
+        queue = obj.queue()
+        obj.warn_if_empty(queue)
     try:  # waited out like the trainer's calls: a replica catching up, a failover
         state = Reconnect("rollout configure", limit_s=TRAINER_OUTAGE_LIMIT_S).call(
             set_settings, queue.redis, queue.keys, max_staleness=max_staleness, batch_size=batch_size,
@@ -76,9 +84,12 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     else:
         bound = (f"η={state.max_staleness}, B={state.batch_size}: {state.admitted} of {state.staleness_limit} "
                  f"admitted at version {state.weight_version}")
-    click.echo(f"namespace {obj.namespace!r}: staleness bound {bound}; lease {state.lease_s:g}s; max claims "
-               f"{state.max_claims}; max ready {state.max_ready}; release policy {state.release_policy}; "
-               f"{'paused' if state.paused else 'admitting'}")
+    from pipeline.tables import Facts
+
+    click.echo(f"namespace {obj.namespace!r}: {'paused' if state.paused else 'admitting'}")
+    rich_console().print(Facts([("  staleness bound", [bound]), ("  lease", [f"{state.lease_s:g}s"]),
+                                ("  max claims", [str(state.max_claims)]), ("  max ready", [str(state.max_ready)]),
+                                ("  release policy", [str(state.release_policy)])]))
 
 
 @click.command()
@@ -100,19 +111,21 @@ def purge(obj: Context, yes) -> None:
 
     queue = obj.queue()
     n_keys = sum(1 for _ in namespace_keys(queue.redis, obj.namespace))
-    if not yes:
-        raise click.ClickException(f"purge deletes all {n_keys} keys of namespace {obj.namespace!r}; "
-                                   "re-run with --yes to do it")
     if n_keys == 0:
         click.echo(f"namespace {obj.namespace!r} is already empty: nothing to delete")
         return
+    if not yes:
+        raise click.ClickException(f"purge deletes all {counted(n_keys, 'key')} of namespace {obj.namespace!r}; "
+                                   "re-run with --yes to do it")
     live = queue.live_workers()
     if live:
-        click.echo(f"warning: {len(live)} live workers still use namespace {obj.namespace!r}; they will "
-                   "re-register (stop them to keep it empty)", err=True)
-    with rich_console(stderr=True).status(f"deleting {n_keys} keys ..."):
+        still = "still uses" if len(live) == 1 else "still use"
+        click.echo(f"warning: {counted(len(live), 'live worker')} {still} namespace {obj.namespace!r}: they register "
+                   "anew at once, under the default settings (the namespace's settings, such as its lease, go with "
+                   "its keys: `rollout configure` them again), unless you stop them first", err=True)
+    with rich_console(stderr=True).status(f"deleting {counted(n_keys, 'key')} ..."):
         deleted = purge_keys(queue.redis, obj.namespace)
-    click.echo(f"purged namespace {obj.namespace!r}: {deleted} keys deleted")
+    click.echo(f"purged namespace {obj.namespace!r}: {counted(deleted, 'key')} deleted")
 
 
 @click.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from pipeline.cli_support import Context, rich_console, dump
+from pipeline.tables import Col
 from pipeline.wording import counted
 
 
@@ -46,8 +47,6 @@ def dead_list(obj: Context, limit, as_json) -> None:
     Example:
       rollout dead list --limit 20
     """
-    from rich.table import Table
-
     from pipeline.ops import deadletters
 
     queue = obj.nonempty_queue()
@@ -61,40 +60,60 @@ def dead_list(obj: Context, limit, as_json) -> None:
     if not letters:
         console.print(f"no dead letters in namespace {obj.namespace!r}", markup=False)
         return
-    from rich.text import Text
-
     from pipeline.ops.printable import printable
+    from pipeline.tables import column_widths, fitted_table
 
     rows = []
     for l in letters:
         g = l.group
         rows.append((printable(l.entry_id), printable(l.group_id), _age(l.age_s),
-                     "-" if g is None else str(g.attempts), _retry_mark(l), printable(l.error or "-")))
-    # Fixed columns as wide as their contents (group ids capped); the error takes the rest
-    # (each column is padded by one space on either side), on up to two lines.
-    widths = [max(len(head), *(len(r[i]) for r in rows)) for i, head in enumerate(("id", "group", "age", "try"))]
-    widths[1] = min(widths[1], 24)
-    room = max(console.width - sum(widths) - 2 * 5 - 1, 20)  # rich gives the last column one less
-    errors = [r[4] + deadletters.informative_end(r[5], 2 * room - len(r[4])) for r in rows]
-    rows = [(*r[:4], e if len(e) <= room else e[:room] + "\n" + e[room:]) for r, e in zip(rows, errors)]
-    table = Table(box=None, padding=(0, 1), header_style="bold", expand=True)
-    table.add_column("id", no_wrap=True, min_width=widths[0])
-    table.add_column("group", overflow="ellipsis", no_wrap=True, min_width=widths[1], max_width=24)
-    table.add_column("age", justify="right", no_wrap=True, min_width=widths[2])
-    table.add_column("try", justify="right", no_wrap=True, min_width=widths[3])
-    table.add_column("error", no_wrap=True, ratio=1)
-    for r in rows:
-        table.add_row(*(Text(c) for c in r))
-    console.print(table)
+                     "-" if g is None else str(g.attempts), printable(l.category),
+                     ("[cannot retry] " if l.not_retriable else "") + printable(l.error or "-")))
+    # The error takes the room the other columns leave, on up to two lines (_two_lines).
+    widths = column_widths(DEAD_COLUMNS, rows, console.width)
+    rows = [(*r[:5], _two_lines(r[5], widths[5])) for r in rows]
+    console.print(fitted_table(DEAD_COLUMNS, rows, widths))
+    summary = deadletters.summarize(letters)
     shown = f"{len(letters)} of {total}" if total > len(letters) else f"{total}"
-    console.print(f"{shown} dead letter{'' if total == 1 else 's'}; `rollout dead show ID` for one in full",
-                  markup=False)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in summary.by_reason.items())
+    console.print(f"{shown} dead letter{'' if total == 1 else 's'} ({reasons}); `rollout dead show ID` for one "
+                  "in full", markup=False)
 
 
-def _retry_mark(letter) -> str:
-    if letter.not_retriable:
-        return "[cannot retry] "
-    return "[bad row] " if letter.bad_row else ""
+DEAD_COLUMNS = [Col("id"), Col("group", flex=True, min_width=10), Col("age", "right"), Col("try", "right"),
+                Col("reason"), Col("error", flex=True, min_width=20)]
+
+
+def _two_lines(error: str, width: int) -> str:
+    """`error` on at most two lines of `width`, broken between words (a flag is never
+    split). A longer one keeps what says most: its first clause ("engine failed 3 times;")
+    on the first line when it fits there, and its end (the last error) after "…"."""
+    import textwrap
+
+    lines = textwrap.wrap(error, width, break_on_hyphens=False)
+    if len(lines) <= 2:
+        return "\n".join(lines)
+    head = error.split("; ", 1)[0] + ";"
+    if "; " in error and len(head) <= width:
+        return head + "\n…" + _end(error, width - 1)
+    budget = 2 * width - 1  # no short first clause: both lines for the end
+    while True:
+        lines = textwrap.wrap("…" + _end(error, budget), width, break_on_hyphens=False)
+        if len(lines) <= 2:
+            return "\n".join(lines)
+        budget -= 2
+
+
+def _end(text: str, n: int) -> str:
+    """The last words of `text` in at most `n` characters; its last `n` characters when
+    whole words would leave most of them empty (one long word)."""
+    words: list[str] = []
+    for word in reversed(text.split()):
+        if len(" ".join([word, *words])) > n:
+            break
+        words.insert(0, word)
+    joined = " ".join(words)
+    return joined if len(joined) >= n // 2 else text[-n:]
 
 
 def _age(seconds) -> str:
@@ -140,7 +159,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
         return
     for l, d in zip(letters, details):
         lines = [f"dead letter {l.entry_id}", f"  group      {l.group_id}", f"  age        {_age(l.age_s)}",
-                 f"  error      {l.error or '-'}" + (f" ({l.reason})" if l.reason else "")]
+                 f"  reason     {l.category}", f"  error      {l.error or '-'}"]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
         elif l.bad_row:

@@ -25,7 +25,7 @@ from typing import Any
 from pipeline.codec import DecodeError, encode_group
 from pipeline.producer import reread_rows
 from pipeline.queue import Queue, Settle, StreamEntry
-from pipeline.types import Group
+from pipeline.types import DeadReason, Group
 
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 
@@ -53,6 +53,16 @@ class DeadLetter:
         if self.group.group_id != self.group_id:
             return f"its payload is for another group ({self.group.group_id!r})"
         return None
+
+    @property
+    def category(self) -> str:
+        """Its reason (DeadReason), or for a letter written without one, what it is: a bad
+        row, an undecodable payload, else "other"."""
+        if self.reason:
+            return self.reason
+        if self.group is None:
+            return DeadReason.MALFORMED.value
+        return DeadReason.BAD_ROW.value if self.bad_row else "other"
 
     @property
     def bad_row(self) -> bool:
@@ -115,19 +125,6 @@ class DeadLetter:
         return d
 
 
-def informative_end(error: str, width: int) -> str:
-    """`error` in at most `width` characters, keeping what says most: its first clause
-    ("engine failed 3 times") and its end (the last error), with "…" between."""
-    if len(error) <= width:
-        return error
-    if width < 8:
-        return error[:width]
-    head = error.split("; ", 1)[0] + "; " if "; " in error else ""
-    if len(head) > width - 12:  # leave the end room to say something
-        head = ""
-    return head + "…" + error[len(error) - (width - len(head) - 1):]
-
-
 def _letter(entry: StreamEntry, now_s: float) -> DeadLetter:
     ms = int(entry.entry_id.split("-", 1)[0])
     letter = DeadLetter(entry_id=entry.entry_id, group_id=entry.group_id, error=entry.error or "",
@@ -139,6 +136,36 @@ def _letter(entry: StreamEntry, now_s: float) -> DeadLetter:
     except DecodeError as exc:
         letter.decode_error = str(exc)
     return letter
+
+
+@dataclass
+class DeadSummary:
+    """How many groups were dead-lettered and why: letters by category, most first, with
+    the first error of each (a demo's Redis is gone when its reader looks)."""
+
+    total: int
+    by_reason: dict[str, int]
+    example: dict[str, str]  # category -> the error of its oldest letter
+
+    def lines(self) -> list[str]:
+        if not self.total:
+            return ["dead letters: none"]
+        reasons = ", ".join(f"{reason} {n}" for reason, n in self.by_reason.items())
+        return [f"dead letters: {self.total} ({reasons})"] + [
+            f"  {reason}: {self.example[reason][:300]}" for reason in self.by_reason]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "by_reason": self.by_reason, "example": self.example}
+
+
+def summarize(letters: list[DeadLetter]) -> DeadSummary:
+    from collections import Counter
+
+    counts = Counter(l.category for l in letters)
+    example: dict[str, str] = {}
+    for l in letters:
+        example.setdefault(l.category, l.error or "-")
+    return DeadSummary(len(letters), dict(counts.most_common()), example)
 
 
 def count(queue: Queue) -> int:

@@ -27,6 +27,7 @@ from pipeline.control import read_control
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import Queue, parse_history, text
 from pipeline.types import Group
+from pipeline.wording import counted
 
 #: Entries of the drop log read per round trip while searching it.
 DROP_LOG_PAGE = 1000
@@ -120,7 +121,9 @@ class GroupReport:
                        "remembers it")
         if len(self.where) > 1:
             out.append("  PROBLEM    it is in more than one place: run `rollout audit`")
-        out.append(f"  claims     {self.claims} since it last finished (dead-lettered past {self.max_claims})")
+        if self.claims or self.place in (GroupPlace.PROMPTS, GroupPlace.INFLIGHT, GroupPlace.REQUEUE):
+            # Only of a group still to finish: a finished one's count starts again from 0.
+            out.append(f"  claims     {self.claims} since it last finished (dead-lettered past {self.max_claims})")
         if self.attempts is not None:
             out.append(f"  attempts   {self.attempts}   restarts {self.restarts}   samples {self.n_samples}")
             out.append(f"  label      {_json(self.label)}")
@@ -158,7 +161,8 @@ def _describe(w: Whereabouts, age) -> str:
             if w.session is None:
                 return f"results: finished{since}, not delivered to a trainer yet (entry {w.entry_id})"
             current = "the current session" if w.current_session else "an earlier session"
-            return (f"results: finished{since}, delivered {w.deliveries} times, pending with trainer session "
+            return (f"results: finished{since}, delivered {counted(w.deliveries or 0, 'time')}, pending with "
+                    f"trainer session "
                     f"{w.session} ({current}), not committed yet (entry {w.entry_id})")
         case GroupPlace.DEAD:
             return f"dead letter{since} (entry {w.entry_id}): {w.error}"

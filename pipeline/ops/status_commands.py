@@ -6,9 +6,8 @@ import sys
 import time
 
 import click
-import redis
 
-from pipeline.cli_support import Context, Seconds, rich_console, dump, stop_on_sigterm
+from pipeline.cli_support import Context, Seconds, dump, echo_wrapped, rich_console, stop_on_sigterm
 from pipeline.queue import Queue
 from pipeline.wording import counted
 
@@ -107,14 +106,14 @@ def _status_of_worker(obj: Context, queue: Queue, name: str, as_json: bool) -> N
             state = f"alive, lease {age(w.lease_left_s)} left"
         else:
             state = f"dead, lease ran out {age(-w.lease_left_s)} ago (its groups return at the next reap)"
-        click.echo(printable(f"worker {w.worker}: {state}; holds {counted(len(w.groups), 'group')}"))
+        echo_wrapped(printable(f"worker {w.worker}: {state}; holds {counted(len(w.groups), 'group')}"), indent=2)
         for g in w.groups:
             held = "held " + (age(g.held_s) if g.held_s is not None else "?")
             tries = "" if g.attempts is None else \
                 f", {counted(g.attempts, 'attempt')}, {counted(g.restarts, 'restart')}"
-            # Two lines a group: ids and claim tokens are long, and an operator's terminal is not.
+            # Two lines a group or more: ids and claim tokens are long, and a terminal is not.
             click.echo(printable(f"  {g.group_id}"))
-            click.echo(printable(f"      {held}, {counted(g.claims, 'claim')}{tries}, claim {g.token}"))
+            echo_wrapped(printable(f"      {held}, {counted(g.claims, 'claim')}{tries}, claim {g.token}"), indent=6)
     click.echo("`rollout inspect GROUP_ID` for a group's history")
 
 
@@ -155,59 +154,44 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     if as_json:
         click.echo(dump(report.to_dict()))
     else:
-        click.echo("\n".join(printable(line) for line in report.lines()))  # errors and details come from data
+        for line in report.lines():  # errors and details come from data: printable
+            # Continuation lines under the value: after the label, or after a history line's event.
+            echo_wrapped(printable(line), indent=17 if line.startswith("    ") else 13)
     if report.place == GroupPlace.NOWHERE and not report.history:
         sys.exit(1)  # an id this namespace never saw: a typo, or another namespace
 
 
 def _watch(queue: Queue, tracker, as_json: bool, interval: float) -> None:
-    """Refresh until Ctrl-C; a Redis restart or failover is watched through (said on stderr),
-    not the end of the watch."""
-    from pipeline.ops.status import snapshot
-    from pipeline.ops.status_render import render
+    """Refresh until Ctrl-C; a Redis restart or failover is watched through: in the view
+    itself (pipeline/ops/status_watch.py), or with --json said on stderr."""
+    from pipeline.ops.status_watch import StatusWatch
 
-    outage_started: float | None = None
-
-    def take():
-        nonlocal outage_started
-        try:
-            snap = snapshot(queue, tracker)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if outage_started is None:
-                outage_started = time.monotonic()
-                click.echo(f"Redis unreachable ({type(exc).__name__}): still watching, retrying every "
-                           f"{interval:g}s", err=True)
-            return None
-        if outage_started is not None:
-            click.echo(f"Redis is back after {time.monotonic() - outage_started:.0f}s", err=True)
-            outage_started = None
-        return snap
-
-    def every_interval():
-        while True:
-            snap = take()
-            if snap is not None:
-                yield snap
-            time.sleep(interval)
-
+    watch = StatusWatch(queue, tracker, interval)
     try:
         if as_json:
-            for snap in every_interval():
-                click.echo(snap.to_json())
+            _watch_json(watch)
         console = rich_console()
         if console.is_terminal:
-            from rich.live import Live
-
-            snaps = every_interval()
-            with Live(render(next(snaps)), console=console, refresh_per_second=4) as live:
-                for snap in snaps:
-                    live.update(render(snap))
+            watch.run_live(console)
         else:
-            for snap in every_interval():
-                console.print(render(snap))
-                console.rule()
+            watch.run_piped(console)
     except KeyboardInterrupt:
         pass
+
+
+def _watch_json(watch) -> None:
+    """One JSON object per good read on stdout; the outage and its end on stderr."""
+    down = False
+    while True:
+        if watch.read():
+            if down:
+                click.echo(watch.outage.banner()[0], err=True)
+            down = False
+            click.echo(watch.last.to_json())
+        elif not down:
+            down = True
+            click.echo(watch.outage.banner()[0], err=True)
+        time.sleep(watch.interval)
 
 
 @click.command("audit")
@@ -255,22 +239,18 @@ def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
 
 
 def _print_audit(report) -> None:
-    from rich.table import Table
+    from pipeline.tables import Col, FittedTable
 
-    table = Table(box=None, padding=(0, 2), show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
     rows = [("prompts", report.prompts)]
     for worker, n in sorted(report.inflight.items()):
-        rows.append((f"in flight: {worker[:40]}", n))
+        rows.append((f"in flight: {worker}", n))
     rows += [("requeue", report.requeue), ("results undelivered", report.results_undelivered),
              ("results pending", report.results_pending), ("dead letters", report.dead),
              ("dropped", report.dropped), ("committed", report.committed), ("discarded", report.discarded),
              ("= accounted", report.accounted), ("pushed", report.pushed)]
-    for name, n in rows:
-        table.add_row(name, f"{n:,}")
     console = rich_console()
-    console.print(table)
+    console.print(FittedTable([Col("place", flex=True, min_width=20), Col("groups", "right")],
+                              [(name, f"{n:,}") for name, n in rows], show_header=False))
     if report.ok:
         console.print("audit OK: every pushed group is in exactly one place", style="green")
         return

@@ -12,6 +12,7 @@ from pipeline.cli_support import (METRICS_HOST_OPTION, Context, Seconds, check_p
                                   stop_on_sigterm)
 from pipeline.producer import MAX_SAMPLES_PER_PROMPT
 from pipeline.queue import Queue
+from pipeline.tables import Col, FittedTable, packed
 from pipeline.wording import counted
 
 
@@ -137,31 +138,29 @@ def _batch_record(step: int, batch) -> dict:
     }
 
 
+#: `consume`'s table: the statuses stay whole ("2 truncated"); ids, rewards and versions share the rest.
+BATCH_COLUMNS = [Col("group", flex=True, min_width=12), Col("statuses"), Col("rewards", flex=True, min_width=8),
+                 Col("versions", flex=True, min_width=8), Col("lag", "right")]
+
+
 def _print_batch(console, row: dict, steps: int) -> None:
     from collections import Counter
 
-    from rich.table import Table
-
     lags = " ".join(f"{k}:{v}" for k, v in row["staleness"].items())
     reward = "-" if row["mean_reward"] is None else f"{row['mean_reward']:.3f}"
-    head = (f"step {row['step'] + 1}/{steps}  {len(row['groups'])} groups  wait {row['wait_s']:.2f}s  "
-            f"version {row['weight_version']}  mean reward {reward}  lag:groups {lags}")
-    extra = [f"{n} {what}" for what, n in (("restarted", row["restarted"]), ("dead-lettered", row["dead"]),
+    head = [f"step {row['step'] + 1}/{steps}", f"{len(row['groups'])} groups", f"wait {row['wait_s']:.2f}s",
+            f"version {row['weight_version']}", f"mean reward {reward}", f"lag:groups {lags}"]
+    head += [f"{n} {what}" for what, n in (("restarted", row["restarted"]), ("dead-lettered", row["dead"]),
                                            ("duplicates discarded", row["duplicates_discarded"])) if n]
-    extra += [f"{n} dropped ({reason})" for reason, n in row["dropped"].items()]
-    console.print(head + ("; " + ", ".join(extra) if extra else ""), markup=False, soft_wrap=True)
-    table = Table(box=None, padding=(0, 1), header_style="bold")
-    table.add_column("group", overflow="ellipsis", no_wrap=True, max_width=26)
-    table.add_column("statuses", overflow="ellipsis", no_wrap=True, max_width=22)
-    table.add_column("rewards", overflow="ellipsis", no_wrap=True, max_width=16)
-    table.add_column("versions", overflow="ellipsis", no_wrap=True, max_width=8)
-    table.add_column("lag", justify="right")
+    head += [f"{n} dropped ({reason})" for reason, n in row["dropped"].items()]
+    console.print("\n".join(packed(head, console.width, sep="  ")), markup=False)
+    rows = []
     for g in row["groups"]:
         statuses = ", ".join(f"{n} {s}" for s, n in Counter(g["statuses"]).items())
         rewards = " ".join(f"{r:g}" if isinstance(r, (int, float)) else ("-" if r is None else "{..}")
                            for r in g["rewards"])
-        table.add_row(g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"]))
-    console.print(table)
+        rows.append((g["group_id"], statuses, rewards, ",".join(g["weight_versions"]) or "-", str(g["staleness"])))
+    console.print(FittedTable(BATCH_COLUMNS, rows))
 
 
 @click.group("eval")

@@ -32,8 +32,9 @@ def _torch():
     try:
         import torch
     except ImportError:
-        raise ImportError("pipeline.trainers.torch_adapter needs PyTorch: pip install torch "
-                          "(or pip install -e '.[torch]' in your clone)") from None
+        from pipeline.cli_support import TORCH_INSTALL_HINT
+
+        raise ImportError(f"pipeline.trainers.torch_adapter needs PyTorch: {TORCH_INSTALL_HINT}") from None
     return torch
 
 
