@@ -216,6 +216,6 @@ def test_inspect_shows_the_label_the_rewards_and_the_attributes(run, queue):
     report = json.loads(result.output)
     assert report["label"] == {"ground_truth": {"target": ["Shakespeare"]}}
     assert [(s["reward"], s["attributes"]) for s in report["samples"]] == [(RETOOL_REWARD, ["tool_call_count"])] * 2
-    text = run("inspect", "g0").output
-    assert 'label      {"ground_truth": {"target": ["Shakespeare"]}}' in text
-    assert 'reward {"score": -1.0, "acc": false, "pred": "5"}   attributes tool_call_count' in text
+    text = " ".join(run("inspect", "g0").output.split())  # lines wrap at the terminal's width
+    assert 'label {"ground_truth": {"target": ["Shakespeare"]}}' in text
+    assert 'reward {"score": -1.0, "acc": false, "pred": "5"} attributes tool_call_count' in text
