@@ -53,6 +53,7 @@ PUBLISHED: dict[int, tuple[float, float]] = {
 #: The largest batch whose contexts all fit the cache; past it the cache, not b, sets the batch.
 KV_FULL_AFTER = max(b for b in PUBLISHED if b * (PROMPT_TOKENS + OUTPUT_TOKENS) <= LLAMA2_7B_KV_TOKENS)
 PROBES = 6  # streamed requests per batch size
+DEFAULT_SPEEDUP = 10.0  # simulator time against real time
 STREAM_INTERVAL_S = 0.002  # how often a streamed request is checked for new tokens (real seconds)
 
 
@@ -196,8 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default=",".join(map(str, PUBLISHED)),
                    help="batch sizes from the table, 1 first (default: all); e.g. --batches 1,8,128,256,512")
-    p.add_argument("--speedup", type=float, default=10.0,
-                   help="simulator time against real time (default 10; more is faster and noisier)")
+    p.add_argument("--speedup", type=float, default=DEFAULT_SPEEDUP,
+                   help=f"simulator time against real time (default {DEFAULT_SPEEDUP:g}; more is faster and noisier)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)

@@ -122,7 +122,7 @@ class SyncMultiTurn(InMemoryRollout):
         before = sample.response_length
         await generate(SimpleNamespace(sglang_router_ip=host, sglang_router_port=int(port)), sample,
                        self.sampling.params(self.settings.max_new_tokens))
-        self.generated += sample.response_length - before
+        self.waterfall.generated += sample.response_length - before
 
     async def finish(self):
         tokens = await super().finish()
@@ -136,7 +136,7 @@ async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, 
         source = PipelineRollout(settings, fleet.urls, ETA, workdir,
                                  ["--generate-function", GENERATE_FUNCTION, "--concurrency", str(concurrency)])
         try:
-            trainer = await run_trainer(settings, source, fleet)
+            trainer = await run_trainer(settings, source, fleet, ETA)
         except BaseException:
             log.error("pipeline row failed; worker log:\n%s", source.worker_log_tail())
             raise
@@ -145,7 +145,7 @@ async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, 
     else:
         source = SyncMultiTurn(settings, fleet.urls, 0, make_groups(settings, settings.groups_needed(0)))
         try:
-            trainer = await run_trainer(settings, source, fleet)
+            trainer = await run_trainer(settings, source, fleet, 0)
         finally:
             await source.finish()
     window = trainer.window_s

@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,17 +47,6 @@ from pipeline.control import set_weight_version  # noqa: E402
 COSTS_S = (0.05, 0.5, 2.0, 10.0)
 ARMS = ("global", "rolling")
 log = logging.getLogger("bench.rolling")
-
-
-@dataclass(frozen=True)
-class CostSettings(Settings):
-    """The rows' settings with the update cost given in real seconds, not as a preset."""
-
-    update_cost_s: float = 0.05
-
-    @property
-    def weight_update_s(self) -> float:
-        return self.update_cost_s / self.time_scale
 
 
 class RollingPipeline(PipelineRollout):
@@ -91,10 +80,10 @@ class RollingPipeline(PipelineRollout):
         return await super().finish()
 
 
-async def _run(arm: str, settings: CostSettings, fleet: SimFleet, workdir: Path) -> dict:
+async def _run(arm: str, settings: Settings, fleet: SimFleet, workdir: Path) -> dict:
     source = (RollingPipeline if arm == "rolling" else PipelineRollout)(settings, fleet.urls, ETA_KEY, workdir)
     try:
-        trainer = await run_trainer(settings, source, fleet)
+        trainer = await run_trainer(settings, source, fleet, ETA_KEY)
         tokens, summary = await source.finish()
     except BaseException:
         log.error("%s row failed; worker log:\n%s", arm, source.worker_log_tail())
@@ -118,14 +107,14 @@ async def _run(arm: str, settings: CostSettings, fleet: SimFleet, workdir: Path)
     }
 
 
-def run_all(base: CostSettings, costs: list[float], seeds: list[int]) -> dict:
+def run_all(base: Settings, costs: list[float], seeds: list[int]) -> dict:
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rollingbench-") as tmp:
         for seed in seeds:
             for cost in costs:
                 for arm in ARMS:
-                    settings = replace(base, update_cost_s=cost, seed=seed)
+                    settings = replace(base, weight_update=repr(cost), seed=seed)
                     workdir = Path(tmp) / f"{arm}-{cost:g}-{seed}"
                     workdir.mkdir()
                     with SimFleet(settings.sim_config(), settings.engines) as fleet:
@@ -173,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     costs = [float(c) for c in args.costs.split(",") if c]
     if not costs or min(costs) < 0:
         p.error("--costs needs at least one cost, none negative")
-    base = CostSettings(engines=args.engines, steps=args.steps or (4 if args.quick else d.steps),
-                        warmup_steps=1 if args.quick else d.warmup_steps)
+    base = Settings(engines=args.engines, steps=args.steps or (4 if args.quick else d.steps),
+                    warmup_steps=1 if args.quick else d.warmup_steps)
     result = run_all(base, costs, list(range(args.seeds or (1 if args.quick else 5))))
     if args.json:
         print(json.dumps(result))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.waterfall import FATES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
@@ -29,9 +31,13 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
     steps, batch, n, seeds = 2, 4, 2, 2
     out = run_bench("async_vs_sync.py", "--engines", "2", "--slots", "8", "--n-samples", str(n), "--batch",
                     str(batch), "--median", "32", "--steps", str(steps), "--warmup", "1", "--etas", "2",
-                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "")
+                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "",
+                    "--no-engine-table")
     headline = {"speedup_tokens_eta2", "speedup_samples_eta2", "vs_inmemory_eta2", "trained_utilization_eta2"}
-    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings"}
+    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings", "waterfall_eta2",
+                                   "waterfall_inmemory_eta2", "breakeven_update_s", "update_sweep", "load"}
+    assert out["load"]["after"]["cpus"] >= 1 and len(out["load"]["before"]["loadavg"]) == 3
+    assert out["breakeven_update_s"] == {"abort": None}  # one cost run: no curve
     assert out["seeds"] == [0, 1] and out["profile"] == "h100-llama8b" and set(out["ranges"]) == headline
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
     assert out["speedup_tokens_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["trained_utilization_eta2"] <= 1
@@ -47,11 +53,19 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
             assert 0 < p["trained_utilization"] <= 1.05 and 0 < p["generated_utilization"] <= 1.05
             for clock in ("oldest", "completion"):
                 assert sum(p[f"staleness_{clock}"].values()) == steps * batch  # every trained group, once
-            tokens = p["tokens"]
-            assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
-            assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
+            w = p["waterfall"]  # every generated token has one fate, each counted where it happens
+            assert w["trained"] > 0 and min(w[f] for f in FATES) >= 0
+            assert w["generated"] == sum(w[f] for f in FATES)
+            assert w["stale"] == sum(w["stale_by_lag"].values()) == sum(w["stale_by_length"].values())
+            assert all(int(lag) > 2 for lag in w["stale_by_lag"])  # stale means past η
+        w = row["waterfall"]  # the row's: summed over seeds
+        assert w["generated"] == sum(p["waterfall"]["generated"] for p in row["per_seed"])
+        assert sum(w["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert out["waterfall_eta2"] == out["rows"][2]["waterfall"]
+    assert out["waterfall_inmemory_eta2"] == out["rows"][1]["waterfall"]
     sync = out["rows"][0]
     assert all(p["staleness_oldest"] == {"0": steps * batch} for p in sync["per_seed"])  # fresh groups only
+    assert sync["waterfall"]["stale"] == 0 and sync["waterfall"]["left"] == 0  # sync trains what it generates
     assert sync["tokens_x_sync"] == {"median": 1.0, "range": [1.0, 1.0]}
     assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
@@ -132,6 +146,7 @@ def test_async_vs_sync_sweeps_compare_each_setting_with_its_own_sync_row():
         ("profile", "sync", "heavy", "abort", "nccl"), ("profile", "pipeline", "heavy", "abort", "nccl"),
         ("pause", "pipeline", "h100-llama8b", "in_place", "nccl"),
         ("update", "sync", "h100-llama8b", "abort", "disk"), ("update", "pipeline", "h100-llama8b", "abort", "disk"),
+        ("update", "pipeline", "h100-llama8b", "in_place", "disk"),  # the cost swept under each pause mode
     ]
     assert [a.eta for a in arms[2:4]] == [0, 2] and arms[4].settings.tail_ratio == pytest.approx(1.0)
     syncs = {baseline_key(a.settings) for a in arms if a.system == "sync"}
@@ -191,13 +206,13 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     assert out["settings"]["engine_urls"] == sim_engines
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
     decoded = sum(sim_stats(u)["stats"]["decode_tokens"] for u in sim_engines)
-    generated = sum(r["per_seed"][0]["tokens"]["generated"] for r in out["rows"])
+    generated = sum(r["per_seed"][0]["waterfall"]["generated"] for r in out["rows"])
     assert decoded >= generated > 0  # the rows' tokens were generated on the given engines
     for row in out["rows"]:
         p = row["per_seed"][0]
         assert p["generated_tokens_per_s"] > 0 and 0 < p["generated_utilization"] <= 1.05
-        assert 0 < p["slot_utilization"] <= 1 and p["tokens"]["trained"] > 0
-        assert p["tokens"]["generated"] == p["tokens"]["trained"] + p["tokens"]["left"] + p["tokens"]["wasted"]
+        assert 0 < p["slot_utilization"] <= 1 and p["waterfall"]["trained"] > 0
+        assert p["waterfall"]["generated"] == sum(p["waterfall"][f] for f in FATES)
     for url in sim_engines:  # versions set, no weights loaded: the update was emulated
         stats = sim_stats(url)
         assert stats["weight_version"] == str(steps + 1) and stats["stats"].get("weight_updates", 0) == 0
@@ -209,7 +224,7 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     settings = Settings(n_samples=n, batch_groups=batch, median_tokens=32, p99_tokens=320)
     drawn = sum(draw_output_length(random.Random(f"sample:{g.sampling_seed(x)}|length"), 32, 320)
                 for g in make_groups(settings, (1 + steps) * batch) for x in g.samples)
-    assert out["rows"][0]["per_seed"][0]["tokens"]["trained"] == drawn
+    assert out["rows"][0]["per_seed"][0]["waterfall"]["trained"] == drawn
 
 
 def test_step_time_measures_every_batch_through_generate(sim_engines):
