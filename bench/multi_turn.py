@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.async_vs_sync import PipelineRollout  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from bench.in_memory import InMemoryRollout  # noqa: E402
 from bench.rl_loop import Z99, Settings, make_groups, run_trainer  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
@@ -205,7 +206,7 @@ def print_table(result: dict) -> None:
               f"{r['free_slots']:.0%}, paused {r['engines_paused']:.0%}) | {stale} | {r['restarted']} |")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     d, t = Settings(engines=2, median_tokens=64.0, p99_tokens=640.0, batch_groups=16, steps=5), ToolSettings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
@@ -232,10 +233,10 @@ def main(argv: list[str] | None = None) -> None:
                         seed=a.seed)
     tools = ToolSettings(turns=a.turns, tool_median_s=a.tool_median_s, tool_p99_s=a.tool_p99_s, seed=a.seed)
     result = run_all(settings, tools, [float(x) for x in a.concurrency_factors.split(",")])
-    print(json.dumps(result) if a.json else "", end="")
     if not a.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("bench")
+MAX_REASON = 600  # characters of the one line (a log tail in an error message is cut)
 
 
 def machine_load() -> dict:
@@ -39,13 +40,17 @@ def run_bench(main: Callable[[list[str] | None], dict | None], argv: list[str] |
     before = machine_load()
     try:
         result = main(argv)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:  # argparse's usage errors and --help, a child role's end
         raise
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted ({describe_load(before, machine_load())})", file=sys.stderr)
+        sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - a benchmark says why it could not measure, never a traceback
         after = machine_load()
         log.debug("%s failed", name, exc_info=True)
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        reason = " ".join(reason.split())
+        reason = " ".join((f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__).split())
+        if len(reason) > MAX_REASON:
+            reason = reason[:MAX_REASON] + " …"
         print(f"{name} could not measure: {reason} ({describe_load(before, after)})", file=sys.stderr)
         if as_json:
             print(json.dumps({"error": reason, "load": {"before": before, "after": after}}))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import statistics
 import sys
@@ -39,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.async_vs_sync import ETA_KEY, PipelineRollout  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from bench.rl_loop import Settings, make_row, run_trainer  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
 from pipeline.control import set_weight_version  # noqa: E402
@@ -145,7 +145,7 @@ def print_table(result: dict) -> None:
             print(f"audit {r['arm']} cost {r['update_cost_s']:g}s seed {r['seed']}: {r['audit']}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 measured steps after 1, 1 seed")
@@ -165,11 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     base = Settings(engines=args.engines, steps=args.steps or (4 if args.quick else d.steps),
                     warmup_steps=1 if args.quick else d.warmup_steps)
     result = run_all(base, costs, list(range(args.seeds or (1 if args.quick else 5))))
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

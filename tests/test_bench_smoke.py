@@ -75,7 +75,7 @@ def test_multi_turn_smallest_run_reports_sync_and_pipeline_rows():
     out = run_bench("multi_turn.py", "--engines", "1", "--slots", "8", "--n-samples", "2", "--batch", str(batch),
                     "--median", "32", "--p99", "320", "--steps", str(steps), "--warmup", "1", "--turns", "2",
                     "--tool-median-s", "0.05", "--tool-p99-s", "0.5", "--concurrency-factors", "1")
-    assert set(out) == {"rows", "speedup", "settings"} and out["speedup"] > 0
+    assert set(out) == {"rows", "speedup", "settings", "load"} and out["speedup"] > 0
     assert [r["system"] for r in out["rows"]] == ["sync", "pipeline"]
     for row in out["rows"]:
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and 0 < row["utilization"] <= 1
@@ -85,6 +85,7 @@ def test_multi_turn_smallest_run_reports_sync_and_pipeline_rows():
 
 def test_redis_capacity_smallest_run_reports_every_sample_length_and_fsync_mode():
     out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1", timeout=300)
+    assert out["settings"]["publish_together"] is True  # as the worker's publisher, by default
     lengths = {"256", "1024", "2048"}
     for key in ("server_us_per_group", "engines_per_core", "fsync_blocked_us_per_group", "engine_tokens_per_s"):
         assert set(out[key]) == lengths, key
@@ -106,6 +107,33 @@ BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*.py") if "ArgumentParse
 
 
 @pytest.mark.parametrize("script", BENCHES)
+def test_every_benchmark_ends_through_the_shared_report(script):
+    """Each command ends with bench/report.py's run_bench: its figures with the load it
+    saw, or one line saying why it could not."""
+    assert "run_bench(main)" in (ROOT / "bench" / script).read_text()
+
+
+def test_a_benchmark_that_cannot_measure_says_why_in_one_line_with_the_load():
+    proc = subprocess.run([sys.executable, "bench/step_time.py", "--engine-url", "http://127.0.0.1:9", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("step_time.py could not measure: ") and "load average" in line and "cores" in line
+    out = json.loads(proc.stdout)
+    assert set(out) == {"error", "load"} and out["error"] in line and out["load"]["after"]["cpus"] >= 1
+
+
+def test_inflight_extends_a_window_too_short_to_hold_two_samples():
+    """On a loaded machine one reading can outlast the quick window ("the measurement
+    window holds fewer than two samples"): a 0.1 s window (samples every 0.5 s) is
+    extended until it holds enough, and the readings skipped are counted."""
+    out = run_bench("inflight.py", "--engines", "1", "--concurrency", "16", "--ramp", "0.5", "--settle", "0.5",
+                    "--measure", "0.1", "--decode-rate", "200", timeout=180)
+    assert out["window_samples"] >= 3 and out["window_s"] > 0.1 and out["missed_samples"] >= 0
+    assert out["load"]["before"]["cpus"] >= 1
+
+
+@pytest.mark.parametrize("script", BENCHES)
 def test_every_benchmark_runs_as_a_script_without_the_package_installed(script, tmp_path):
     """`python bench/x.py` puts bench/ first on sys.path, not the repository: a benchmark
     that imports `pipeline` must find it itself (queue_overhead.py and inflight.py did not)."""
@@ -113,6 +141,13 @@ def test_every_benchmark_runs_as_a_script_without_the_package_installed(script, 
     proc = subprocess.run([sys.executable, "-I", str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_engine_table_reports_every_batch_against_the_published_figures():
+    out = run_bench("engine_table.py", "--batches", "1,2", "--speedup", "20")
+    assert [r["batch"] for r in out["rows"]] == [1, 2] and out["t_of_b_error_max"] >= 0
+    assert out["rows"][0]["ratio_error"] == 0 and out["settings"]["source"].startswith("FerranAgulloLopez/")
+    assert all(r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 for r in out["rows"])
 
 
 def test_pause_smallest_run_times_every_metric():
