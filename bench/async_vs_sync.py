@@ -81,6 +81,7 @@ from local.processes import start_worker_process, stop_processes  # noqa: E402
 
 NAMESPACE = "asyncbench"
 BATCH_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 60.0  # at the end, for the worker to finish what the pause could not reach
 ETA_KEY = 2  # the η the JSON's headline figures are about
 TARGETS = {"speedup_tokens_eta2": 2.5, "vs_inmemory_eta2": 0.95, "trained_utilization_eta2": 0.8}
 #: Update costs swept by default, real seconds: from a checkpoint-engine broadcast of a 7B
@@ -143,11 +144,13 @@ class PipelineRollout:
                                                        mode=self.settings.pause_mode)
 
     async def finish(self) -> tuple[Waterfall, str]:
-        """Abort what is in flight (partial output goes to the requeue stream), read how
-        many tokens the worker received, stop it, count what Redis still holds (queued
-        and in-flight payloads, the requeue and results streams)."""
+        """Abort what is in flight (partial output goes to the requeue stream), drain what
+        the pause could not reach, read how many tokens the worker received, stop it, and
+        count what Redis still holds (queued and in-flight payloads, the requeue and
+        results streams)."""
         try:
             await self.controller.pause("abort")
+            drained = await self._drain()
             metrics = self._worker_metrics()
         finally:
             stop_processes([self.worker])
@@ -157,11 +160,28 @@ class PipelineRollout:
         w.left = sum(group_tokens(decode_group(p)) for p in self.queue.redis.hvals(self.queue.keys.payloads))
         for stream in (self.queue.keys.requeue, self.queue.keys.results):
             w.left += sum(group_tokens(e.decode()) for e in self.queue.iter_stream(stream))
-        if self.queue.stats().get("reaped", 0) or metrics.get('rollout_groups_total{place="lost"}', 0):
+        if (not drained or self.queue.stats().get("reaped", 0)
+                or metrics.get('rollout_groups_total{place="lost"}', 0)):
             w.infer_crashed()
         report = audit(self.queue)
         self.server.stop()
         return w, report.summary()
+
+    async def _drain(self) -> bool:
+        """Requests that reached an engine after the pause wait there, and their groups'
+        earlier output lives only in the worker's memory: a worker that stops loses it (it
+        hands its groups back as claimed). So the engines continue, admission stays closed,
+        and the worker finishes or requeues what it holds. False if it still held groups
+        after DRAIN_TIMEOUT_S."""
+        await self.engines.continue_generation()
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while sum(audit(self.queue).inflight.values()):
+            if time.monotonic() > deadline:
+                log.warning("the worker still holds groups %.0fs after the end: their output in its memory "
+                            "is counted as lost with it", DRAIN_TIMEOUT_S)
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def close(self) -> None:
         stop_processes([self.worker])

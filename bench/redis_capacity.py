@@ -5,10 +5,12 @@ Client processes drive the full life cycle of groups of 8 samples x 2,048 genera
 tokens against one redis-server, through the project's API:
 
   feeder    keeps the prompt list topped up (Queue.push_groups)
-  workers   Queue.claim, then Queue.publish of the finished group for each (an
-            instant engine: each worker encodes one finished group once and stamps
-            every claimed group's id into a copy of it, so the clients spend their
-            CPU on Redis calls, not on the codec)
+  workers   Queue.claim, then the claim's finished groups in one Queue.publish_many,
+            as the worker's publisher sends the groups that finish while a publish is
+            out (--publish-one-at-a-time: one Queue.publish per group); an instant
+            engine: each worker encodes one finished group once and stamps every
+            claimed group's id into a copy of it, so the clients spend their CPU on
+            Redis calls, not on the codec
   trainer   Consumer.next_batch(B) + Consumer.commit
   observer  (latency phases only) XREAD BLOCK on the results stream: when a
             published group becomes readable, as it does for the trainer's
