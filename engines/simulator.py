@@ -157,8 +157,8 @@ def validate_faults(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _budget(req: SimRequest) -> int:
-    """The tokens `req` may still add to the cache beyond its prompt, as SGLang estimates
-    them: what is left of max_new_tokens (clipped), counted from its start."""
+    """The output tokens `req` may produce in all, as SGLang's estimate counts them: its
+    max_new_tokens, clipped. (Less what it produced: what it may still add to the cache.)"""
     return min(req.spec.max_new_tokens, _CLIP_MAX_NEW_TOKENS)
 
 
