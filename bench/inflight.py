@@ -414,8 +414,8 @@ class Bench:
         rps = (last.finished - first.finished) / dt
         cores = lambda attr: (getattr(last, attr) - getattr(first, attr)) / dt  # noqa: E731
         worker_cores = cores("worker_cpu")
-        machine_cores = (last.machine_busy - first.machine_busy) / ((last.machine_total - first.machine_total)
-                                                                    / os.cpu_count())
+        ticks = (last.machine_total - first.machine_total) / os.cpu_count()
+        machine_cores = (last.machine_busy - first.machine_busy) / ticks if ticks else 0.0
         info = self._worker_info() or {}
         counters = info.get("counters", {})
         depths = self.queue.depths()
@@ -443,7 +443,8 @@ class Bench:
             "worker_capacity_samples": info.get("capacity"),
             "mean_worker_slots": statistics.fmean(slots) if slots else None,
             "max_worker_slots": max(slots) if slots else None,
-            "slot_utilization": statistics.fmean(inflight) / statistics.fmean(slots) if slots else None,
+            # None when the worker held no slot at any reading (a tiny run between groups)
+            "slot_utilization": statistics.fmean(inflight) / statistics.fmean(slots) if any(slots) else None,
             "worker_states": sorted({s.worker_state for s in window if s.worker_state}),
             "groups_per_s": (last.committed_groups - first.committed_groups) / dt,
             "window_s": dt,
