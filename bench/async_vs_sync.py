@@ -16,8 +16,9 @@ weights after every step through pause → update_weights_from_disk → resume:
 
 then sweeps at η = 2 against sync: the tail (p99/median = 1, 3, 10, 30 at the same mean
 length), the engine profile (r = t(full batch) / t(1): flat, calibrated, heavy), the
-pause mode (abort, in_place) and the weight-update cost (nccl 0.05 s, disk 5 s, real
-seconds scaled like the engines). Every row runs once per seed (at least 5 by default)
+pause mode (abort, in_place) and the weight-update cost under each pause mode (0.02 s to
+20 s real, scaled like the engines; `breakeven_update_s`: the cost at which the speed-up
+in trained tokens/s falls to 1). Every row runs once per seed (at least 5 by default)
 and reports the median and range; the rows of one seed see the same prompts and the
 same per-sample lengths (the simulator draws a whole response from the sample's seed,
 Group.sampling_seed, which every system sends; a stale restart draws a new one).
@@ -26,10 +27,14 @@ The headline is trained tokens per second (samples/s beside it: asynchrony train
 shorter samples). Staleness of trained groups on two clocks: the version its oldest
 request ended under (the one the bound is enforced on) and its last. Utilization:
 generated and trained tokens ÷ the engine-bound limit (every slot decoding at a full
-batch); the gap between the two is waste (aborted and not continued, restarted as
-stale, left over at the end).
+batch); the gap between the two is the waterfall of bench/waterfall.py: every generated
+token trained, thrown away as stale, aborted and not continued, left over at the end, or
+lost with a crashed worker, each counted where it happens, and their sum checked against
+what was generated on every run. Every run also checks every trained group against the
+bound (none older than η on the oldest-token clock). The simulator's engine model is
+checked against a published t(b) table at the end (bench/engine_table.py, seconds).
 
-    python bench/async_vs_sync.py --quick --json    # a few minutes: η = 2, 2 seeds, no sweeps
+    python bench/async_vs_sync.py --quick --json    # a few minutes: η = 2, 3 seeds, no sweeps
     python bench/async_vs_sync.py                   # everything, 5 seeds (long: see docs/performance.md)
     python bench/async_vs_sync.py --engine-urls http://gpu:30000,http://gpu:30001   # real engines: bench/gpu.md
 """
@@ -38,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import math
 import os
@@ -56,8 +60,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.in_memory import InMemoryRollout  # noqa: E402
-from bench.rl_loop import (PAUSE_MODES, WEIGHT_UPDATES, Row, Settings, Tokens, TrainedBatch,  # noqa: E402
-                           group_tokens, make_groups, make_row, run_trainer)
+from bench import engine_table  # noqa: E402
+from bench.report import run_bench  # noqa: E402
+from bench.rl_loop import (PAUSE_MODES, WEIGHT_UPDATES, Row, Settings, TrainedBatch,  # noqa: E402
+                           make_groups, make_row, run_trainer, update_cost_s)
+from bench.waterfall import Waterfall, add_waterfalls, group_tokens  # noqa: E402
 from bench.engine_oracle import LengthOracle  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
 from engines.profiles import PROFILES  # noqa: E402
@@ -74,12 +81,29 @@ from local.processes import start_worker_process, stop_processes  # noqa: E402
 
 NAMESPACE = "asyncbench"
 BATCH_TIMEOUT_S = 120.0
+DRAIN_TIMEOUT_S = 60.0  # at the end, for the worker to finish what the pause could not reach
 ETA_KEY = 2  # the η the JSON's headline figures are about
 TARGETS = {"speedup_tokens_eta2": 2.5, "vs_inmemory_eta2": 0.95, "trained_utilization_eta2": 0.8}
+#: Update costs swept by default, real seconds: from a checkpoint-engine broadcast of a 7B
+#: model (0.02 s) to the 20 s median of a run whose asynchrony ended slower than sync.
+UPDATE_SWEEP = "0.02,0.2,2,20"
 #: Per-row figures summarized over seeds (median and range).
 FIGURES = ("trained_tokens_per_s", "samples_per_s", "tokens_x_sync", "samples_x_sync", "trained_utilization",
            "generated_utilization", "trainer_idle", "slot_utilization", "engines_paused", "restarted")
 log = logging.getLogger("bench.async_vs_sync")
+
+
+class CountingConsumer(Consumer):
+    """The trainer's Consumer, counting the tokens of every group it throws away as stale
+    (restarted or dead-lettered) before the group is reset."""
+
+    def __init__(self, *args, waterfall: Waterfall, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waterfall = waterfall
+
+    def _stale(self, entry, group, lag, control, metrics):
+        self.waterfall.discard_stale(group, lag)
+        return super()._stale(entry, group, lag, control, metrics)
 
 
 class PipelineRollout:
@@ -100,49 +124,77 @@ class PipelineRollout:
             url, NAMESPACE, engine_urls, workdir / "worker.log",
             ["--concurrency", str(settings.slots_per_engine), "--max-new-tokens", str(settings.max_new_tokens),
              "--metrics-port", str(self.metrics_port), *worker_args])
-        self.consumer = Consumer(self.queue.redis, NAMESPACE)
+        self.waterfall = Waterfall()
+        self.consumer = CountingConsumer(self.queue.redis, NAMESPACE, waterfall=self.waterfall)
         self.engines = EngineSet(engine_urls)
+        # Aborted groups are continued (the default release policy): a path that dropped
+        # their partial output would show as unaccounted tokens in the waterfall's check.
         self.controller = Controller(self.queue, self.engines)
-        self.trained = 0
 
     async def next_batch(self, n: int) -> TrainedBatch:
         batch = await asyncio.to_thread(self.consumer.next_batch, n, BATCH_TIMEOUT_S)
         # Committed before the simulated step rather than after: nothing measured changes
         # (delivered groups count against the staleness budget either way).
         await asyncio.to_thread(self.consumer.commit, batch)
-        self.trained += sum(group_tokens(g) for g in batch.groups)
+        self.waterfall.trained += sum(group_tokens(g) for g in batch.groups)
         return TrainedBatch(batch.groups, batch.metrics.restarted)
 
     async def weight_update(self, version: int) -> None:
         await self.controller.update_weights_from_disk(f"/checkpoints/step-{version}", version,
                                                        mode=self.settings.pause_mode)
 
-    async def finish(self) -> tuple[Tokens, str]:
-        """Abort what is in flight (partial output goes to the requeue stream), read how
-        many tokens the worker received, stop it, count what Redis still holds."""
+    async def finish(self) -> tuple[Waterfall, str]:
+        """Abort what is in flight (partial output goes to the requeue stream), drain what
+        the pause could not reach, read how many tokens the worker received, stop it, and
+        count what Redis still holds (queued and in-flight payloads, the requeue and
+        results streams)."""
         try:
             await self.controller.pause("abort")
-            generated = self._worker_output_tokens()
+            drained = await self._drain()
+            metrics = self._worker_metrics()
         finally:
             stop_processes([self.worker])
             await self.engines.close()
-        left = sum(group_tokens(decode_group(p)) for p in self.queue.redis.hvals(self.queue.keys.payloads))
+        w = self.waterfall
+        w.generated = int(metrics["rollout_output_tokens_sum"])
+        w.left = sum(group_tokens(decode_group(p)) for p in self.queue.redis.hvals(self.queue.keys.payloads))
         for stream in (self.queue.keys.requeue, self.queue.keys.results):
-            left += sum(group_tokens(e.decode()) for e in self.queue.iter_stream(stream))
+            w.left += sum(group_tokens(e.decode()) for e in self.queue.iter_stream(stream))
+        if (not drained or self.queue.stats().get("reaped", 0)
+                or metrics.get('rollout_groups_total{place="lost"}', 0)):
+            w.infer_crashed()
         report = audit(self.queue)
         self.server.stop()
-        return Tokens(generated, self.trained, left, generated - self.trained - left), report.summary()
+        return w, report.summary()
+
+    async def _drain(self) -> bool:
+        """Requests that reached an engine after the pause wait there, and their groups'
+        earlier output lives only in the worker's memory: a worker that stops loses it (it
+        hands its groups back as claimed). So the engines continue, admission stays closed,
+        and the worker finishes or requeues what it holds. False if it still held groups
+        after DRAIN_TIMEOUT_S."""
+        await self.engines.continue_generation()
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while sum(audit(self.queue).inflight.values()):
+            if time.monotonic() > deadline:
+                log.warning("the worker still holds groups %.0fs after the end: their output in its memory "
+                            "is counted as lost with it", DRAIN_TIMEOUT_S)
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def close(self) -> None:
         stop_processes([self.worker])
         self.server.stop()
 
-    def _worker_output_tokens(self) -> int:
+    def _worker_metrics(self) -> dict[str, float]:
+        """The worker's Prometheus samples, by name with labels."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("rollout_output_tokens_sum "):
-                    return int(float(line.split()[1]))
-        raise RuntimeError("the worker's metrics have no rollout_output_tokens_sum")
+            samples = dict(line.rsplit(" ", 1) for line in resp.read().decode().splitlines()
+                           if line and not line.startswith("#"))
+        if "rollout_output_tokens_sum" not in samples:
+            raise RuntimeError("the worker's metrics have no rollout_output_tokens_sum")
+        return {name: float(value) for name, value in samples.items()}
 
     def worker_log_tail(self) -> str:
         return (self.workdir / "worker.log").read_text()[-3000:]
@@ -153,7 +205,7 @@ async def _run(name: str, system: str, eta: int, settings: Settings, fleet: SimF
     if system == "pipeline":
         source = PipelineRollout(settings, fleet.urls, eta, workdir)
         try:
-            trainer = await run_trainer(settings, source, fleet)
+            trainer = await run_trainer(settings, source, fleet, eta)
             tokens, summary = await source.finish()
         except BaseException:
             log.error("pipeline row %s failed; worker log:\n%s", name, source.worker_log_tail())
@@ -162,7 +214,7 @@ async def _run(name: str, system: str, eta: int, settings: Settings, fleet: SimF
         return make_row(name, system, eta, settings, trainer, tokens, audit=summary)
     source = InMemoryRollout(settings, fleet.urls, eta, make_groups(settings, settings.groups_needed(eta)))
     try:
-        trainer = await run_trainer(settings, source, fleet)
+        trainer = await run_trainer(settings, source, fleet, eta)
     finally:
         tokens = await source.finish()
     return make_row(name, system, eta, settings, trainer, tokens)
@@ -205,10 +257,12 @@ def build_arms(base: Settings, etas: list[int], tails: list[float], profiles: li
                updates: list[str]) -> list[Arm]:
     arms = [Arm("sync", "sync", 0, base, "main"), Arm(f"in-memory async η={ETA_KEY}", "in-memory", ETA_KEY, base, "main")]
     arms += [Arm(f"pipeline η={eta}", "pipeline", eta, base, "main") for eta in etas]
+    # The update cost is swept under every pause mode shown: break-even per mode.
+    modes = [base.pause_mode] + [m for m in pauses if m != base.pause_mode]
     variants = ([("tail", base.with_tail(t)) for t in tails if not math.isclose(t, base.tail_ratio)]
                 + [("profile", replace(base, engine_profile=p)) for p in profiles]
                 + [("pause", replace(base, pause_mode=m)) for m in pauses]
-                + [("update", replace(base, weight_update=u)) for u in updates])
+                + [("update", replace(base, weight_update=u, pause_mode=m)) for u in updates for m in modes])
 
     def identity(arm: Arm) -> tuple:
         return arm.system, arm.eta, baseline_key(arm.settings) if arm.system == "sync" else arm.settings
@@ -262,6 +316,8 @@ def run_all(base: Settings, seeds: list[int], arms: list[Arm], engine_urls: list
             **{f: _summary([p[f] for p in per_seed]) for f in FIGURES},
             "per_seed": per_seed,
         })
+    for row in rows:
+        row["waterfall"] = add_waterfalls([p["waterfall"] for p in row["per_seed"]])
     main = {r["system"] + str(r["eta"]): r for r in rows if r["sweep"] == "main"}
     pipe, memory = main[f"pipeline{ETA_KEY}"], main[f"in-memory{ETA_KEY}"]
     vs_memory = [p["trained_tokens_per_s"] / m["trained_tokens_per_s"]
@@ -272,9 +328,15 @@ def run_all(base: Settings, seeds: list[int], arms: list[Arm], engine_urls: list
         "vs_inmemory_eta2": _summary(vs_memory),
         "trained_utilization_eta2": pipe["trained_utilization"],
     }
+    sweep = update_sweep(base, arms, rows)
     return {
         **{key: value["median"] for key, value in headline.items()},
         "ranges": {key: value["range"] for key, value in headline.items()},
+        # Where every generated token went, summed over the seeds (bench/waterfall.py).
+        "waterfall_eta2": pipe["waterfall"],
+        "waterfall_inmemory_eta2": memory["waterfall"],
+        "breakeven_update_s": {mode: curve["breakeven_s"] for mode, curve in sweep.items()},
+        "update_sweep": sweep,
         "seeds": seeds,
         "profile": base.engine_profile,
         "rows": rows,
@@ -295,6 +357,68 @@ def run_all(base: Settings, seeds: list[int], arms: list[Arm], engine_urls: list
             "elapsed_s": round(time.monotonic() - started, 1),
         },
     }
+
+
+def update_sweep(base: Settings, arms: list[Arm], rows: list[dict]) -> dict:
+    """Per pause mode: the pipeline's speed-up over sync (trained tokens/s, median over
+    seeds) at each update cost run, and the break-even cost where it falls to 1:
+    interpolated in log(cost) between the two costs run around it, or, when every cost
+    run is above 1, extrapolated from the largest (`breakeven_from` says which; None
+    with fewer than two costs, or when asynchrony trains as many tokens per step as sync).
+
+    The extrapolation: both systems pay the update once per step, so a step takes
+    T = T0 + U, T0 (generation, training, the pause protocol's own cost) measured at that
+    cost, and each system trains its tokens per step whatever U. With ρ = the pipeline's
+    tokens per step ÷ sync's, the speed-up ρ (Ts0 + U) / (Ta0 + U) falls to 1 at
+    U = (ρ Ts0 − Ta0) / (1 − ρ). (It reproduces the speed-ups measured at the other costs
+    within a few percent: docs/performance.md.)"""
+    sync_row = {baseline_key(a.settings): row for a, row in zip(arms, rows) if a.system == "sync"}
+    curves: dict[str, list[tuple[float, float, float, dict, dict]]] = {}
+    for arm, row in zip(arms, rows):
+        s = arm.settings
+        if (arm.system == "pipeline" and arm.eta == ETA_KEY
+                and replace(s, weight_update=base.weight_update, pause_mode=base.pause_mode) == base):
+            curves.setdefault(s.pause_mode, []).append(
+                (s.update_cost_s, row["tokens_x_sync"]["median"], row["samples_x_sync"]["median"], row,
+                 sync_row[baseline_key(s)]))
+    out = {}
+    for mode, points in curves.items():
+        points.sort(key=lambda p: p[0])
+        breakeven, source = None, None
+        if len(points) >= 2:
+            for (c1, x1, *_), (c2, x2, *_) in zip(points, points[1:]):
+                if x1 >= 1 > x2:
+                    lo, hi = math.log(max(c1, 1e-3)), math.log(c2)
+                    breakeven = round(math.exp(lo + (x1 - 1) / (x1 - x2) * (hi - lo)), 3)
+                    source = f"measured: between {c1:g} s and {c2:g} s"
+                    break
+            else:
+                if points[0][1] < 1:
+                    source = f"speed-up below 1 from {points[0][0]:g} s, the smallest cost run"
+                else:
+                    cost, _, _, pipe, sync = points[-1]
+                    breakeven = _extrapolated_breakeven(pipe, sync, cost, base)
+                    source = f"extrapolated from the {cost:g} s rows (speed-up above 1 at every cost run)"
+        out[mode] = {"breakeven_s": breakeven, "breakeven_from": source,
+                     "points": [{"update_s": c, "tokens_x_sync": x, "samples_x_sync": y} for c, x, y, *_ in points]}
+    return out
+
+
+def _extrapolated_breakeven(pipe: dict, sync: dict, cost_s: float, base: Settings) -> float | None:
+    """update_sweep's extrapolation, in real seconds, from one cost's rows."""
+    update = cost_s / base.time_scale  # benchmark seconds
+
+    def per_step(row: dict) -> tuple[float, float]:
+        """(T0: a step's seconds but the update's cost, trained tokens per step), seed medians."""
+        steps = [p["window_s"] / base.steps for p in row["per_seed"]]
+        return (statistics.median(t - update for t in steps),
+                statistics.median(p["trained_tokens_per_s"] * t for p, t in zip(row["per_seed"], steps)))
+
+    (pipe_t0, pipe_tokens), (sync_t0, sync_tokens) = per_step(pipe), per_step(sync)
+    rho = pipe_tokens / sync_tokens
+    if rho >= 1:
+        return None
+    return round(max(0.0, (rho * sync_t0 - pipe_t0) / (1 - rho)) * base.time_scale, 1)
 
 
 def _row_dict(r: Row) -> dict:
@@ -339,7 +463,24 @@ def print_table(result: dict) -> None:
               f"| {_cell(r['samples_x_sync'], '.2f')} | {_cell(r['trained_utilization'], '.2f')} "
               f"| {_cell(r['generated_utilization'], '.2f')} | {_cell(r['trainer_idle'], '.0%')} "
               f"| {_staleness(r, 'oldest')} | {_staleness(r, 'completion')} | {_cell(r['restarted'], '.0f')} |")
+    print("\nWhere every generated token went (summed over seeds; shares of generated):\n")
+    print("| row | sweep | pause | update | generated | trained | stale | aborted, not continued | left at the end "
+          "| crashed | stale by lag (versions: tokens) | stale by response length | stale after a pause |")
+    print("|---" * 13 + "|")
+    for r in result["rows"]:
+        w = r["waterfall"]
+        share = lambda fate: f"{w[fate]:,} ({w['shares'][fate]:.0%})"  # noqa: E731
+        print(f"| {r['name']} | {r['sweep']} | {r['pause_mode']} | {r['weight_update']} | {w['generated']:,} "
+              f"| {share('trained')} | {share('stale')} | {share('aborted')} | {share('left')} | {share('crashed')} "
+              f"| {', '.join(f'{k}: {v:,}' for k, v in w['stale_by_lag'].items())} "
+              f"| {', '.join(f'{k}: {v:,}' for k, v in w['stale_by_length'].items())} | {w['stale_interrupted']:,} |")
     print()
+    for mode, curve in result["update_sweep"].items():
+        points = ", ".join(f"{p['update_s']:g} s: {p['tokens_x_sync']:.2f}x" for p in curve["points"])
+        where = f"{curve['breakeven_s']:g} s" if curve["breakeven_s"] is not None else "n/a"
+        print(f"update cost ({mode}): {points}; break-even {where} ({curve['breakeven_from'] or 'one cost run'})")
+    if "t_of_b_error_max" in result:
+        print(f"t_of_b_error_max = {result['t_of_b_error_max']:.1%} (bench/engine_table.py)")
     for key, target in TARGETS.items():
         lo, hi = result["ranges"][key]
         print(f"{key} = {result[key]} (range {lo}–{hi}; target >= {target})")
@@ -360,11 +501,11 @@ def _names(text: str, known, what: str, p: argparse.ArgumentParser) -> list[str]
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Settings]:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 steps per row, η = 2 only, 2 seeds, no sweeps")
+    p.add_argument("--quick", action="store_true", help="2 steps per row, η = 2 only, 3 seeds, no sweeps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--steps", type=int, help=f"measured steps per row (default {d.steps}, --quick 2)")
     p.add_argument("--warmup", type=int, help=f"unmeasured steps first (default {d.warmup_steps}, --quick 1)")
-    p.add_argument("--seeds", type=int, help="seeds per row (default 5, --quick 2)")
+    p.add_argument("--seeds", type=int, help="seeds per row (default 5, --quick 3)")
     p.add_argument("--first-seed", type=int, default=d.seed)
     p.add_argument("--engines", type=int, default=d.engines)
     p.add_argument("--slots", type=int, default=d.slots_per_engine, help="running requests per engine")
@@ -378,19 +519,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     p.add_argument("--batch", type=int, default=d.batch_groups, help="groups per step (B)")
     p.add_argument("--trainer-speed", type=float, default=d.trainer_speed,
                    help="trainer tokens/s as a multiple of the engine-bound limit")
-    p.add_argument("--weight-update", choices=list(WEIGHT_UPDATES), default=d.weight_update,
-                   help=", ".join(f"{k}: {v:g}s" for k, v in WEIGHT_UPDATES.items()) + " (real time)")
+    p.add_argument("--weight-update", default=d.weight_update,
+                   help="the update after every step: a preset (" + ", ".join(
+                       f"{k}: {v:g}s" for k, v in WEIGHT_UPDATES.items()) + ") or its cost in real seconds, e.g. 0.5")
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default=d.pause_mode)
     p.add_argument("--etas", help="pipeline staleness bounds, must include 2 (default 0,1,2,4; --quick 2)")
     p.add_argument("--tails", help="p99/median ratios of the tail sweep (default 1,3,10,30; --quick none)")
     p.add_argument("--profiles", help=f"engine profiles of the r sweep (default {','.join(PROFILES)}; --quick none)")
     p.add_argument("--pauses", help="pause modes shown (default abort,in_place; --quick none)")
-    p.add_argument("--updates", help=f"weight-update presets shown (default {','.join(WEIGHT_UPDATES)}; "
-                                     "--quick none)")
+    p.add_argument("--updates", help=f"weight-update costs swept, presets or real seconds, under every pause mode "
+                                     f"of --pauses (default {UPDATE_SWEEP}; --quick none); e.g. --updates 0.02,2,20")
     p.add_argument("--engine-urls", help="URL[,URL...]: run against these SGLang-compatible engines (one per "
                                          "engine, --engines ignored) instead of starting simulators; lengths "
                                          "through a length oracle, see bench/engine_oracle.py and bench/gpu.md; "
                                          "no profile sweep (the engines are what they are)")
+    p.add_argument("--no-engine-table", action="store_true",
+                   help="skip the check of the simulator against the published t(b) table (bench/engine_table.py)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
 
@@ -407,10 +551,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         args.profiles = ""
     args.profiles = _names(listed(args.profiles, ",".join(PROFILES)), PROFILES, "profile", p)
     args.pauses = _names(listed(args.pauses, "abort,in_place"), PAUSE_MODES, "pause mode", p)
-    args.updates = _names(listed(args.updates, ",".join(WEIGHT_UPDATES)), WEIGHT_UPDATES, "weight update", p)
+    args.updates = [x for x in listed(args.updates, UPDATE_SWEEP).split(",") if x]
+    for value in [args.weight_update, *args.updates]:
+        try:
+            update_cost_s(value)
+        except ValueError as exc:
+            p.error(str(exc))
     if ETA_KEY not in args.etas:
         p.error(f"--etas must include {ETA_KEY}")
-    seeds = args.seeds or (2 if args.quick else 5)
+    seeds = args.seeds or (3 if args.quick else 5)
     args.seed_list = list(range(args.first_seed, args.first_seed + seeds))
     steps = args.steps or (2 if args.quick else d.steps)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else d.warmup_steps)
@@ -426,17 +575,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     return args, settings
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     args, settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arms = build_arms(settings, args.etas, args.tails, args.profiles, args.pauses, args.updates)
     result = run_all(settings, args.seed_list, arms, args.engine_urls)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.engine_urls and not args.no_engine_table:  # the simulator's engine model, checked
+        table = engine_table.measure(sorted(engine_table.PUBLISHED), engine_table.DEFAULT_SPEEDUP)
+        result["t_of_b_error_max"] = table["t_of_b_error_max"]
+        result["engine_table"] = table
+    if not args.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -15,7 +15,6 @@ for ~7 us per queued group (~1.3 s per 200k), past the 5 s busy threshold at ~0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.connection import connect  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from pipeline.ops.audit import audit  # noqa: E402
 from pipeline.queue import Place, Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
@@ -47,11 +47,11 @@ def fill(q: Queue, n: int) -> None:
                        for i in range(start, min(n, start + CHUNK))])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=1_000_000)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     server = RedisServer(tempfile.mkdtemp(prefix="bench-audit-"), port=free_port(), aof=False)
     server.start()
     try:
@@ -80,15 +80,14 @@ def main() -> None:
             "slowest_step": " ".join(str(x)[:40] for x in worst["command"].split()[:2]) if worst else "",
             "redis": client.info("server")["redis_version"],
         }
-        if a.json:
-            print(json.dumps(out))
-        else:
+        if not a.json:
             for key, value in out.items():
                 print(f"{key:>16}: {value}")
             print(report.summary())
+        return out
     finally:
         server.kill()
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port, wait_replicated  # noqa: E402
 from tests.groups import produce  # noqa: E402  (tests/groups.py needs nothing of the test extra)
@@ -41,25 +42,31 @@ def commits(url: str, ns: str, batches: int, replicas: int) -> list[float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=200)
-    a = ap.parse_args()
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args(argv)
     primary = RedisServer(tempfile.mkdtemp(prefix="bench-wait-"), port=free_port())
     replica = RedisServer(tempfile.mkdtemp(prefix="bench-wait-"), port=free_port(),
                           extra_config=[f"replicaof 127.0.0.1 {primary.port}"])
     primary.start()
     replica.start()
+    out = {"batch_groups": BATCH, "commits": a.batches}
     try:
         wait_replicated(connect(primary.url), connect(replica.url))
         for replicas in (0, 1):
             ms = sorted(commits(primary.url, f"wait{replicas}", a.batches, replicas))
-            print(f"replicas={replicas}: commit of {BATCH} groups median {statistics.median(ms):.2f} ms, "
-                  f"p99 {ms[int(len(ms) * 0.99)]:.2f} ms ({a.batches} commits)")
+            out[f"replicas_{replicas}"] = {"median_ms": round(statistics.median(ms), 3),
+                                           "p99_ms": round(ms[int(len(ms) * 0.99)], 3)}
+            if not a.json:
+                print(f"replicas={replicas}: commit of {BATCH} groups median {statistics.median(ms):.2f} ms, "
+                      f"p99 {ms[int(len(ms) * 0.99)]:.2f} ms ({a.batches} commits)")
+        return out
     finally:
         primary.kill()
         replica.kill()
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -24,7 +24,8 @@ from workers.tokenizer import ByteTokenizer, encode_prompt
 from workers.sampling import SamplingSettings
 from workers.group_run import FINISH_STATUS
 
-from .rl_loop import Settings, TrainedBatch, Tokens, group_tokens, make_group
+from .rl_loop import Settings, TrainedBatch, make_group
+from .waterfall import Waterfall, group_tokens
 
 REWARD = "math_boxed"  # the workers' default
 ABORT_SETTLE_S = 0.25  # as Controller.settle_s: requests that reached a paused engine wait there
@@ -50,9 +51,7 @@ class InMemoryRollout:
         self.version = 0
         self.committed = 0
         self.paused = False
-        self.generated = 0
-        self.trained = 0
-        self.wasted = 0
+        self.waterfall = Waterfall()
         self.error: BaseException | None = None
         self._wake = asyncio.Event()
         self._admitter = asyncio.create_task(self._admit_loop())
@@ -125,7 +124,7 @@ class InMemoryRollout:
         result = await self.engines.generate(sample.tokens,
                                              self.sampling.params(remaining, group.sampling_seed(sample)))
         new = len(result.output_ids)
-        self.generated += new
+        self.waterfall.generated += new
         sample.tokens += result.output_ids
         sample.response_length += new
         sample.response += result.text
@@ -148,7 +147,7 @@ class InMemoryRollout:
             lag = self.version - (group.oldest_version() or 0)
             if lag > self.eta:
                 restarted += 1
-                self.wasted += group_tokens(group)
+                self.waterfall.discard_stale(group, lag)
                 fresh = make_group(self.settings, group.row)
                 fresh.restarts, fresh.admitted_version = group.restarts + 1, self.version
                 self.live[group.group_id] = fresh
@@ -158,7 +157,7 @@ class InMemoryRollout:
             groups.append(group)
         for group in groups:
             del self.live[group.group_id]
-            self.trained += group_tokens(group)
+            self.waterfall.trained += group_tokens(group)
         self.committed += n
         self._wake.set()
         return TrainedBatch(groups, restarted)
@@ -176,12 +175,13 @@ class InMemoryRollout:
         self.paused = False
         self._wake.set()
 
-    async def finish(self) -> Tokens:
-        """Stop generating; account for every token."""
+    async def finish(self) -> Waterfall:
+        """Stop generating; account for every token. (Aborted output is always continued
+        here and nothing crashes: those fates stay 0.)"""
         self._admitter.cancel()
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(self._admitter, *self.tasks, return_exceptions=True)
         await self.engines.close()
-        left = sum(group_tokens(g) for g in self.live.values())
-        return Tokens(generated=self.generated, trained=self.trained, left=left, wasted=self.wasted)
+        self.waterfall.left = sum(group_tokens(g) for g in self.live.values())
+        return self.waterfall

@@ -60,10 +60,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python bench/<name>.py` from a clone
     sys.path.insert(0, str(REPO))
 
+from bench.report import run_bench
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.control import configure
@@ -80,6 +83,9 @@ N_SAMPLES = 8
 NAMESPACE = "bench-inflight"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SAMPLE_EVERY_S = 0.5
+# On a loaded machine one sample can take longer than the whole quick window: the window
+# is then extended (by up to its own length, at least a minute) until it holds this many.
+MIN_WINDOW_SAMPLES = 3
 
 
 # -- processes -----------------------------------------------------------------------
@@ -218,6 +224,7 @@ class Bench:
         self.pushed = 0
         self.rng = random.Random(args.seed)
         self.samples: list[Sample] = []
+        self.missed = 0  # readings skipped (see _sample)
         self.worker_stop_s: float | None = None
         self.worker_stop_clean: bool | None = None
 
@@ -323,7 +330,17 @@ class Bench:
             self.pushed += chunk
             want -= chunk
 
-    def _sample(self, t: float, phase: str) -> Sample:
+    def _sample(self, t: float, phase: str) -> Sample | None:
+        """One reading of everything, or None (counted in `missed`) when a simulator or
+        Redis did not answer in time: a busy machine skips a sample, not the run."""
+        try:
+            return self._read(t, phase)
+        except (OSError, redis.ConnectionError, redis.TimeoutError) as exc:  # slow or cut, HTTP or Redis
+            self.missed += 1
+            log.warning("t=%.1fs: sample skipped (%s: %s)", t, type(exc).__name__, exc)
+            return None
+
+    def _read(self, t: float, phase: str) -> Sample:
         running = waiting = finished = submitted = 0
         for url in self.sim_urls:
             s = _get_json(url + "/sim/stats")
@@ -357,16 +374,20 @@ class Bench:
             acc += seconds
             end_of[name] = acc
         total_s = acc
+        extend_s = max(a.measure_s, 60.0)
         last_report = -1
         while True:
             t = time.monotonic() - t0
-            if t >= total_s:
+            measured = sum(1 for s in self.samples if s.phase == "measure")
+            if t >= total_s and (measured >= MIN_WINDOW_SAMPLES or t >= total_s + extend_s):
                 break
-            phase = next(name for name, _ in phases if t < end_of[name])
+            phase = next((name for name, _ in phases if t < end_of[name]), "measure")
             ramp_fraction = min(1.0, t / a.ramp_s) if a.ramp_s > 0 else 1.0
             self._feed(math.ceil(groups_at_capacity * ramp_fraction))
             self._check_alive()
             s = self._sample(t, phase)
+            if s is None:
+                continue
             self.samples.append(s)
             if a.verbose or (not a.json and int(t) // 10 != last_report):
                 last_report = int(t) // 10
@@ -383,7 +404,9 @@ class Bench:
         a = self.args
         window = [s for s in self.samples if s.phase == "measure"]
         if len(window) < 2:
-            raise RuntimeError("the measurement window holds fewer than two samples")
+            raise RuntimeError(f"the measurement window holds {len(window)} samples, 2 needed: {self.missed} "
+                               f"readings went unanswered (every {SAMPLE_EVERY_S:g}s, {a.measure_s:g}s window "
+                               f"extended by up to {max(a.measure_s, 60.0):g}s)")
         first, last = window[0], window[-1]
         dt = last.t - first.t
         inflight = sorted(s.inflight for s in window)
@@ -391,8 +414,8 @@ class Bench:
         rps = (last.finished - first.finished) / dt
         cores = lambda attr: (getattr(last, attr) - getattr(first, attr)) / dt  # noqa: E731
         worker_cores = cores("worker_cpu")
-        machine_cores = (last.machine_busy - first.machine_busy) / ((last.machine_total - first.machine_total)
-                                                                    / os.cpu_count())
+        ticks = (last.machine_total - first.machine_total) / os.cpu_count()
+        machine_cores = (last.machine_busy - first.machine_busy) / ticks if ticks else 0.0
         info = self._worker_info() or {}
         counters = info.get("counters", {})
         depths = self.queue.depths()
@@ -420,11 +443,13 @@ class Bench:
             "worker_capacity_samples": info.get("capacity"),
             "mean_worker_slots": statistics.fmean(slots) if slots else None,
             "max_worker_slots": max(slots) if slots else None,
-            "slot_utilization": statistics.fmean(inflight) / statistics.fmean(slots) if slots else None,
+            # None when the worker held no slot at any reading (a tiny run between groups)
+            "slot_utilization": statistics.fmean(inflight) / statistics.fmean(slots) if any(slots) else None,
             "worker_states": sorted({s.worker_state for s in window if s.worker_state}),
             "groups_per_s": (last.committed_groups - first.committed_groups) / dt,
             "window_s": dt,
             "window_samples": len(window),
+            "missed_samples": self.missed,  # readings skipped: a simulator or Redis did not answer in time
             "mean_prompts_queued": statistics.fmean(s.prompts for s in window),
             "mean_results_backlog": statistics.fmean(s.results for s in window),
             "worker_counters": counters,
@@ -480,7 +505,7 @@ def human(r: dict) -> str:
     ] if st["quick"] else []))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="shorter phases: finishes in under a minute")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -513,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, quick, full in (("ramp_s", 10.0, 30.0), ("settle_s", 14.0, 60.0), ("measure_s", 18.0, 150.0)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    if args.engines < 1 or args.concurrency < 1 or args.measure_s < 1:
+    if args.engines < 1 or args.concurrency < 1 or args.measure_s <= 0:
         p.error("--engines, --concurrency and --measure must be positive")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -531,13 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.start()
         bench.run()
         result = bench.result()
-    except KeyboardInterrupt:
-        print("interrupted; stopping everything", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - one line, then clean up
-        print(f"bench/inflight.py: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    finally:
+    finally:  # everything stops, on errors and Ctrl-C too (bench/report.py says why in one line)
         bench.close()
         wall = time.monotonic() - started
         if args.keep:
@@ -545,9 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = wall
     result["worker_stop_s"] = bench.worker_stop_s
     result["worker_stopped_cleanly"] = bench.worker_stop_clean
-    print(json.dumps(result) if args.json else human(result))
-    return 0 if result["target_met"] else 2
+    if not args.json:
+        print(human(result))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

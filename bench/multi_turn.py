@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.async_vs_sync import PipelineRollout  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from bench.in_memory import InMemoryRollout  # noqa: E402
 from bench.rl_loop import Z99, Settings, make_groups, run_trainer  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
@@ -122,7 +123,7 @@ class SyncMultiTurn(InMemoryRollout):
         before = sample.response_length
         await generate(SimpleNamespace(sglang_router_ip=host, sglang_router_port=int(port)), sample,
                        self.sampling.params(self.settings.max_new_tokens))
-        self.generated += sample.response_length - before
+        self.waterfall.generated += sample.response_length - before
 
     async def finish(self):
         tokens = await super().finish()
@@ -139,7 +140,7 @@ async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, 
                                  ["--generate-function", GENERATE_FUNCTION, "--partial-rollout",
                                   "--concurrency", str(concurrency)])
         try:
-            trainer = await run_trainer(settings, source, fleet)
+            trainer = await run_trainer(settings, source, fleet, ETA)
         except BaseException:
             log.error("pipeline row failed; worker log:\n%s", source.worker_log_tail())
             raise
@@ -148,7 +149,7 @@ async def _run(system: str, settings: Settings, fleet: SimFleet, workdir: Path, 
     else:
         source = SyncMultiTurn(settings, fleet.urls, 0, make_groups(settings, settings.groups_needed(0)))
         try:
-            trainer = await run_trainer(settings, source, fleet)
+            trainer = await run_trainer(settings, source, fleet, 0)
         finally:
             await source.finish()
     window = trainer.window_s
@@ -208,7 +209,7 @@ def print_table(result: dict) -> None:
               f"{r['free_slots']:.0%}, paused {r['engines_paused']:.0%}) | {stale} | {r['restarted']} |")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     d, t = Settings(engines=2, median_tokens=64.0, p99_tokens=640.0, batch_groups=16, steps=5), ToolSettings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
@@ -235,10 +236,10 @@ def main(argv: list[str] | None = None) -> None:
                         seed=a.seed)
     tools = ToolSettings(turns=a.turns, tool_median_s=a.tool_median_s, tool_p99_s=a.tool_p99_s, seed=a.seed)
     result = run_all(settings, tools, [float(x) for x in a.concurrency_factors.split(",")])
-    print(json.dumps(result) if a.json else "", end="")
     if not a.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -54,6 +54,7 @@ from pipeline.ops.audit import audit  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import BatchTimeout, Consumer  # noqa: E402
 from pipeline.control import read_control  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from pipeline.controller import Controller  # noqa: E402
 from pipeline.queue import Queue  # noqa: E402
 from pipeline.redis_server import RedisServer, free_port  # noqa: E402
@@ -301,7 +302,7 @@ def summarize(values: list[float | None]) -> dict:
             "missing": len(values) - len(got)}
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
     from workers.engine_set import EngineSet
 
     with tempfile.TemporaryDirectory(prefix="pausebench-") as tmp_dir:
@@ -400,7 +401,7 @@ def print_table(result: dict) -> None:
     print(f"audit: {result['audit']['summary']}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 updates per mode (under a minute)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -420,22 +421,21 @@ def main() -> None:
     p.add_argument("--redis-url", help=argparse.SUPPRESS)
     p.add_argument("--namespace", default=NAMESPACE, help=argparse.SUPPRESS)
     p.add_argument("--engine-url", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker_child:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         worker_child(args)
-        return
+        sys.exit(0)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.updates is None:
         args.updates = 3 if args.quick else 10
     if args.run_s is None:
         args.run_s = 0.7 if args.quick else 1.0
-    result = run_bench(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    result = measure(args)
+    if not args.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

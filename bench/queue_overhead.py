@@ -43,7 +43,6 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import logging
 import pstats
 import random
@@ -64,6 +63,7 @@ if str(REPO) not in sys.path:  # run as `python bench/<name>.py` from a clone
 from pipeline.codec import decode_group, encode_group
 from pipeline.connection import PROTOCOL, connect
 from pipeline.consumer import Consumer
+from bench.report import run_bench
 from pipeline.keys import CONSUMER_GROUP, Keys
 from pipeline.queue import Place, Published, Queue
 from pipeline.redis_server import RedisServer, free_port
@@ -614,7 +614,7 @@ def human(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer groups: finishes in well under a minute")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -638,12 +638,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--groups, --batch-size and --k-groups must be positive")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = measure(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.json:
         print(human(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -5,10 +5,12 @@ Client processes drive the full life cycle of groups of 8 samples x 2,048 genera
 tokens against one redis-server, through the project's API:
 
   feeder    keeps the prompt list topped up (Queue.push_groups)
-  workers   Queue.claim, then Queue.publish of the finished group for each (an
-            instant engine: each worker encodes one finished group once and stamps
-            every claimed group's id into a copy of it, so the clients spend their
-            CPU on Redis calls, not on the codec)
+  workers   Queue.claim, then the claim's finished groups in one Queue.publish_many,
+            as the worker's publisher sends the groups that finish while a publish is
+            out (--publish-one-at-a-time: one Queue.publish per group); an instant
+            engine: each worker encodes one finished group once and stamps every
+            claimed group's id into a copy of it, so the clients spend their CPU on
+            Redis calls, not on the codec
   trainer   Consumer.next_batch(B) + Consumer.commit
   observer  (latency phases only) XREAD BLOCK on the results stream: when a
             published group becomes readable, as it does for the trainer's
@@ -59,6 +61,7 @@ from engines.profiles import CALIBRATED, CALIBRATED_T1_S, engine_profile  # noqa
 from pipeline.codec import encode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from pipeline.control import configure  # noqa: E402
 from pipeline.queue import Place, Publish, Queue  # noqa: E402
 from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
@@ -207,7 +210,7 @@ def worker(args: argparse.Namespace, queue: Queue, content) -> dict:
         if not claim.groups:
             time.sleep(0.001)
             continue
-        if args.publish_together:  # what a worker publishing its finished groups in one call would cost
+        if not args.publish_one_at_a_time:  # the worker's publisher: finished groups in one call
             items = [Publish(c.group_id, c.token, payload.replace(TEMPLATE_GID.encode(), c.group_id.encode()),
                              Place.RESULTS) for c in claim.groups]
             if interval:
@@ -339,7 +342,9 @@ class Settings:
     fsync: tuple[Fsync, ...] = (Fsync.ALWAYS, Fsync.EVERYSEC)  # the first gives the top-level figures
     loads: tuple[float, ...] = (0.5, 0.9)
     sample_tokens: tuple[int, ...] = SAMPLE_TOKENS  # the by-fsync phases use the last
-    publish_together: bool = False  # workers publish each claim's groups in one call (publish_many)
+    # Workers publish each claim's groups in one call (publish_many), as the worker's publisher
+    # (workers/publisher.py) sends the groups that finish while a publish is out.
+    publish_together: bool = True
 
 
 class Bench:
@@ -362,7 +367,7 @@ class Bench:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--redis-url", server.url,
                    "--namespace", NAMESPACE, "--out", str(out), "--index", str(index), "--claim", str(s.claim),
                    "--batch", str(s.batch), "--rate", str(rate / workers if rate else 0),
-                   "--sample-tokens", str(sample_tokens)] + (["--publish-together"] if s.publish_together else [])
+                   "--sample-tokens", str(sample_tokens)] + ([] if s.publish_together else ["--publish-one-at-a-time"])
             procs.append((role, out, subprocess.Popen(cmd, cwd=REPO)))
         try:
             deadline = time.monotonic() + 60
@@ -555,7 +560,7 @@ def print_table(result: dict) -> None:
           f"(target >= {TARGET_ENGINES_PER_CORE:,})")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short windows, at most 2 workers (under a minute)")
@@ -564,9 +569,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-workers", type=int, help=f"most worker processes (default {d.max_workers}, --quick 2)")
     p.add_argument("--batch", type=int, default=d.batch, help="groups per trainer batch")
     p.add_argument("--sample-tokens", type=int, default=RESPONSE_TOKENS, help=argparse.SUPPRESS)
-    p.add_argument("--publish-together", action="store_true",
-                   help="workers publish each claim's groups in one call (Queue.publish_many), not one by one: "
-                        "the worker's publisher near saturation, where a publish is out most of the time")
+    p.add_argument("--publish-one-at-a-time", action="store_true",
+                   help="workers publish each finished group in a call of its own, not each claim's groups in one "
+                        "call (Queue.publish_many, the default: what the worker's publisher does when Redis is busy)")
     p.add_argument("-v", "--verbose", action="store_true")
     # a client process
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
@@ -581,18 +586,17 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.role:
         run_child(args)
-        return
+        sys.exit(0)
     settings = Settings(window_s=args.window or (3.0 if args.quick else d.window_s),
                         warmup_s=1.0 if args.quick else d.warmup_s,
                         max_workers=args.max_workers or (2 if args.quick else d.max_workers),
-                        batch=args.batch, publish_together=args.publish_together)
+                        batch=args.batch, publish_together=not args.publish_one_at_a_time)
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
         result = Bench(settings, Path(tmp)).run()
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

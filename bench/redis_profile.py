@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import tempfile
-import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +35,7 @@ from pipeline import scripts  # noqa: E402
 from pipeline.codec import encode_group  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.consumer import Consumer  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from pipeline.control import configure  # noqa: E402
 from pipeline.queue import Place, Queue  # noqa: E402
 from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
@@ -142,7 +141,7 @@ def run(sample_tokens: int, groups: int, claim: int, batch: int, workdir: Path) 
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sample-tokens", type=int, default=2048)
     p.add_argument("--groups", type=int, default=256)
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         out = run(args.sample_tokens, args.groups, args.claim, args.batch, Path(tmp))
     if args.json:
-        print(json.dumps(out))
-        return
+        return out
     print(f"{out['sample_tokens']}-token samples, {out['groups']} groups: server CPU {out['server_cpu_us_per_group']} "
           f"µs/group = commands {out['commands_us_per_group']} + outside commands "
           f"{out['outside_commands_us_per_group']}")
@@ -163,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| command | calls/group | µs/group | µs/call |\n|---|---|---|---|")
     for cmd, c in out["by_command"].items():
         print(f"| {cmd} | {c['calls_per_group']} | {c['us_per_group']} | {c['us_per_call']} |")
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -21,6 +21,7 @@ from engines.simulator import SimConfig
 from pipeline.types import Group, parse_version
 
 from .sim_fleet import SimFleet, Window
+from .waterfall import Waterfall, group_tokens
 
 Z99 = 2.3263478740408408  # standard normal quantile at 0.99, as the simulator uses
 PAUSE_MODES = ("in_place", "retract", "abort")
@@ -28,6 +29,20 @@ PAUSE_MODES = ("in_place", "retract", "abort")
 #: an NCCL broadcast of a 7B model from the trainer, or a reload of it from disk.
 WEIGHT_UPDATES = {"nccl": 0.05, "disk": 5.0}
 PROMPT_TOKENS = 16  # about the length of the arithmetic prompts, for the KV estimate
+
+
+def update_cost_s(weight_update: str) -> float:
+    """Real seconds of a weight update given as a WEIGHT_UPDATES preset or a number."""
+    if weight_update in WEIGHT_UPDATES:
+        return WEIGHT_UPDATES[weight_update]
+    try:
+        cost = float(weight_update)
+    except ValueError:
+        cost = math.nan
+    if not math.isfinite(cost) or cost < 0:
+        raise ValueError(f"weight update must be one of {', '.join(WEIGHT_UPDATES)} or a cost in seconds >= 0, "
+                         f"got {weight_update!r}")
+    return cost
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class Settings:
     # utilization measures how well a design keeps the engines fed; at 1 or below the
     # trainer's speed caps it whatever the design.
     trainer_speed: float = 2.0
-    weight_update: str = "nccl"  # a WEIGHT_UPDATES preset
+    weight_update: str = "nccl"  # a WEIGHT_UPDATES preset, or a cost in real seconds ("0.2")
     # abort: the project's default protocol; requests are aborted and continued after the
     # update (the simulator continues a seeded sample exactly where it stopped).
     pause_mode: str = "abort"
@@ -60,8 +75,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.engine_profile not in PROFILES:
             raise ValueError(f"engine profile must be one of {', '.join(PROFILES)}, got {self.engine_profile!r}")
-        if self.weight_update not in WEIGHT_UPDATES:
-            raise ValueError(f"weight update must be one of {', '.join(WEIGHT_UPDATES)}, got {self.weight_update!r}")
+        update_cost_s(self.weight_update)  # ValueError naming the presets
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
         if not 0 < self.median_tokens <= self.p99_tokens:
@@ -94,8 +108,14 @@ class Settings:
         return CALIBRATED_T1_S * self.decode_tokens_per_s
 
     @property
+    def update_cost_s(self) -> float:
+        """The weight update's cost in real seconds."""
+        return update_cost_s(self.weight_update)
+
+    @property
     def weight_update_s(self) -> float:
-        return WEIGHT_UPDATES[self.weight_update] / self.time_scale
+        """The same in benchmark seconds (scaled like the engines' steps)."""
+        return self.update_cost_s / self.time_scale
 
     @property
     def engine_limit_tokens_per_s(self) -> float:
@@ -163,11 +183,6 @@ def make_groups(settings: Settings, count: int) -> list[Group]:
     return [make_group(settings, row) for row in range(count)]
 
 
-def group_tokens(group: Group) -> int:
-    """Generated tokens a group holds."""
-    return sum(s.response_length for s in group.samples)
-
-
 # -- the trainer --------------------------------------------------------------------------
 
 
@@ -183,16 +198,6 @@ def version_lags(group: Group, version: int) -> tuple[int, int]:
     version of its oldest token), and its last one."""
     versions = [parse_version(v) or 0 for s in group.samples for v in s.weight_versions] or [version]
     return version - min(versions), version - max(versions)
-
-
-@dataclass
-class Tokens:
-    """Where every generated token went; generated = trained + left + wasted."""
-
-    generated: int
-    trained: int
-    left: int  # still held at the end (queued, in flight, finished but not trained)
-    wasted: int  # thrown away: restarted as stale, dropped, lost
 
 
 class BatchSource(Protocol):
@@ -215,8 +220,10 @@ class TrainerLog:
     window: Window | None = None
 
 
-async def run_trainer(settings: Settings, source: BatchSource, fleet: SimFleet) -> TrainerLog:
-    """B groups, train, weight update; repeated. Measured after the warm-up steps."""
+async def run_trainer(settings: Settings, source: BatchSource, fleet: SimFleet, eta: int) -> TrainerLog:
+    """B groups, train, weight update; repeated. Measured after the warm-up steps. Every
+    trained group of every step is checked against the bound: none older than η
+    versions on the oldest-token clock (AssertionError otherwise)."""
     log = TrainerLog()
     start = 0.0
     for step in range(settings.total_steps):
@@ -229,6 +236,10 @@ async def run_trainer(settings: Settings, source: BatchSource, fleet: SimFleet) 
         t1 = time.monotonic()
         tokens = sum(group_tokens(g) for g in batch.groups)
         log.trained_tokens += tokens
+        too_old = [(g.group_id, lag) for g in batch.groups if (lag := version_lags(g, step)[0]) > eta]
+        if too_old:
+            raise AssertionError(f"step {step}: trained groups older than η = {eta} versions on the oldest-token "
+                                 f"clock (group, lag): {too_old[:5]}")
         await asyncio.sleep(settings.train_s(tokens))
         t2 = time.monotonic()
         await source.weight_update(step + 1)
@@ -277,13 +288,14 @@ class Row:
     staleness_oldest: dict[int, int]  # version lag of the oldest request of each trained group -> groups
     staleness_completion: dict[int, int]  # version lag of the last request -> groups
     restarted: int  # groups restarted as too stale during the measured steps
-    tokens: Tokens  # over the whole run, warm-up included
+    waterfall: dict  # where every generated token went, over the whole run (bench/waterfall.py)
     window_s: float
     audit: str | None = None  # pipeline rows: the conservation audit at the end
 
 
-def make_row(name: str, system: str, eta: int | None, settings: Settings, log: TrainerLog, tokens: Tokens,
+def make_row(name: str, system: str, eta: int | None, settings: Settings, log: TrainerLog, waterfall: Waterfall,
              audit: str | None = None) -> Row:
+    waterfall.check(f"{name} seed {settings.seed}")
     window = log.window_s
     limit = settings.engine_limit_tokens_per_s
     generated = log.window.generated_tokens / window
@@ -305,7 +317,7 @@ def make_row(name: str, system: str, eta: int | None, settings: Settings, log: T
         staleness_oldest=dict(sorted(log.staleness_oldest.items())),
         staleness_completion=dict(sorted(log.staleness_completion.items())),
         restarted=log.restarted,
-        tokens=tokens,
+        waterfall=waterfall.as_dict(),
         window_s=window,
         audit=audit,
     )

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.async_vs_sync import ETA_KEY, PipelineRollout  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 from bench.rl_loop import Settings, make_row, run_trainer  # noqa: E402
 from bench.sim_fleet import SimFleet  # noqa: E402
 from pipeline.control import set_weight_version  # noqa: E402
@@ -47,17 +47,6 @@ from pipeline.control import set_weight_version  # noqa: E402
 COSTS_S = (0.05, 0.5, 2.0, 10.0)
 ARMS = ("global", "rolling")
 log = logging.getLogger("bench.rolling")
-
-
-@dataclass(frozen=True)
-class CostSettings(Settings):
-    """The rows' settings with the update cost given in real seconds, not as a preset."""
-
-    update_cost_s: float = 0.05
-
-    @property
-    def weight_update_s(self) -> float:
-        return self.update_cost_s / self.time_scale
 
 
 class RollingPipeline(PipelineRollout):
@@ -91,10 +80,10 @@ class RollingPipeline(PipelineRollout):
         return await super().finish()
 
 
-async def _run(arm: str, settings: CostSettings, fleet: SimFleet, workdir: Path) -> dict:
+async def _run(arm: str, settings: Settings, fleet: SimFleet, workdir: Path) -> dict:
     source = (RollingPipeline if arm == "rolling" else PipelineRollout)(settings, fleet.urls, ETA_KEY, workdir)
     try:
-        trainer = await run_trainer(settings, source, fleet)
+        trainer = await run_trainer(settings, source, fleet, ETA_KEY)
         tokens, summary = await source.finish()
     except BaseException:
         log.error("%s row failed; worker log:\n%s", arm, source.worker_log_tail())
@@ -118,14 +107,14 @@ async def _run(arm: str, settings: CostSettings, fleet: SimFleet, workdir: Path)
     }
 
 
-def run_all(base: CostSettings, costs: list[float], seeds: list[int]) -> dict:
+def run_all(base: Settings, costs: list[float], seeds: list[int]) -> dict:
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rollingbench-") as tmp:
         for seed in seeds:
             for cost in costs:
                 for arm in ARMS:
-                    settings = replace(base, update_cost_s=cost, seed=seed)
+                    settings = replace(base, weight_update=repr(cost), seed=seed)
                     workdir = Path(tmp) / f"{arm}-{cost:g}-{seed}"
                     workdir.mkdir()
                     with SimFleet(settings.sim_config(), settings.engines) as fleet:
@@ -156,7 +145,7 @@ def print_table(result: dict) -> None:
             print(f"audit {r['arm']} cost {r['update_cost_s']:g}s seed {r['seed']}: {r['audit']}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 measured steps after 1, 1 seed")
@@ -173,14 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     costs = [float(c) for c in args.costs.split(",") if c]
     if not costs or min(costs) < 0:
         p.error("--costs needs at least one cost, none negative")
-    base = CostSettings(engines=args.engines, steps=args.steps or (4 if args.quick else d.steps),
-                        warmup_steps=1 if args.quick else d.warmup_steps)
+    base = Settings(engines=args.engines, steps=args.steps or (4 if args.quick else d.steps),
+                    warmup_steps=1 if args.quick else d.warmup_steps)
     result = run_all(base, costs, list(range(args.seeds or (1 if args.quick else 5))))
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.json:
         print_table(result)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/step_time.py` from a clone
+    sys.path.insert(0, str(REPO))
+
+from bench.report import run_bench  # noqa: E402
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128"
 
@@ -67,7 +74,7 @@ async def measure(url: str, batches: list[int], tokens: int, prompt_tokens: int,
             "r": round(last / first, 3)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-url", required=True, help="an SGLang-compatible engine, e.g. http://127.0.0.1:30000")
     p.add_argument("--batches", default=DEFAULT_BATCHES, help=f"batch sizes b (default {DEFAULT_BATCHES})")
@@ -80,14 +87,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error("need --tokens >= 2 and batch sizes >= 1")
     result = asyncio.run(measure(args.engine_url, batches, args.tokens, args.prompt_tokens))
     if args.json:
-        print(json.dumps(result))
-        return
+        return result
     print(f"{result['engine_url']}: {args.tokens} tokens per request, {args.prompt_tokens}-token prompts")
     print("| b | t(b) ms | tokens/s |\n|---|---|---|")
     for row in result["rows"]:
         print(f"| {row['batch']} | {row['step_ms']:.3f} | {row['tokens_per_s']} |")
     print(f"r = t({batches[-1]}) / t({batches[0]}) = {result['r']}")
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

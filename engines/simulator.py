@@ -67,10 +67,14 @@ FAULT_FIELDS = (
 )
 
 _CACHE_ENTRIES = 100_000  # bound on the simulated prefix cache
-# SGLang admits a request when its prompt plus this share of max_new_tokens fits the
-# free cache (its new_token_ratio, which it lowers from 0.7 towards 0.14 while nothing
-# is retracted; a fixed middle value here).
+# SGLang admits a request when its prompt plus this share of its max_new_tokens fits
+# the cache left after every running request has this share of what it may still
+# generate set aside (PrefillAdder's rem_total_tokens; the share is its new_token_ratio,
+# which it lowers from 0.7 towards 0.1 while nothing is retracted: a fixed middle value
+# here). Without the running requests' share, a full cache admits the requests it just
+# retracted and retracts them again.
 _NEW_TOKEN_RATIO = 0.3
+_CLIP_MAX_NEW_TOKENS = 4096  # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 # After a retraction the cache must hold this many more decode steps of the batch
 # (SGLang's retract_decode_steps).
 _RETRACT_DECODE_STEPS = 20
@@ -152,6 +156,12 @@ def validate_faults(values: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
+def _budget(req: SimRequest) -> int:
+    """The output tokens `req` may produce in all, as SGLang's estimate counts them: its
+    max_new_tokens, clipped. (Less what it produced: what it may still add to the cache.)"""
+    return min(req.spec.max_new_tokens, _CLIP_MAX_NEW_TOKENS)
+
+
 class SimRequest(EngineRequest):
     """A request whose whole output is planned up front and released step by step."""
 
@@ -201,6 +211,7 @@ class SimEngine(Engine):
         self._serial = 0
         self._ended: list[SimRequest] = []  # produced everything; ended by the next _on_timer
         self._kv_held = 0
+        self._budget_held = 0  # prompt + clipped max_new_tokens of every request holding cache
         self._stalled = False  # the next step does not fit the cache: _on_timer retracts
         self._timer: asyncio.Handle | None = None
         self._soon = False  # _timer is a call_soon
@@ -396,8 +407,9 @@ class SimEngine(Engine):
         if not self.running:
             return True
         self._advance(self.now())
-        need = len(req.spec.input_ids) + req.done_tokens + _NEW_TOKEN_RATIO * req.spec.max_new_tokens
-        if self.kv_tokens + need <= self.config.max_total_num_tokens:
+        need = len(req.spec.input_ids) + req.done_tokens + _NEW_TOKEN_RATIO * max(0, _budget(req) - req.done_tokens)
+        set_aside = _NEW_TOKEN_RATIO * max(0, self._budget_held - self.kv_tokens)  # the running ones' share
+        if self.kv_tokens + set_aside + need <= self.config.max_total_num_tokens:
             return True
         if not req.kv_waited:
             req.kv_waited = True
@@ -411,6 +423,7 @@ class SimEngine(Engine):
             context = len(req.spec.input_ids) + req.done_tokens
             req.kv_tokens = context
             self._kv_held += context
+            self._budget_held += len(req.spec.input_ids) + _budget(req)
             if self.profile.chunked:
                 req.prefill_left = max(1, context - req.cached_tokens)
                 self._prefilling.append(req)
@@ -436,6 +449,8 @@ class SimEngine(Engine):
         self._schedule(now)
 
     def _evict(self, req: SimRequest) -> None:
+        if req.kv_tokens:  # it held cache (prefilled since it last left)
+            self._budget_held -= len(req.spec.input_ids) + _budget(req)
         self._kv_held -= req.kv_tokens
         req.kv_tokens = 0
 

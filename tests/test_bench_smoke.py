@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.waterfall import FATES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
@@ -29,9 +31,13 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
     steps, batch, n, seeds = 2, 4, 2, 2
     out = run_bench("async_vs_sync.py", "--engines", "2", "--slots", "8", "--n-samples", str(n), "--batch",
                     str(batch), "--median", "32", "--steps", str(steps), "--warmup", "1", "--etas", "2",
-                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "")
+                    "--tails", "10", "--seeds", str(seeds), "--profiles", "", "--pauses", "", "--updates", "",
+                    "--no-engine-table")
     headline = {"speedup_tokens_eta2", "speedup_samples_eta2", "vs_inmemory_eta2", "trained_utilization_eta2"}
-    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings"}
+    assert set(out) == headline | {"ranges", "seeds", "profile", "rows", "settings", "waterfall_eta2",
+                                   "waterfall_inmemory_eta2", "breakeven_update_s", "update_sweep", "load"}
+    assert out["load"]["after"]["cpus"] >= 1 and len(out["load"]["before"]["loadavg"]) == 3
+    assert out["breakeven_update_s"] == {"abort": None}  # one cost run: no curve
     assert out["seeds"] == [0, 1] and out["profile"] == "h100-llama8b" and set(out["ranges"]) == headline
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
     assert out["speedup_tokens_eta2"] > 0 and out["vs_inmemory_eta2"] > 0 and 0 < out["trained_utilization_eta2"] <= 1
@@ -47,11 +53,19 @@ def test_async_vs_sync_smallest_run_reports_consistent_rows():
             assert 0 < p["trained_utilization"] <= 1.05 and 0 < p["generated_utilization"] <= 1.05
             for clock in ("oldest", "completion"):
                 assert sum(p[f"staleness_{clock}"].values()) == steps * batch  # every trained group, once
-            tokens = p["tokens"]
-            assert tokens["trained"] > 0 and tokens["left"] >= 0 and tokens["wasted"] >= 0
-            assert tokens["generated"] == tokens["trained"] + tokens["left"] + tokens["wasted"]
+            w = p["waterfall"]  # every generated token has one fate, each counted where it happens
+            assert w["trained"] > 0 and min(w[f] for f in FATES) >= 0
+            assert w["generated"] == sum(w[f] for f in FATES)
+            assert w["stale"] == sum(w["stale_by_lag"].values()) == sum(w["stale_by_length"].values())
+            assert all(int(lag) > 2 for lag in w["stale_by_lag"])  # stale means past η
+        w = row["waterfall"]  # the row's: summed over seeds
+        assert w["generated"] == sum(p["waterfall"]["generated"] for p in row["per_seed"])
+        assert sum(w["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert out["waterfall_eta2"] == out["rows"][2]["waterfall"]
+    assert out["waterfall_inmemory_eta2"] == out["rows"][1]["waterfall"]
     sync = out["rows"][0]
     assert all(p["staleness_oldest"] == {"0": steps * batch} for p in sync["per_seed"])  # fresh groups only
+    assert sync["waterfall"]["stale"] == 0 and sync["waterfall"]["left"] == 0  # sync trains what it generates
     assert sync["tokens_x_sync"] == {"median": 1.0, "range": [1.0, 1.0]}
     assert all(p["audit"].endswith(": OK") for p in out["rows"][2]["per_seed"])
 
@@ -61,7 +75,7 @@ def test_multi_turn_smallest_run_reports_sync_and_pipeline_rows():
     out = run_bench("multi_turn.py", "--engines", "1", "--slots", "8", "--n-samples", "2", "--batch", str(batch),
                     "--median", "32", "--p99", "320", "--steps", str(steps), "--warmup", "1", "--turns", "2",
                     "--tool-median-s", "0.05", "--tool-p99-s", "0.5", "--concurrency-factors", "1")
-    assert set(out) == {"rows", "speedup", "settings"} and out["speedup"] > 0
+    assert set(out) == {"rows", "speedup", "settings", "load"} and out["speedup"] > 0
     assert [r["system"] for r in out["rows"]] == ["sync", "pipeline"]
     for row in out["rows"]:
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0 and 0 < row["utilization"] <= 1
@@ -71,6 +85,7 @@ def test_multi_turn_smallest_run_reports_sync_and_pipeline_rows():
 
 def test_redis_capacity_smallest_run_reports_every_sample_length_and_fsync_mode():
     out = run_bench("redis_capacity.py", "--quick", "--window", "1", "--max-workers", "1", timeout=300)
+    assert out["settings"]["publish_together"] is True  # as the worker's publisher, by default
     lengths = {"256", "1024", "2048"}
     for key in ("server_us_per_group", "engines_per_core", "fsync_blocked_us_per_group", "engine_tokens_per_s"):
         assert set(out[key]) == lengths, key
@@ -92,6 +107,33 @@ BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*.py") if "ArgumentParse
 
 
 @pytest.mark.parametrize("script", BENCHES)
+def test_every_benchmark_ends_through_the_shared_report(script):
+    """Each command ends with bench/report.py's run_bench: its figures with the load it
+    saw, or one line saying why it could not."""
+    assert "run_bench(main)" in (ROOT / "bench" / script).read_text()
+
+
+def test_a_benchmark_that_cannot_measure_says_why_in_one_line_with_the_load():
+    proc = subprocess.run([sys.executable, "bench/step_time.py", "--engine-url", "http://127.0.0.1:9", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("step_time.py could not measure: ") and "load average" in line and "cores" in line
+    out = json.loads(proc.stdout)
+    assert set(out) == {"error", "load"} and out["error"] in line and out["load"]["after"]["cpus"] >= 1
+
+
+def test_inflight_extends_a_window_too_short_to_hold_two_samples():
+    """On a loaded machine one reading can outlast the quick window ("the measurement
+    window holds fewer than two samples"): a 0.1 s window (samples every 0.5 s) is
+    extended until it holds enough, and the readings skipped are counted."""
+    out = run_bench("inflight.py", "--engines", "1", "--concurrency", "16", "--ramp", "0.5", "--settle", "0.5",
+                    "--measure", "0.1", "--decode-rate", "200", timeout=180)
+    assert out["window_samples"] >= 3 and out["window_s"] > 0.1 and out["missed_samples"] >= 0
+    assert out["load"]["before"]["cpus"] >= 1
+
+
+@pytest.mark.parametrize("script", BENCHES)
 def test_every_benchmark_runs_as_a_script_without_the_package_installed(script, tmp_path):
     """`python bench/x.py` puts bench/ first on sys.path, not the repository: a benchmark
     that imports `pipeline` must find it itself (queue_overhead.py and inflight.py did not).
@@ -103,6 +145,13 @@ def test_every_benchmark_runs_as_a_script_without_the_package_installed(script, 
     proc = subprocess.run([sys.executable, "-I", "-c", as_script], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_engine_table_reports_every_batch_against_the_published_figures():
+    out = run_bench("engine_table.py", "--batches", "1,2", "--speedup", "20")
+    assert [r["batch"] for r in out["rows"]] == [1, 2] and out["t_of_b_error_max"] >= 0
+    assert out["rows"][0]["ratio_error"] == 0 and out["settings"]["source"].startswith("FerranAgulloLopez/")
+    assert all(r["tpot_ms"] > 0 and r["tokens_per_s"] > 0 for r in out["rows"])
 
 
 def test_pause_smallest_run_times_every_metric():
@@ -136,6 +185,7 @@ def test_async_vs_sync_sweeps_compare_each_setting_with_its_own_sync_row():
         ("profile", "sync", "heavy", "abort", "nccl"), ("profile", "pipeline", "heavy", "abort", "nccl"),
         ("pause", "pipeline", "h100-llama8b", "in_place", "nccl"),
         ("update", "sync", "h100-llama8b", "abort", "disk"), ("update", "pipeline", "h100-llama8b", "abort", "disk"),
+        ("update", "pipeline", "h100-llama8b", "in_place", "disk"),  # the cost swept under each pause mode
     ]
     assert [a.eta for a in arms[2:4]] == [0, 2] and arms[4].settings.tail_ratio == pytest.approx(1.0)
     syncs = {baseline_key(a.settings) for a in arms if a.system == "sync"}
@@ -195,13 +245,13 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     assert out["settings"]["engine_urls"] == sim_engines
     assert [(r["system"], r["eta"]) for r in out["rows"]] == [("sync", 0), ("in-memory", 2), ("pipeline", 2)]
     decoded = sum(sim_stats(u)["stats"]["decode_tokens"] for u in sim_engines)
-    generated = sum(r["per_seed"][0]["tokens"]["generated"] for r in out["rows"])
+    generated = sum(r["per_seed"][0]["waterfall"]["generated"] for r in out["rows"])
     assert decoded >= generated > 0  # the rows' tokens were generated on the given engines
     for row in out["rows"]:
         p = row["per_seed"][0]
         assert p["generated_tokens_per_s"] > 0 and 0 < p["generated_utilization"] <= 1.05
-        assert 0 < p["slot_utilization"] <= 1 and p["tokens"]["trained"] > 0
-        assert p["tokens"]["generated"] == p["tokens"]["trained"] + p["tokens"]["left"] + p["tokens"]["wasted"]
+        assert 0 < p["slot_utilization"] <= 1 and p["waterfall"]["trained"] > 0
+        assert p["waterfall"]["generated"] == sum(p["waterfall"][f] for f in FATES)
     for url in sim_engines:  # versions set, no weights loaded: the update was emulated
         stats = sim_stats(url)
         assert stats["weight_version"] == str(steps + 1) and stats["stats"].get("weight_updates", 0) == 0
@@ -213,7 +263,7 @@ def test_async_vs_sync_runs_its_rows_against_external_engines(sim_engines):
     settings = Settings(n_samples=n, batch_groups=batch, median_tokens=32, p99_tokens=320)
     drawn = sum(draw_output_length(random.Random(f"sample:{g.sampling_seed(x)}|length"), 32, 320)
                 for g in make_groups(settings, (1 + steps) * batch) for x in g.samples)
-    assert out["rows"][0]["per_seed"][0]["tokens"]["trained"] == drawn
+    assert out["rows"][0]["per_seed"][0]["waterfall"]["trained"] == drawn
 
 
 def test_step_time_measures_every_batch_through_generate(sim_engines):
