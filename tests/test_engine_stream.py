@@ -22,7 +22,7 @@ from pipeline.queue import Queue
 from pipeline.redis_server import free_port
 from pipeline.types import Group
 from tests.helpers import RouterProcess, WorkerThread, consume_all, http_json, wait_for
-from tests.test_engine_client import BODY, FakeEngine, engines, run
+from tests.test_engine_client import FakeEngine, engines, run
 from workers.engine import EngineClient
 from workers.engine_errors import (EngineError, EngineProtocolError, EngineRequestError, EngineStreamCut,
                                    EngineUnavailable)

@@ -70,6 +70,12 @@ def render(s: StatusSnapshot, title: str | None = None):
     grid.add_row("totals", f"pushed {c.get('pushed', 0):,}  committed {c.get('committed', 0):,}  "
                            f"dropped {c.get('dropped', 0):,}  requeued {c.get('requeue', 0):,}  "
                            f"reaped {c.get('reaped', 0):,}  handed back {c.get('handed_back', 0):,}")
+    cp = s.checkpoints
+    if cp.groups or cp.written:
+        grid.add_row("checkpoints", f"{cp.groups:,} groups ({cp.tokens:,} tokens, {cp.bytes:,} bytes), oldest "
+                                    f"written {age(cp.oldest_write_age_s)} ago   written {cp.written:,}   refused "
+                                    f"{cp.refused:,}   resumed {cp.tokens_resumed:,} tokens   lost "
+                                    f"{cp.tokens_lost:,}")
     if s.batch_size or s.max_staleness is not None:
         grid.add_row("pacing", f"batch size {s.batch_size or '-'}   max staleness "
                                f"{'-' if s.max_staleness is None else s.max_staleness}   admitted {s.admitted:,}")
