@@ -19,33 +19,46 @@ Figures, per checkpointed token (a token is counted once, when first saved):
 
 The variants differ in tokens per write: 128 (a sample decoding ~30 tokens/s, written every
 ~4 s: 16 records per sample) and 16 (a record per 16 tokens: the 32-record bound is reached
-and the checkpoint rewritten whole, the worst case of appends). The crash-recovery figures
-(regenerated fraction after a worker or engine kill, throughput with checkpoints on and off)
-come with the worker's checkpointing (issue 33, phase 2).
+and the checkpoint rewritten whole, the worst case of appends).
 
-    python bench/crash_resume.py            # ~1 minute
-    python bench/crash_resume.py --quick    # ~15 s
+Streams: the client's CPU per generated token reading answers whole and as streams
+(EngineSet with stream on), both SGLang chunk styles, stream_interval 64 (the default) and
+1 (the simulator looks at a stream every 20 ms at most, so at 400 tokens/s a chunk holds ~8
+tokens: about SGLang's default behind a router), against a `rollout sim-engine` process (C
+requests at once): `stream_client_us_per_token`.
+The worker's own figure under load is bench/inflight.py's worker_cpu_us_per_token.
+
+The crash-recovery figures (regenerated fraction after a worker or engine kill, throughput
+with checkpoints on and off) come with the worker's checkpointing (issue 33, phase 2).
+
+    python bench/crash_resume.py            # ~2 minutes
+    python bench/crash_resume.py --quick    # ~30 s
     python bench/crash_resume.py --json     # one JSON object on stdout
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python bench/<name>.py` from a clone
     sys.path.insert(0, str(REPO))
 
+from local.processes import stop_processes  # noqa: E402
 from pipeline.checkpoints import CheckpointLog, CheckpointOutcome  # noqa: E402
 from pipeline.connection import connect  # noqa: E402
 from pipeline.queue import Place, Queue  # noqa: E402
-from pipeline.redis_server import Fsync, RedisServer  # noqa: E402
+from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import SEGMENTS_KEY, Group, Status  # noqa: E402
+from workers.engine_set import EngineSet  # noqa: E402
 
 PROMPT_TOKENS = 256
 
@@ -130,6 +143,56 @@ def run_variant(url: str, groups: int, samples: int, length: int, per_write: int
     return out
 
 
+async def _generate_all(url: str, stream: bool, interval: int | None, requests: int, concurrency: int) -> int:
+    engines = EngineSet([url], stream=stream, stream_interval=interval)
+    slots = asyncio.Semaphore(concurrency)
+    prompt = list(b"What is 12 + 30? Think step by step.")
+
+    async def one(i: int) -> int:
+        async with slots:
+            result = await engines.generate(prompt, {"max_new_tokens": 1024, "sampling_seed": i}, rid=f"r{i}")
+            return len(result.output_ids)
+
+    try:
+        return sum(await asyncio.gather(*(one(i) for i in range(requests))))
+    finally:
+        await engines.close()
+
+
+def stream_cost(tmp: Path, requests: int, concurrency: int) -> dict:
+    """The client's CPU per generated token, answers read whole and as streams."""
+    out = {}
+    for incremental in (False, True):
+        port = free_port()
+        args = [sys.executable, "-m", "cli", "sim-engine", "--port", str(port), "--max-running", str(concurrency),
+                "--decode-rate", "400", "--median-tokens", "256", "--p99-tokens", "1024"]
+        if incremental:
+            args.append("--incremental-streaming-output")
+        with (tmp / f"sim-{port}.log").open("w") as log:
+            sim = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or sim.poll() is not None:
+                        raise RuntimeError(f"the simulator did not start: {(tmp / f'sim-{port}.log').read_text()}")
+                    time.sleep(0.1)
+            runs = [("whole", False, None)] if not incremental else []
+            style = "incremental" if incremental else "cumulative"
+            runs += [(f"{style}_interval_64", True, 64), (f"{style}_interval_1", True, 1)]
+            for name, stream, interval in runs:
+                cpu = time.process_time()
+                tokens = asyncio.run(_generate_all(url, stream, interval, requests, concurrency))
+                out[name] = (time.process_time() - cpu) / tokens * 1e6
+        finally:
+            stop_processes([sim], timeout_s=5)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer groups and shorter samples (~15 s)")
@@ -137,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", default=Fsync.ALWAYS.value, choices=[f.value for f in Fsync])
     args = p.parse_args(argv)
     groups, samples, length = (16, 8, 1024) if args.quick else (64, 8, 2048)
+    requests, concurrency = (200, 100) if args.quick else (1000, 250)
     tmp = Path(tempfile.mkdtemp(prefix="bench-crash-resume-"))
     server = RedisServer(tmp / "redis", port=None, fsync=Fsync(args.fsync))
     try:
@@ -153,13 +217,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{with_cp['aof_bytes_per_token']:.2f} B/token, memory {with_cp['memory_bytes_per_token']:.2f}"
                       f" B/token held, writer {with_cp['client_us_per_token']:.3f} us/token; a publish "
                       f"{with_cp['publish_extra_us']:+.0f} us with its checkpoint", file=sys.stderr)
+        streams = stream_cost(tmp, requests, concurrency)
+        if not args.json:
+            print("client CPU per generated token: " + ", ".join(f"{k} {v:.2f} us" for k, v in streams.items()),
+                  file=sys.stderr)
     finally:
         server.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     result = {"checkpoint_redis_us_per_token": variants["128"]["redis_us_per_token"],
               "checkpoint_aof_bytes_per_token": variants["128"]["aof_bytes_per_token"],
               "checkpoint_memory_bytes_per_token": variants["128"]["memory_bytes_per_token"],
-              "variants": variants, "fsync": args.fsync, "quick": args.quick}
+              "stream_client_us_per_token": streams, "variants": variants, "fsync": args.fsync,
+              "quick": args.quick}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

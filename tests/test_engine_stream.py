@@ -392,6 +392,29 @@ def test_endless_chunks_without_tokens_are_refused():
     assert error.partial.output_ids == IDS[:2]
 
 
+def test_an_engine_streaming_far_more_often_than_asked_is_named_once(caplog):
+    # 23 chunks for 12 tokens: every count but the final one twice.
+    chunks = [chunk(n) for n in range(1, 12) for _ in range(2)] + [chunk(12, finish={"type": "length", "length": 12})]
+    body = events(chunks)
+
+    async def scenario():
+        async with engines(streaming_engine(body)) as (url,):
+            client = EngineClient(url)
+            try:
+                for _ in range(2):
+                    async for p in client.generate_stream(PROMPT, {"max_new_tokens": 64}, stream_interval=64):
+                        pass
+                return p
+            finally:
+                await client.close()
+
+    with caplog.at_level("WARNING", logger="workers.engine"):
+        p = run(scenario())
+    assert p.result.output_ids == IDS
+    said = [r.getMessage() for r in caplog.records if "streams a chunk every" in r.getMessage()]
+    assert len(said) == 1 and "asked for every 64" in said[0] and "--stream-interval 64" in said[0]
+
+
 def test_the_assembler_alone_reads_chunks_fed_one_by_one():
     a = StreamAssembler("http://e", "r1", max_new_tokens=12)
     for c in answer_chunks([3, 12]):

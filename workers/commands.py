@@ -114,7 +114,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
     \b
     Example:
       rollout worker --engine-url http://router:30000 --reward math_boxed
-      rollout worker --engine-url http://engine:30000 --stream --stream-interval 16
+      rollout worker --engine-url http://engine:30000 --stream --stream-interval 64
     """
     from workers.engine_errors import EngineError
     from workers.sampling import SamplingError, SamplingSettings

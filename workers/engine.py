@@ -22,7 +22,8 @@ from pipeline.types import PauseMode, choices
 from .engine_answers import (ANSWER_BASE_BYTES, DEFAULT_MAX_NEW_TOKENS, GenerateResult, answer_head, answer_limit,
                              decode_body, error_message, parse_generate_response, read_bounded)
 from .engine_errors import EngineError, EngineProtocolError, EngineRequestError, EngineStreamCut, EngineUnavailable
-from .engine_stream import DEFAULT_STREAM_INTERVAL, StreamAssembler, StreamProgress, is_done, sse_data
+from .engine_stream import (DEFAULT_STREAM_INTERVAL, FEW_TOKENS_CHUNKS, FEW_TOKENS_PER_CHUNK, StreamAssembler,
+                            StreamProgress, is_done, sse_data)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class EngineClient:
         self._owns_session = session is None
         # None = unknown; False = engine predates 0.5.6 and takes no pause body.
         self._pause_takes_body: bool | None = None
+        self._warned_chunks = False  # said once that the engine streams too often (_check_chunk_size)
 
     def _get_session(self) -> aiohttp.ClientSession:
         # Created lazily so the client can be built outside a running loop.
@@ -239,6 +241,7 @@ class EngineClient:
                 if stream.progress.result is None:
                     raise EngineStreamCut(f"POST {url}: the stream ended after {len(stream.progress.output_ids)} "
                                           f"tokens without its final chunk", url=self.url)
+                self._check_chunk_size(stream.progress, params.get("stream_interval"))
                 yield stream.progress
         except asyncio.TimeoutError as exc:
             raise _partial(EngineUnavailable(f"POST {url} timed out after {self.timeout_s:g}s", url=self.url),
@@ -250,6 +253,18 @@ class EngineClient:
             raise _partial(cls(f"POST {url} {what}: {type(exc).__name__}: {exc}", url=self.url), stream) from exc
         except EngineError as exc:
             raise _partial(exc, stream)
+
+    def _check_chunk_size(self, progress: StreamProgress, asked: Any) -> None:
+        """Say once when the engine streams far more often than asked: a router dropped the
+        request's stream_interval and the engines stream every token (SGLang's default)."""
+        chunks, tokens = progress.chunks, len(progress.output_ids)
+        if self._warned_chunks or chunks < FEW_TOKENS_CHUNKS or tokens >= FEW_TOKENS_PER_CHUNK * chunks:
+            return
+        self._warned_chunks = True
+        logger.warning("engine %s streams a chunk every %.1f tokens (asked for every %s): each costs the worker "
+                       "a chunk's work; behind sglang-router, which drops the request's stream_interval, start the "
+                       "engines with --stream-interval %s", self.url, tokens / chunks, asked,
+                       asked or DEFAULT_STREAM_INTERVAL)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         if abort_all:

@@ -35,9 +35,14 @@ from .engine_answers import (GenerateResult, answer_limit, answer_meta, check_to
 from .engine_errors import EngineError, EngineProtocolError, EngineRequestError, EngineUnavailable
 
 #: Tokens per chunk the client asks for (sampling_params.stream_interval, SGLang's per-request
-#: --stream-interval): one chunk per token would cost a chunk's parse per token. sglang-router
-#: drops the field: behind a router, set --stream-interval on the engines.
-DEFAULT_STREAM_INTERVAL = 16
+#: --stream-interval): a chunk costs the worker ~50 us whatever it holds (docs/performance.md),
+#: and a second or two of decoding between chunks is all a checkpoint or a cut stream needs.
+#: sglang-router drops the field: behind a router, set --stream-interval on the engines.
+DEFAULT_STREAM_INTERVAL = 64
+#: A finished stream whose chunks held fewer tokens than this on average (over at least
+#: FEW_TOKENS_CHUNKS chunks) makes the client say once that its engines stream too often.
+FEW_TOKENS_PER_CHUNK = 4
+FEW_TOKENS_CHUNKS = 16
 #: Chunks in a row that bring no token and do not finish: past this the stream is refused
 #: (every honest chunk but the last brings tokens; this bounds the work an engine can cause).
 MAX_IDLE_CHUNKS = 64
@@ -377,27 +382,25 @@ async def sse_data(content: aiohttp.StreamReader, max_event_bytes: int, url: str
         if b"\r" in piece:  # CRLF lines; a CR is only ever whitespace in JSON, never inside a string
             piece = piece.replace(b"\r", b"")
         buf += piece
-        while True:
-            end = buf.find(b"\n\n", scan)
-            if end < 0:
-                if len(buf) > max_event_bytes:
-                    raise EngineProtocolError(f"a stream event from {url} is over {max_event_bytes} bytes "
-                                              "(workers.engine_answers.answer_limit)", url=url)
-                scan = max(0, len(buf) - 1)
-                break
-            data = _event_data(buf, end)
-            del buf[:end + 2]
-            scan = 0
+        start = 0  # the events of this piece are cut from the buffer once, after them
+        while (end := buf.find(b"\n\n", max(scan, start))) >= 0:
+            data = _event_data(buf, start, end)
+            start = end + 2
             if data is not None:
                 yield data
-    if _event_data(buf, len(buf)) == _DONE:
+        del buf[:start]
+        if len(buf) > max_event_bytes:
+            raise EngineProtocolError(f"a stream event from {url} is over {max_event_bytes} bytes "
+                                      "(workers.engine_answers.answer_limit)", url=url)
+        scan = max(0, len(buf) - 1)
+    if _event_data(buf, 0, len(buf)) == _DONE:
         yield _DONE
 
 
-def _event_data(buf: bytearray, end: int) -> bytes | None:
-    if buf.startswith(b"data: ") and buf.find(b"\n", 0, end) < 0:  # the usual one-line event
-        return bytes(buf[6:end])
-    lines = [line for line in bytes(buf[:end]).split(b"\n") if line.startswith(b"data:")]
+def _event_data(buf: bytearray, start: int, end: int) -> bytes | None:
+    if buf.startswith(b"data: ", start) and buf.find(b"\n", start, end) < 0:  # the usual one-line event
+        return bytes(buf[start + 6:end])
+    lines = [line for line in bytes(buf[start:end]).split(b"\n") if line.startswith(b"data:")]
     if not lines:
         return None
     return b"\n".join(line[6:] if line.startswith(b"data: ") else line[5:] for line in lines)
