@@ -279,7 +279,8 @@ class ConservationMachine(RuleBasedStateMachine):
         [outcome] = self._retrying(self.queue.checkpoint, self.ids[worker], [write])
         assert outcome in (CheckpointOutcome.OK, CheckpointOutcome.ALREADY), outcome
         log.settle(write, outcome)
-        self.saved[gid] = {i: (s.response_tokens, s.rollout_log_probs, s.weight_versions, s.status)
+        self.saved[gid] = {i: (s.response_tokens, list(s.rollout_log_probs or []) or s.rollout_log_probs,
+                               list(s.weight_versions), s.status)
                            for i, s in enumerate(group.samples) if s.response_length or s.status != Status.PENDING}
 
     @precondition(lambda self: self.zombies)
@@ -287,7 +288,8 @@ class ConservationMachine(RuleBasedStateMachine):
     def zombie_checkpoint(self, data):
         """A reaped incarnation, only slow, saves its progress: refused, whoever holds the group now."""
         old, group, token = data.draw(st.sampled_from(self.zombies))
-        write = CheckpointLog(group.group_id, token).next_write(generate(group, 1))
+        progress = generate(Group.fresh(group.group_id, "p", group.n_samples), 1)  # what it made since: any
+        write = CheckpointLog(group.group_id, token).next_write(progress)
         assert self.queue.checkpoint(old, [write]) == [CheckpointOutcome.REFUSED]
 
     @precondition(lambda self: self.zombies)
