@@ -333,18 +333,18 @@ def _bad(kind: str) -> list:
     return chunks
 
 
-BAD = {  # what is wrong -> what the error says
-    "id outside the vocabulary": "token id 70000, outside the vocabulary of 256",
-    "log-prob not finite": "not a finite float32",
-    "more than max_new_tokens": "12 output tokens, more than the 10 asked for",
-    "completion_tokens off": "neither all 6 tokens so far",
-    "output_ids disagree": "output_ids .5 ids. disagree",
-    "style switch": "a chunk of incremental tokens in a stream of cumulative ones",
-    "no completion_tokens": "cannot be told",
-    "unknown finish reason": "unknown finish_reason",
-    "a chunk after the final one": "a chunk after the final one",
-    "not JSON": "not JSON",
-    "no log-probs before the end": "without output_token_logprobs",
+BAD = {  # what is wrong -> (what the error says, the tokens kept: those of the chunks before the bad one)
+    "id outside the vocabulary": ("token id 70000, outside the vocabulary of 256", 2),
+    "log-prob not finite": ("not a finite float32", 2),
+    "more than max_new_tokens": ("12 output tokens, more than the 10 asked for", 5),
+    "completion_tokens off": ("neither all 6 tokens so far", 2),
+    "output_ids disagree": ("output_ids .5 ids. disagree", 2),
+    "style switch": ("a chunk of incremental tokens in a stream of cumulative ones", 9),
+    "no completion_tokens": ("cannot be told", 2),
+    "unknown finish reason": ("unknown finish_reason", 5),
+    "a chunk after the final one": ("a chunk after the final one", 12),
+    "not JSON": ("not JSON", 2),
+    "no log-probs before the end": ("without output_token_logprobs", 2),
 }
 
 
@@ -356,10 +356,10 @@ def test_a_bad_chunk_is_refused_and_the_tokens_before_it_are_kept(kind, large):
     if large:  # past the size from which a chunk's arrays are cut out of its text
         chunks = [c | {"text": "y" * 5000} if isinstance(c, dict) and "meta_info" in c else c for c in chunks]
     seen, error = stream_of(events(chunks), max_new_tokens=max_new_tokens, vocab_size=256)
+    says, kept = BAD[kind]
     assert isinstance(error, EngineProtocolError), error
-    assert re.search(BAD[kind], str(error)), str(error)
-    assert error.partial.output_ids == IDS[:len(error.partial.output_ids)]
-    assert len(error.partial.output_ids) >= 2  # the first chunk was good
+    assert re.search(says, str(error)), str(error)
+    assert error.partial.output_ids == IDS[:kept] and error.partial.output_log_probs == LPS[:kept]
     assert (error.partial.result is None) == (kind != "a chunk after the final one")
 
 

@@ -140,28 +140,41 @@ class StreamAssembler:
                       "(max_new_tokens)")
         p.output_ids += ids
         p.output_log_probs += log_probs
+        try:  # the rest of the chunk's checks: a chunk that fails one adds nothing
+            self._check_rest(chunk, meta, ids, ids_field, count, finish_type, raw_reason, bad)
+        except EngineError:
+            del p.output_ids[received:], p.output_log_probs[received:]
+            raise
         p.new_tokens = len(ids)
-        if ids_field is not None:
-            self._check_output_ids(ids_field, ids, finish_type, bad)
-        if count is not None and count != len(p.output_ids):
-            raise bad(f"completion_tokens {count} but {len(p.output_ids)} output tokens")
-        raw_version = meta.get("weight_version")
-        if p.weight_version is None or raw_version != self._raw_version:
-            p.weight_version, self._raw_version = weight_version(raw_version, bad), raw_version
-        text_field = chunk.get("text")
-        if p.style is not ChunkStyle.CUMULATIVE and text_field is not None:
-            if not isinstance(text_field, str):
-                raise bad(f"text is a {type(text_field).__name__}, not a string")
-            self._texts.append(text_field)
         if finish_type is not None:
-            text_field = "".join(self._texts) if p.style is ChunkStyle.INCREMENTAL else text_field
-            p.result = finished_result(chunk, meta, finish_type, raw_reason, p.output_ids, p.output_log_probs,
-                                       text_field, p.url, bad)
             return True
         self._idle = 0 if ids else self._idle + 1
         if self._idle > MAX_IDLE_CHUNKS:
             raise bad(f"{self._idle} chunks in a row without a new token")
         return bool(ids)
+
+    def _check_rest(self, chunk: dict, meta: dict, ids: list, ids_field: tuple[str | None, Any] | None,
+                    count: int | None, finish_type: str | None, raw_reason: dict | None, bad) -> None:
+        """A chunk's checks after its tokens were added to the progress (which they read);
+        the final chunk's answer made here."""
+        p = self.progress
+        if ids_field is not None:
+            self._check_output_ids(ids_field, ids, finish_type, bad)
+        if count is not None and count != len(p.output_ids):
+            raise bad(f"completion_tokens {count} but {len(p.output_ids)} output tokens")
+        raw_version, version = meta.get("weight_version"), p.weight_version
+        if version is None or raw_version != self._raw_version:
+            version = weight_version(raw_version, bad)
+        text = chunk.get("text")
+        if text is not None and not isinstance(text, str):
+            raise bad(f"text is a {type(text).__name__}, not a string")
+        if p.style is not ChunkStyle.CUMULATIVE and text is not None:
+            self._texts.append(text)
+        if finish_type is not None:
+            text = "".join(self._texts) if p.style is ChunkStyle.INCREMENTAL else text
+            p.result = finished_result(chunk, meta, finish_type, raw_reason, p.output_ids, p.output_log_probs,
+                                       text, p.url, bad)
+        p.weight_version, self._raw_version = version, raw_version
 
     def whole(self, body: Any) -> None:
         """An answer that did not stream (a server that ignored `stream`): checked as one."""
