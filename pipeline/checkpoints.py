@@ -41,7 +41,7 @@ class CheckpointOutcome(StrEnum):
     ALREADY = "already"  # a retry of a write that went through (its reply was lost)
     REFUSED = "refused"  # the writer no longer holds the group under this token (reaped, handed back, published)
     RESYNC = "resync"  # an append to a checkpoint other than the one the writer saw: write it whole
-    TOO_LARGE = "too_large"  # over CHECKPOINT_MAX_BYTES (or, appending, over CHECKPOINT_MAX_RECORDS)
+    TOO_LARGE = "too_large"  # the checkpoint would be over CHECKPOINT_MAX_BYTES
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from pipeline.wording import counted
+
 from .status import DepartedWorker, Departure, StatusSnapshot
 
 #: Departed workers listed under the workers table: the newest, within the last ten minutes.
@@ -72,7 +74,7 @@ def render(s: StatusSnapshot, title: str | None = None):
                            f"reaped {c.get('reaped', 0):,}  handed back {c.get('handed_back', 0):,}")
     cp = s.checkpoints
     if cp.groups or cp.written:
-        grid.add_row("checkpoints", f"{cp.groups:,} groups ({cp.tokens:,} tokens, {cp.bytes:,} bytes), oldest "
+        grid.add_row("checkpoints", f"{counted(cp.groups, 'group')} ({cp.tokens:,} tokens, {cp.bytes:,} bytes), oldest "
                                     f"written {age(cp.oldest_write_age_s)} ago   written {cp.written:,}   refused "
                                     f"{cp.refused:,}   resumed {cp.tokens_resumed:,} tokens   lost "
                                     f"{cp.tokens_lost:,}")
