@@ -83,6 +83,7 @@ N_SAMPLES = 8
 NAMESPACE = "bench-inflight"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SAMPLE_EVERY_S = 0.5
+FEED_EVERY_S = 0.2
 
 
 # -- processes -----------------------------------------------------------------------
@@ -142,7 +143,7 @@ def machine_cpu() -> tuple[float, float]:
     return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
-def _get_json(url: str, timeout: float = 15.0) -> dict:
+def _get_json(url: str, timeout: float = 60.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -220,6 +221,7 @@ class Bench:
         self.trainer: Trainer | None = None
         self.trainer_thread: threading.Thread | None = None
         self.pushed = 0
+        self.feed_error: BaseException | None = None
         self.rng = random.Random(args.seed)
         self.samples: list[Sample] = []
         self.worker_stop_s: float | None = None
@@ -295,6 +297,8 @@ class Bench:
                 raise RuntimeError(f"simulator {i} exited ({p.returncode}):\n{_tail(self.tmp / f'sim-{i}.log')}")
         if self.trainer is not None and self.trainer.error is not None:
             raise RuntimeError(f"the trainer thread failed: {self.trainer.error!r}")
+        if self.feed_error is not None:
+            raise RuntimeError(f"the feeder thread failed: {self.feed_error!r}")
 
     def close(self) -> None:
         if self.trainer is not None:
@@ -355,21 +359,41 @@ class Bench:
         groups_at_capacity = math.ceil(capacity / N_SAMPLES)
         phases = (("ramp", a.ramp_s), ("settle", a.settle_s), ("measure", a.measure_s))
         t0 = time.monotonic()
-        next_tick = t0
         end_of = {}
         acc = 0.0
         for name, seconds in phases:
             acc += seconds
             end_of[name] = acc
         total_s = acc
-        last_report = -1
+        # The feeder on a thread of its own: a sampler slowed by a busy machine (a simulator
+        # slow to answer /sim/stats) must not starve the worker of prompts.
+        stop = threading.Event()
+
+        def feed() -> None:
+            try:
+                while not stop.is_set():
+                    ramp_fraction = min(1.0, (time.monotonic() - t0) / a.ramp_s) if a.ramp_s > 0 else 1.0
+                    self._feed(math.ceil(groups_at_capacity * ramp_fraction))
+                    stop.wait(FEED_EVERY_S)
+            except BaseException as exc:  # reported by the main thread
+                self.feed_error = exc
+
+        feeder = threading.Thread(target=feed, name="feeder", daemon=True)
+        feeder.start()
+        try:
+            self._sample_until(t0, phases, end_of, total_s)
+        finally:
+            stop.set()
+            feeder.join(timeout=30)
+
+    def _sample_until(self, t0: float, phases, end_of: dict, total_s: float) -> None:
+        a = self.args
+        next_tick, last_report = t0, -1
         while True:
             t = time.monotonic() - t0
             if t >= total_s:
                 break
             phase = next(name for name, _ in phases if t < end_of[name])
-            ramp_fraction = min(1.0, t / a.ramp_s) if a.ramp_s > 0 else 1.0
-            self._feed(math.ceil(groups_at_capacity * ramp_fraction))
             self._check_alive()
             s = self._sample(t, phase)
             self.samples.append(s)
