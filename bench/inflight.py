@@ -33,13 +33,16 @@ Figures (over the window):
                     `finished` counters
   worker_cpu_cores  CPU seconds (user+sys, /proc/<pid>/stat) of the worker process per
                     wall second; worker_cpu_per_1k_rps = cores / (requests_per_s / 1000),
-                    i.e. cores needed per 1,000 requests/s
+                    i.e. cores needed per 1,000 requests/s; worker_cpu_us_per_token = its CPU
+                    per token the simulators generated (their `decode_tokens`), to compare
+                    reading answers whole with reading them as streams (--worker-arg=--stream)
   *_cpu_cores       the same for the simulators, redis-server and this process, and the
                     machine's total from /proc/stat, so you can see where the cores went
 
     python bench/inflight.py              # full run (about 4.5 minutes), a short table
     python bench/inflight.py --quick      # under a minute
     python bench/inflight.py --json       # one JSON object on stdout
+    python bench/inflight.py --worker-arg=--stream   # the worker reads answers as streams
 """
 from __future__ import annotations
 
@@ -145,7 +148,7 @@ def machine_cpu() -> tuple[float, float]:
     return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
-def _get_json(url: str, timeout: float = 15.0) -> dict:
+def _get_json(url: str, timeout: float = 60.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -161,6 +164,7 @@ class Sample:
     waiting: int
     finished: int  # cumulative over all simulators
     submitted: int
+    decode_tokens: int  # tokens generated, cumulative over all simulators
     worker_slots: int | None
     worker_groups: int | None
     worker_state: str | None
@@ -341,18 +345,19 @@ class Bench:
             return None
 
     def _read(self, t: float, phase: str) -> Sample:
-        running = waiting = finished = submitted = 0
+        running = waiting = finished = submitted = decode_tokens = 0
         for url in self.sim_urls:
             s = _get_json(url + "/sim/stats")
             running += s["load"]["num_running_reqs"]
             waiting += s["load"]["num_waiting_reqs"]
             finished += s["stats"].get("finished", 0)
             submitted += s["stats"].get("submitted", 0)
+            decode_tokens += s["stats"].get("decode_tokens", 0)
         info = self._worker_info() or {}
         busy, total = machine_cpu()
         return Sample(
             t=t, phase=phase, inflight=running + waiting, running=running, waiting=waiting, finished=finished,
-            submitted=submitted, worker_slots=info.get("inflight_samples"), worker_groups=info.get("inflight_groups"),
+            submitted=submitted, decode_tokens=decode_tokens, worker_slots=info.get("inflight_samples"), worker_groups=info.get("inflight_groups"),
             worker_state=info.get("state"), worker_cpu=cpu_seconds(self.worker.pid) or 0.0,
             worker_rss_mb=rss_mb(self.worker.pid),
             sim_cpu=sum(cpu_seconds(p.pid) or 0.0 for p in self.sims),
@@ -412,6 +417,7 @@ class Bench:
         inflight = sorted(s.inflight for s in window)
         slots = [s.worker_slots for s in window if s.worker_slots is not None]
         rps = (last.finished - first.finished) / dt
+        tokens_per_s = (last.decode_tokens - first.decode_tokens) / dt
         cores = lambda attr: (getattr(last, attr) - getattr(first, attr)) / dt  # noqa: E731
         worker_cores = cores("worker_cpu")
         ticks = (last.machine_total - first.machine_total) / os.cpu_count()
@@ -429,8 +435,10 @@ class Bench:
             "target_inflight": TARGET_INFLIGHT,
             "target_met": inflight[0] >= TARGET_INFLIGHT,
             "requests_per_s": rps,
+            "tokens_per_s": tokens_per_s,
             "worker_cpu_cores": worker_cores,
             "worker_cpu_per_1k_rps": per_1k(worker_cores),
+            "worker_cpu_us_per_token": worker_cores / tokens_per_s * 1e6 if tokens_per_s else None,
             "simulators_cpu_cores": cores("sim_cpu"),
             "simulators_cpu_per_1k_rps": per_1k(cores("sim_cpu")),
             "redis_cpu_cores": cores("redis_cpu"),
@@ -463,7 +471,7 @@ class Bench:
                 "sim_max_running": a.max_running, "decode_tokens_per_s": a.decode_rate,
                 "median_tokens": a.median_tokens, "p99_tokens": a.p99_tokens, "max_new_tokens": a.max_new_tokens,
                 "ramp_s": a.ramp_s, "settle_s": a.settle_s, "measure_s": a.measure_s, "seed": a.seed,
-                "max_ready": a.max_ready, "train_batch": a.train_batch,
+                "max_ready": a.max_ready, "train_batch": a.train_batch, "worker_args": list(a.worker_arg),
             },
             "timeline": [{"t": round(s.t, 1), "phase": s.phase, "inflight": s.inflight,
                           "worker_slots": s.worker_slots, "finished": s.finished,
@@ -495,7 +503,8 @@ def human(r: dict) -> str:
         f"redis {r['redis_cpu_cores']:.3f}   bench (feeder+trainer+sampler) {r['bench_cpu_cores']:.3f}   "
         f"machine {r['machine_cpu_cores']:.2f} of {r['machine_cores']}",
         f"worker CPU per 1,000 requests/s    {f(r['worker_cpu_per_1k_rps'], '.3f')} cores   "
-        f"(simulators {f(r['simulators_cpu_per_1k_rps'], '.3f')})",
+        f"(simulators {f(r['simulators_cpu_per_1k_rps'], '.3f')}); per generated token "
+        f"{f(r['worker_cpu_us_per_token'], '.2f')} us ({r['tokens_per_s']:,.0f} tokens/s)",
         f"worker RSS max {f(r['worker_rss_mb_max'], '.0f')} MB; dead letters {r['dead_letters']}, requeued "
         f"{r['requeued']}, worker engine errors {r['worker_counters'].get('engine_errors', 'n/a')}",
     ] + ([

@@ -31,8 +31,13 @@ from pipeline.cli_support import TORCH_INSTALL_HINT, FiniteFloat, Seconds, check
 @click.option("--tool-call-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="Probability that a response to an arithmetic question, at each turn, calls the calculator "
                    "(`<tool>A op B</tool>`; examples/calculator_tools.py).")
+@click.option("--stream-interval", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Tokens between the chunks of a streamed answer, as SGLang's --stream-interval (a request's "
+                   "sampling_params.stream_interval overrides it).")
+@click.option("--incremental-streaming-output", is_flag=True,
+              help="Streamed chunks carry only their new tokens (SGLang's flag); by default each carries all so far.")
 def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_tokens, median_tokens, p99_tokens,
-               skill, error_rate, tool_call_rate) -> None:
+               skill, error_rate, tool_call_rate, stream_interval, incremental_streaming_output) -> None:
     """Run the SGLang-compatible simulator (no GPU needed).
 
     It answers SGLang's native HTTP API (/generate, /abort_request,
@@ -45,13 +50,15 @@ def sim_engine(host, port, seed, max_running, decode_rate, engine_profile, kv_to
     \b
     Example:
       rollout sim-engine --port 30000 --median-tokens 128 --p99-tokens 1280
+      rollout sim-engine --port 30000 --stream-interval 16 --incremental-streaming-output
     """
     from engines.simulator import SimConfig, serve
 
     try:
         config = SimConfig(seed=seed, max_running_requests=max_running, decode_tokens_per_s=decode_rate,
                            engine_profile=engine_profile, max_total_num_tokens=kv_tokens, length_median=median_tokens, length_p99=p99_tokens, skill=skill, error_rate=error_rate,
-                           tool_call_rate=tool_call_rate)
+                           tool_call_rate=tool_call_rate, stream_interval=stream_interval,
+                           incremental_streaming_output=incremental_streaming_output)
     except ValueError as exc:
         raise click.ClickException(f"bad simulator settings: {exc}") from None
     check_port_free(host, port, "--port")

@@ -73,6 +73,11 @@ class EngineSettings:
     max_total_num_tokens: int = 1_000_000  # KV capacity in tokens (/v1/loads; the simulator enforces it)
     max_running_requests: int = 256
     startup_s: float = 0.0  # /health answers 503 this long after start
+    # Streams (engines/server.py), as SGLang's --stream-interval (tokens between chunks; a
+    # request's sampling_params.stream_interval overrides it) and --incremental-streaming-output
+    # (each chunk carries its new tokens only; by default every chunk carries all so far).
+    stream_interval: int = 1
+    incremental_streaming_output: bool = False
 
 
 @dataclass

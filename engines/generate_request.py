@@ -52,6 +52,7 @@ class GenSpec:
     skip_special_tokens: bool
     no_stop_trim: bool
     sampling_seed: int | None
+    stream_interval: int | None  # tokens between stream chunks; None: the server's (--stream-interval)
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
@@ -155,6 +156,9 @@ def _check_sampling(params: dict) -> dict:
     sampling_seed = params.get("sampling_seed")
     if sampling_seed is not None and not _is_int(sampling_seed):
         raise ValueError(f"sampling_seed must be an integer, got {sampling_seed!r}.")
+    stream_interval = params.get("stream_interval")
+    if stream_interval is not None and (not _is_int(stream_interval) or stream_interval < 1):
+        raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}.")
     flags = {}
     for name, default in (("ignore_eos", False), ("skip_special_tokens", True), ("no_stop_trim", False),
                           ("spaces_between_special_tokens", True)):
@@ -175,6 +179,7 @@ def _check_sampling(params: dict) -> dict:
         "stop_strs": stop_strs,
         "stop_token_ids": frozenset(stop_token_ids),
         "sampling_seed": sampling_seed,
+        "stream_interval": stream_interval,
         "n": n,
         **flags,
     }
@@ -301,7 +306,7 @@ def parse_generate(body: Any, tokenizer: ByteTokenizer, context_length: int,
                 stop_strs=params["stop_strs"], stop_token_ids=params["stop_token_ids"],
                 ignore_eos=params["ignore_eos"], skip_special_tokens=params["skip_special_tokens"],
                 no_stop_trim=params["no_stop_trim"], sampling_seed=params["sampling_seed"],
-                return_logprob=return_logprob[i], logprob_start_len=logprob_start_len[i],
+                stream_interval=params["stream_interval"], return_logprob=return_logprob[i], logprob_start_len=logprob_start_len[i],
                 top_logprobs_num=top_logprobs_num[i], return_text_in_logprobs=text_in_logprobs,
                 client_rid=client_rid,
             ))

@@ -13,8 +13,11 @@ engine's methods. Backends: the simulator (engines/simulator.py, which adds its
 `/sim/*` routes and fault injection by subclassing `EngineServer`) and the PyTorch
 engine (engines/torch_engine.py).
 
-Deliberate simplifications: streaming chunks are emitted every `stream_interval_s`
-seconds rather than every token; unknown sampling parameters are a 400.
+Streams follow SGLang's `--stream-interval` (a chunk at the first token, then every that many
+tokens; a request's `sampling_params.stream_interval` overrides it) and, with
+`--incremental-streaming-output`, carry only their new tokens. Deliberate simplifications:
+progress is looked at when its pace says the next chunk is due, so a chunk may carry more tokens
+than the interval; unknown sampling parameters are a 400.
 """
 from __future__ import annotations
 
@@ -40,11 +43,28 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.15.post1"  # the release whose HTTP answers this imitates
 #: SGLang's HEALTH_CHECK_TIMEOUT: /health_generate answers 503 when its one token takes longer.
 HEALTH_CHECK_TIMEOUT_S = 20.0
-STREAM_INTERVAL_S = 0.02  # how often a stream emits a chunk while its request progresses
+STREAM_INTERVAL_S = 0.02  # the shortest wait between looks at a stream's progress
+STREAM_MAX_WAIT_S = 1.0  # the longest: a stream whose pace was misjudged is looked at again this soon
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
+
+
+def _incremental(chunk: dict, sent: int, sent_text: int) -> int:
+    """Cut a cumulative stream chunk down to what it adds after `sent` tokens and `sent_text`
+    characters (SGLang's --incremental-streaming-output: ids, output log-probs and text);
+    returns the characters of text sent after it. completion_tokens stays cumulative."""
+    meta = chunk["meta_info"]
+    chunk["output_ids"] = chunk["output_ids"][sent:]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = meta[key][sent:]
+    if "output_token_logprobs_length" in meta:
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    text = chunk["text"]
+    chunk["text"] = text[sent_text:]
+    return len(text)
 
 
 def json_reply(obj: Any, status: int = 200) -> web.Response:
@@ -92,6 +112,8 @@ class EngineServer:
     def __init__(self, engine: Engine, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.engine = engine
         self.config = engine.config
+        if self.config.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1 token, got {self.config.stream_interval}")
         self.tokenizer = engine.tokenizer
         self.stream_interval_s = stream_interval_s
         self.health_check_timeout_s = HEALTH_CHECK_TIMEOUT_S
@@ -162,8 +184,9 @@ class EngineServer:
         return resp
 
     async def _stream(self, request: web.Request, reqs: list[EngineRequest], batch: bool) -> web.StreamResponse:
-        """SSE: a cumulative chunk whenever a request progressed (checked every
-        stream_interval_s), its final chunk when it ends, then `data: [DONE]`."""
+        """SSE: a chunk whenever a request made its stream interval's tokens (looked at when
+        its pace says they are due, at least stream_interval_s apart), its final chunk when it
+        ends, then `data: [DONE]`."""
         try:
             return await self._stream_loop(request, reqs, batch)
         except asyncio.CancelledError:
@@ -175,31 +198,55 @@ class EngineServer:
 
     async def _stream_loop(self, request: web.Request, reqs: list[EngineRequest], batch: bool) -> web.StreamResponse:
         resp = await self._start_stream(request)
-        sent = [0] * len(reqs)
+        sent = [0] * len(reqs)  # tokens sent per request
+        sent_text = [0] * len(reqs)  # characters of text sent (incremental chunks carry the rest)
         final = [False] * len(reqs)
+        first: list[tuple[float, int] | None] = [None] * len(reqs)  # (time, tokens) when first seen producing
         while True:
+            now = self.engine.now()
+            due = STREAM_MAX_WAIT_S  # seconds until some request's next chunk is due, at its pace so far
             for i, req in enumerate(reqs):
                 if final[i]:
                     continue
                 if req.outcome == Outcome.DROPPED:
                     return drop(request, resp)
-                if req.outcome is not None:
-                    chunk, final[i] = self._render(req, stream=True), True
-                else:
+                final[i] = req.outcome is not None
+                if not final[i]:
+                    # SGLang's stream interval: the first token at once, then every `interval` tokens.
                     produced = self.engine.produced(req)
-                    if produced <= sent[i]:
+                    if produced and first[i] is None:
+                        first[i] = (now, produced)
+                    interval = req.spec.stream_interval or self.config.stream_interval
+                    missing = interval - (produced - sent[i]) if sent[i] else 1 - produced
+                    if missing <= 0:
+                        missing = interval  # for the chunk after the one sent now
+                    # Its decoding pace since it was first seen producing (none yet: look again soon).
+                    pace = (produced - first[i][1]) / (now - first[i][0]) if first[i] and now > first[i][0] else 0
+                    due = min(due, missing / pace if pace else self.stream_interval_s)
+                    if produced <= sent[i] or (sent[i] and produced - sent[i] < interval):
                         continue
-                    chunk, sent[i] = self._render(req, stream=True), produced
-                if batch:
-                    chunk["index"] = i
-                await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+                await self._send_chunk(resp, req, i if batch else None, sent, sent_text)
             if all(final):
                 break
             pending = [r.future for r, done in zip(reqs, final) if not done]
-            await asyncio.wait(pending, timeout=self.stream_interval_s, return_when=asyncio.FIRST_COMPLETED)
+            # Looked at again when a chunk is due (a request ending wakes it at once): thousands of
+            # slow streams must not each wake every stream_interval_s.
+            await asyncio.wait(pending, timeout=max(self.stream_interval_s, due), return_when=asyncio.FIRST_COMPLETED)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _send_chunk(self, resp: web.StreamResponse, req: EngineRequest, index: int | None, sent: list[int],
+                          sent_text: list[int]) -> None:
+        i = index or 0
+        incremental = self.config.incremental_streaming_output
+        chunk = self._render(req, stream=not incremental)  # cut below from the whole answer so far
+        if incremental:
+            sent_text[i] = _incremental(chunk, sent[i], sent_text[i])
+        sent[i] = chunk["meta_info"]["completion_tokens"]
+        if index is not None:
+            chunk["index"] = index
+        await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
 
     def _render(self, req: EngineRequest, stream: bool) -> dict:
         """The JSON SGLang returns for one request (cumulative, in 0.5.15's key order)."""

@@ -1,7 +1,8 @@
 """The wire format: msgpack maps with a schema version.
 
 Token ids are little-endian int32 bytes, log-probs little-endian float32 bytes and
-loss masks packed bits. The tokenized prompt and the prompt text are stored once per
+loss masks packed bits; in-flight checkpoints (pipeline/checkpoints.py) are records in the
+same encoding. The tokenized prompt and the prompt text are stored once per
 group; each sample stores only the tokens after the prompt. Long response texts are
 zlib-compressed. The group's sampling settings (`smp`) are an optional field: groups
 without it decode as before. Decoding validates every field and raises `DecodeError`; nothing
@@ -28,7 +29,8 @@ from typing import Any
 
 import msgpack
 
-from .types import SAMPLE_FIELDS, Group, PrefixCacheInfo, Sample, SamplingRecord, SpecInfo, Status, json_problem
+from .types import (SAMPLE_FIELDS, SEGMENTS_KEY, Group, PrefixCacheInfo, Sample, SamplingRecord, SpecInfo, Status,
+                    json_problem)
 
 SCHEMA_VERSION = 1
 _COMPRESS_TEXT_OVER = 512  # bytes; below this zlib's header costs more than it saves
@@ -463,3 +465,175 @@ def _decode_pushed_prompt(value: Any) -> str | list | None:
     if value is not None and type(value) not in (str, list):
         raise DecodeError(f"group: field 'pp' should be a prompt (str or list), got {type(value).__name__}")
     return value
+
+
+# -- in-flight checkpoints (pipeline/checkpoints.py) --------------------------------------------
+
+#: The schema of a checkpoint record; a record of another is refused (its group restarts).
+CHECKPOINT_SCHEMA = 1
+
+
+@dataclass
+class SampleProgress:
+    """What a checkpoint keeps of one sample: its response so far (the tokens after its
+    prompt) and what resuming it needs. The optional fields are kept only where the
+    writer asks (a generate function's samples: their text, metadata and reward)."""
+
+    response_ids: list[int]
+    log_probs: list[float] | None  # one per response token; None: the sample has none
+    loss_mask: list[int] | None  # None: all ones
+    weight_versions: list[str]  # per engine call, as Sample.weight_versions
+    segments: list[int] | None  # tokens per engine call (metadata SEGMENTS_KEY); None: not known
+    status: Status
+    prompt_ids: list[int] | None = None  # the tokens before the response, when not the group's prompt
+    response: str | None = None  # None: decoded from the tokens when resumed
+    metadata: dict | None = None  # None: the claimed group's, with `segments`
+    reward: float | dict | None = None
+    updated_ms: int = 0  # Redis time of the write that last changed it (set when read)
+
+    @classmethod
+    def of(cls, sample: Sample, prompt_ids: list[int], whole: bool = False) -> SampleProgress:
+        """A sample's progress as it stands (its response tokens copied, its other lists
+        shared); `whole` keeps its text, metadata, reward and, when they differ from the
+        group's, its prompt."""
+        tokens = sample.tokens
+        start = len(tokens) - sample.response_length
+        progress = cls(tokens[start:] if sample.response_length else [], sample.rollout_log_probs,
+                       sample.loss_mask, sample.weight_versions, sample.metadata.get(SEGMENTS_KEY), sample.status)
+        if whole:
+            prompt = tokens[:start]
+            progress.prompt_ids = None if prompt == prompt_ids else prompt
+            progress.response, progress.metadata, progress.reward = sample.response, sample.metadata, sample.reward
+        return progress
+
+
+    def apply_to(self, sample: Sample, prompt_ids: list[int]) -> None:
+        """Put this progress back into `sample` (resuming it where the checkpoint left it).
+        Without a kept text its `response` is left to the caller (decoded from the tokens)."""
+        sample.tokens = list(prompt_ids if self.prompt_ids is None else self.prompt_ids) + self.response_ids
+        sample.response_length = len(self.response_ids)
+        sample.rollout_log_probs = None if self.log_probs is None else list(self.log_probs)
+        sample.loss_mask = None if self.loss_mask is None else list(self.loss_mask)
+        sample.weight_versions = list(self.weight_versions)
+        if self.metadata is not None:
+            sample.metadata = dict(self.metadata)
+        if self.segments is None:
+            sample.metadata.pop(SEGMENTS_KEY, None)
+        else:
+            sample.metadata[SEGMENTS_KEY] = list(self.segments)
+        sample.status = self.status
+        if self.response is not None:
+            sample.response = self.response
+        if self.reward is not None:
+            sample.reward = self.reward
+
+
+def encode_checkpoint_record(changes: list[tuple[int, int, SampleProgress]]) -> bytes:
+    """One record of a group's checkpoint: per changed sample (its position in the group,
+    the response offset from which its tokens are written, its progress) the tokens from
+    that offset on and its small fields whole. A record appended to earlier ones extends
+    each sample from its offset; offset 0 writes the sample anew. Raises EncodeError."""
+    entries = []
+    try:
+        for position, offset, p in changes:
+            if not 0 <= offset <= len(p.response_ids):
+                raise EncodeError(f"sample {position}: offset {offset} outside its {len(p.response_ids)} tokens")
+            entry = {
+                "i": position, "o": offset, "t": _pack_array("i", p.response_ids[offset:]),
+                "lp": None if p.log_probs is None else _pack_array("f", p.log_probs[offset:]),
+                "lm": None if p.loss_mask is None else _pack_mask(p.loss_mask[offset:]),
+                "wv": list(p.weight_versions), "sg": None if p.segments is None else list(p.segments),
+                "st": p.status.value,
+            }
+            if p.prompt_ids is not None:
+                entry["pt"] = _pack_array("i", p.prompt_ids)
+            if p.response is not None:
+                entry["r"] = p.response
+            if p.metadata is not None:
+                entry["m"] = p.metadata
+            if p.reward is not None:
+                entry["rw"] = p.reward
+            entries.append(entry)
+        return msgpack.packb({"v": CHECKPOINT_SCHEMA, "s": entries}, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack: a value it cannot pack
+        if isinstance(exc, EncodeError):
+            raise
+        raise EncodeError(f"checkpoint record: {type(exc).__name__}: {exc}") from None
+
+
+_RECORD_FIELDS: dict[str, tuple] = {
+    "i": (int,), "o": (int,), "t": (bytes,), "lp": (bytes, _NONE), "lm": (list, _NONE), "wv": (list,),
+    "sg": (list, _NONE), "st": (str,),
+}
+_RECORD_OPTIONAL: dict[str, tuple] = {"pt": (bytes,), "r": (str,), "m": (dict,), "rw": (int, float, dict)}
+
+
+def decode_checkpoint(records: list[bytes], times_ms: list[int] | None = None) -> dict[int, SampleProgress]:
+    """Replay a checkpoint's records, oldest first, into each sample's progress by its
+    position in the group; `times_ms` (one per record) dates each sample's last change.
+    Raises DecodeError for a record that is not of this schema or does not follow the
+    ones before it."""
+    samples: dict[int, SampleProgress] = {}
+    for k, data in enumerate(records):
+        what = f"checkpoint record {k + 1}"
+        try:
+            m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several types for garbage input
+            raise DecodeError(f"{what}: not msgpack: {exc}") from None
+        if type(m) is not dict or m.get("v") != CHECKPOINT_SCHEMA or type(m.get("s")) is not list:
+            raise DecodeError(f"{what}: not a checkpoint record of schema {CHECKPOINT_SCHEMA}")
+        for entry in m["s"]:
+            _replay(samples, entry, what, times_ms[k] if times_ms and k < len(times_ms) else 0)
+    return samples
+
+
+def _replay(samples: dict[int, SampleProgress], e: Any, what: str, at_ms: int) -> None:
+    if type(e) is not dict:
+        raise DecodeError(f"{what}: an entry is a {type(e).__name__}, not a map")
+    _check_fields(e, _RECORD_FIELDS, what)
+    for key, types in _RECORD_OPTIONAL.items():
+        if key in e and type(e[key]) not in types:
+            raise DecodeError(f"{what}: field {key!r} should be {'/'.join(t.__name__ for t in types)}")
+    position, offset = e["i"], e["o"]
+    what = f"{what}, sample {position}"
+    status = _STATUS.get(e["st"])
+    if position < 0 or offset < 0 or status is None:
+        raise DecodeError(f"{what}: position {position}, offset {offset} or status {e['st']!r} is not one")
+    if not all(type(v) is str for v in e["wv"]) or (e["sg"] is not None and not all(
+            type(n) is int and n >= 0 for n in e["sg"])):
+        raise DecodeError(f"{what}: weight versions must be strings and segments counts")
+    p = samples.get(position)
+    if p is None:
+        p = samples[position] = SampleProgress([], None, None, [], None, status)
+    if offset > len(p.response_ids):
+        raise DecodeError(f"{what}: continues at token {offset} of {len(p.response_ids)}")
+    new = _unpack_array("i", e["t"], f"{what} tokens")
+    del p.response_ids[offset:]
+    p.response_ids += new
+    # Log-probs and mask follow the tokens: cut at the offset, extended by this record's.
+    if e["lp"] is None:
+        if p.log_probs is not None and offset and new:
+            raise DecodeError(f"{what}: tokens without log-probs after tokens with them")
+        if offset == 0:
+            p.log_probs = None
+    else:
+        lps = _unpack_array("f", e["lp"], f"{what} log-probs")
+        if len(lps) != len(new) or (p.log_probs is None and offset):
+            raise DecodeError(f"{what}: {len(lps)} log-probs for {len(new)} tokens after {offset}")
+        if p.log_probs is None:
+            p.log_probs = []
+        del p.log_probs[offset:]
+        p.log_probs += lps
+    if e["lm"] is None and offset == 0:
+        p.loss_mask = None
+    elif e["lm"] is not None or p.loss_mask is not None:
+        if p.loss_mask is None:
+            p.loss_mask = [1] * offset
+        del p.loss_mask[offset:]
+        p.loss_mask += [1] * len(new) if e["lm"] is None else _unpack_mask(e["lm"], len(new), what)
+    p.weight_versions, p.segments, p.status, p.updated_ms = e["wv"], e["sg"], status, at_ms
+    if "pt" in e:
+        p.prompt_ids = _unpack_array("i", e["pt"], f"{what} prompt")
+    for key, name in (("r", "response"), ("m", "metadata"), ("rw", "reward")):
+        if key in e:
+            setattr(p, name, e[key])

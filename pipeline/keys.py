@@ -58,6 +58,15 @@ class Keys:
         return self._key("payloads")
 
     @property
+    def checkpoints(self) -> str:  # HASH group id -> the header of its in-flight checkpoint (lua/_prelude.lua),
+        # for queued and in-flight groups only: it goes with the payload
+        return self._key("checkpoints")
+
+    @property
+    def checkpoint_records(self) -> str:  # HASH "<group id>\n<k>" -> the k-th record of its checkpoint (codec)
+        return self._key("checkpoint_records")
+
+    @property
     def admitted(self) -> str:  # HASH group id -> weight version at first claim, until settled
         return self._key("admitted")
 
@@ -167,4 +176,5 @@ class Keys:
             self.prompts, self.payloads, self.admitted, self.workers, self.worker_info, self.last_claim, self.isolated,
             self.claims, self.history, self.reaped, self.trainer, self.results, self.requeue, self.dead,
             self.dropped, self.committed, self.control, self.stats, self.dataset, self.holders, self.beats,
+            self.checkpoints, self.checkpoint_records,
         ]

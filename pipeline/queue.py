@@ -23,6 +23,8 @@ from typing import Iterator
 import redis
 
 from . import scripts
+from .checkpoints import (CHECKPOINT_MAX_BYTES, CHECKPOINT_MAX_RECORDS, CheckpointOutcome, CheckpointWrite,
+                          GroupCheckpoint)
 from .codec import DecodeError, decode_group, encode_group
 from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
 from .keys import CONSUMER_GROUP, Keys
@@ -73,6 +75,7 @@ class ClaimedGroup:
     token: str  # the claim id: publish and hand-back must present it
     payload: bytes  # as stored: what a dead letter keeps if the group cannot be encoded again
     group: Group | None  # None when the stored payload did not decode (it was dead-lettered)
+    checkpoint: GroupCheckpoint | None = None  # what an earlier holder saved of its samples (pipeline/checkpoints.py)
 
 
 @dataclass
@@ -170,7 +173,7 @@ class Queue:
         self.redis = client
         self.keys = Keys(namespace)
         self._scripts = scripts.load(client, "claim", "register", "heartbeat", "reap", "handback", "publish",
-                                     "push", "settle")
+                                     "push", "settle", "checkpoint")
 
     # -- workers -----------------------------------------------------------------
 
@@ -186,17 +189,22 @@ class Queue:
 
     def claim(self, worker: str, claim_id: str, max_groups: int) -> Claim:
         """Claim up to `max_groups` groups under `claim_id`, their fencing token. Calling
-        again with the same claim id returns the same groups (a retry after a lost reply)."""
+        again with the same claim id returns the same groups (a retry after a lost reply).
+        Each comes with the checkpoint an earlier holder saved of it, if any."""
         k = self.keys
         reply = self._scripts["claim"](
             keys=[k.prompts, k.payloads, k.inflight(worker), k.workers, k.control, k.results, k.admitted,
-                  k.stats, k.claims, k.history, k.dead, k.last_claim, k.isolated, k.holders],
+                  k.stats, k.claims, k.history, k.dead, k.last_claim, k.isolated, k.holders, k.checkpoints,
+                  k.checkpoint_records],
             args=[worker, claim_id, max_groups, DEFAULT_MAX_READY, DEFAULT_MAX_CLAIMS],
         )
         claim = Claim(status=ClaimStatus(text(reply[0])), weight_version=int(reply[1]))
-        for i in range(2, len(reply), 3):
-            raw_gid, payload, admitted = reply[i], reply[i + 1] or b"", reply[i + 2]
-            claim.groups.append(self._claimed(worker, claim_id, raw_gid, payload, admitted))
+        for i in range(2, len(reply), 4):
+            raw_gid, payload, admitted, checkpoint = reply[i], reply[i + 1] or b"", reply[i + 2], reply[i + 3]
+            claimed = self._claimed(worker, claim_id, raw_gid, payload, admitted)
+            if claimed.group is not None and checkpoint:
+                claimed.checkpoint = _checkpoint(claimed.group_id, checkpoint)
+            claim.groups.append(claimed)
         return claim
 
     def _claimed(self, worker: str, token: str, raw_gid: bytes, payload: bytes, admitted) -> ClaimedGroup:
@@ -218,6 +226,26 @@ class Queue:
             group.admitted_version = int(admitted)
         return ClaimedGroup(gid, token, payload, group)
 
+    def checkpoint(self, worker: str, writes: list[CheckpointWrite]) -> list[CheckpointOutcome]:
+        """Save the checkpoints of groups `worker` holds, in one script call (lua/checkpoint.lua):
+        each only under the token it holds its group under. A retry of the whole call is safe
+        (what went through answers `already`). Returns an outcome per write, in order."""
+        if not writes:
+            return []
+        k = self.keys
+        args: list = [worker, CHECKPOINT_MAX_RECORDS, CHECKPOINT_MAX_BYTES]
+        for w in writes:
+            args += [w.group_id, w.token, "full" if w.full else "append", w.records_before, w.tokens, w.write_id,
+                     w.record]
+        reply = self._scripts["checkpoint"](
+            keys=[k.inflight(worker), k.checkpoints, k.checkpoint_records, k.stats], args=args)
+        outcomes = [CheckpointOutcome(text(r)) for r in reply]
+        for w, outcome in zip(writes, outcomes):
+            if outcome == CheckpointOutcome.REFUSED:
+                log.info("group %s: worker %s no longer holds it under claim %s; its checkpoint was not written",
+                         w.group_id, worker, w.token)
+        return outcomes
+
     def publish(self, worker: str, group_id: str | bytes, token: str, payload: bytes, place: Place,
                 error: str | None = None, reason: str = "") -> Published:
         """Move a group out of `worker`'s in-flight hash into a stream, if the worker
@@ -236,7 +264,8 @@ class Queue:
         calls = []  # (staged key or None, payload, script keys, script args)
         for it in items:
             stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[it.place]
-            keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history]
+            keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history, k.checkpoints,
+                    k.checkpoint_records]
             payload, error = it.payload, it.error
             if it.place == Place.DEAD:
                 payload, note = bounded_dead_letter(payload)
@@ -527,6 +556,16 @@ def parse_history(lines: str) -> list[tuple[int, str, str, str]]:
         if len(parts) >= 3 and parts[0].isdigit():
             out.append((int(parts[0]), parts[1], parts[2], parts[3] if len(parts) > 3 else ""))
     return out
+
+
+def _checkpoint(group_id: str, reply: list) -> GroupCheckpoint | None:
+    """A claimed group's checkpoint; one that does not decode is ignored (its samples start
+    over; the holder's first write replaces it)."""
+    try:
+        return GroupCheckpoint.from_reply(reply)
+    except DecodeError as exc:
+        log.warning("group %s: its checkpoint is unreadable (%s); its samples start over", group_id, exc)
+        return None
 
 
 def _script_replies(replies: list, calls: list) -> list:

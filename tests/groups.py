@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from pipeline.checkpoints import CheckpointLog, CheckpointOutcome
 from pipeline.ops.audit import AuditReport, audit
 from pipeline.queue import Claim, ClaimedGroup, Place, Published, Queue
-from pipeline.types import Group, Status
+from pipeline.types import SEGMENTS_KEY, Group, Status
 
 _claim_ids = itertools.count()
 
@@ -62,6 +63,34 @@ def produce(q: Queue, n: int, prefix: str = "g", worker: str = "w", version: int
         assert publish(q, worker, c, group=finish(c.group, version, rewards=rewards)) == Published.OK
         out.append(c.group_id)
     return out
+
+
+def generate(group: Group, n_tokens: int, version: str = "0") -> Group:
+    """As a worker leaves a group mid-generation: `n_tokens` more on every sample, each sample
+    unfinished (aborted: it continues), one engine call's segment per call."""
+    if not group.prompt_ids:
+        group.prompt_ids = [1, 2]
+    for i, s in enumerate(group.samples):
+        if not s.tokens:
+            s.tokens = list(group.prompt_ids)
+        s.tokens += [100 + i + k for k in range(s.response_length, s.response_length + n_tokens)]
+        s.rollout_log_probs = (s.rollout_log_probs or []) + [-0.25] * n_tokens
+        s.response_length += n_tokens
+        s.weight_versions.append(version)
+        s.metadata.setdefault(SEGMENTS_KEY, []).append(n_tokens)
+        s.status = Status.ABORTED
+    return group
+
+
+def write_checkpoint(q: Queue, worker: str, claimed: ClaimedGroup, tokens: int = 3,
+                     log: CheckpointLog | None = None) -> CheckpointOutcome:
+    """As a worker saves a claimed group's progress: `tokens` more on every sample, written
+    through `log` (a new one: a full write) under the claim's token."""
+    log = log or CheckpointLog(claimed.group_id, claimed.token, claimed.checkpoint)
+    write = log.next_write(generate(claimed.group, tokens))
+    [outcome] = q.checkpoint(worker, [write])
+    log.settle(write, outcome)
+    return outcome
 
 
 def expire(q: Queue, worker: str) -> None:

@@ -23,11 +23,12 @@ from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer
 from pipeline.controller import Controller
 from pipeline.producer import PushOptions, push_dataset
-from pipeline.queue import Place, Queue, Settle
+from pipeline.checkpoints import CheckpointOutcome
+from pipeline.queue import Place, Published, Queue, Settle
 from pipeline.redis_server import RedisServer, free_port
 from pipeline.types import Group, Status
 from tests.conftest import CORE_REDIS_BINARIES
-from tests.groups import claim, publish
+from tests.groups import claim, publish, write_checkpoint
 from tests.helpers import WorkerThread, wait_for
 from workers.engine_set import EngineSet
 from engines.simulator import SimConfig, start_simulator
@@ -121,6 +122,25 @@ def test_worker_role_claims_publishes_reaps_and_releases(admin, server, sim, nam
     assert stats["reaped"] == 1 and stats["released"] == 1, stats
     assert refusals(admin, Role.WORKER, namespace) == []
     assert_audit_ok(setup)
+
+
+def test_worker_role_checkpoints_hands_checkpoints_on_and_publishes_them_away(admin, server, namespace):
+    worker = Queue(connect(role_url(admin, server, Role.WORKER, namespace)), namespace)
+    setup = Queue(admin, namespace)
+    setup.push_groups(fresh(2, "g"))
+    held = claim(worker, "A", 2).groups
+    for c in held:
+        assert write_checkpoint(worker, "A", c, tokens=3) == CheckpointOutcome.OK
+    worker.redis.zadd(worker.keys.workers, {"A": 0}, xx=True)  # as if A died: its lease is past
+    assert worker.reap_expired() == 2
+    again = claim(worker, "B", 2).groups
+    assert all(c.checkpoint is not None for c in again)
+    assert publish(worker, "B", again[0], group=finished(again[0].group)) == Published.OK
+    assert publish(worker, "B", again[1], Place.DEAD, error="engine failed") == Published.OK
+    assert admin.hlen(setup.keys.checkpoints) == 0 and admin.hlen(setup.keys.checkpoint_records) == 0
+    assert refusals(admin, Role.WORKER, namespace) == []
+    assert_audit_ok(setup)
+    worker.redis.close()
 
 
 def test_trainer_role_pushes_consumes_commits_pauses_and_resumes(admin, server, sim, namespace, tmp_path):

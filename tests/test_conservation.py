@@ -1,8 +1,9 @@
 """Conservation under random interleavings (hypothesis stateful test).
 
 Random sequences of push / claim (by one of three workers) / complete / abort / fail /
-reap (after which the same worker process registers anew and may claim the same groups
-again) / a zombie publish / release / next_batch / commit / release of a batch / a new
+an in-flight checkpoint (by the holder, or too late by a reaped incarnation) / reap (after
+which the same worker process registers anew and may claim the same groups again) / a
+zombie publish / release / next_batch / commit / release of a batch / a new
 trainer session overlapping the old one / lost replies (the script runs, its reply is
 lost, the caller retries) / a Redis restart (dataset reloaded, every connection and
 script dropped) / a weight version bump, against a real redis-server, with or without
@@ -11,8 +12,10 @@ a dynamic-sampling filter, a results backlog limit and a staleness bound.
 After every step the audit adds up (every pushed group in exactly one place), each
 worker's in-flight hash is what it was given, admission stayed within
 (max_staleness + version + 1) * batch_size, and no group id is ever committed twice or
-delivered too stale. At the end everything is drained: every pushed group reaches a
-committed batch, the drop log or the dead-letter stream.
+delivered too stale; a claim hands out exactly the checkpoint the group's last holder
+wrote, and none once the group was published (the audit finds no checkpoint without its
+group). At the end everything is drained: every pushed group reaches a committed batch,
+the drop log or the dead-letter stream.
 """
 from __future__ import annotations
 
@@ -28,12 +31,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+from pipeline.checkpoints import CheckpointLog, CheckpointOutcome
 from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
 from pipeline.control import configure, read_control, set_weight_version, staleness_limit
 from pipeline.queue import ClaimStatus, Place, Published, Queue, text
 from pipeline.types import Group, Status
+from tests.groups import generate
 from tests.helpers import LoseReplies
 
 ROOT = Path(__file__).resolve().parent.parent  # where `python -m tests.test_conservation` runs
@@ -68,7 +73,8 @@ class ConservationMachine(RuleBasedStateMachine):
         self.client = connect(self.url)
         self.namespace = f"cons-{uuid.uuid4().hex[:10]}"
         self.queue = Queue(self.client, self.namespace)
-        self.lossy = {name: LoseReplies(self.queue._scripts[name]) for name in ("claim", "publish", "settle")}
+        self.lossy = {name: LoseReplies(self.queue._scripts[name])
+                      for name in ("claim", "publish", "settle", "checkpoint")}
         self.queue._scripts.update(self.lossy)
         if max_ready is not None:
             configure(self.client, self.queue.keys, max_ready=max_ready)
@@ -88,6 +94,8 @@ class ConservationMachine(RuleBasedStateMachine):
         self.batches: list = []  # delivered to the current session, not committed
         self.committed: set[str] = set()
         self.claimed_at: dict[str, int] = {}  # group id -> weight version of its last claim
+        self.logs: dict[str, CheckpointLog] = {}  # group id -> its holder's checkpoint log (this claim's)
+        self.saved: dict[str, dict] = {}  # group id -> what its checkpoint holds (the last write that went in)
         if initial:
             self.push(initial, 2)
         self._measure()
@@ -199,6 +207,10 @@ class ConservationMachine(RuleBasedStateMachine):
                 assert c.group_id not in self.held[w], f"{c.group_id} claimed while {w} holds it"
             self.held[worker][c.group_id] = (c.group, c.token)
             self.claimed_at[c.group_id] = claim.weight_version
+            # The checkpoint the last holder wrote comes with the claim; none after a publish.
+            got = None if c.checkpoint is None else held_progress(c.checkpoint)
+            assert got == self.saved.get(c.group_id), (c.group_id, got, self.saved.get(c.group_id))
+            self.logs[c.group_id] = CheckpointLog(c.group_id, c.token, c.checkpoint)
 
     def _publish(self, worker, data, place, status, error=None):
         gid = data.draw(st.sampled_from(sorted(self.held[worker])))
@@ -208,6 +220,7 @@ class ConservationMachine(RuleBasedStateMachine):
         outcome = self._retrying(self.queue.publish_group, self.ids[worker],
                                  finish(group, status, data.draw(st.integers(0, 1)), version), token, place, error)
         assert outcome in (Published.OK, Published.ALREADY), f"{worker} could not publish {gid} it holds"
+        self.saved.pop(gid, None)  # its checkpoint went with it
 
     def _holding(self):
         return [w for w in WORKERS if self.held[w]]
@@ -250,6 +263,34 @@ class ConservationMachine(RuleBasedStateMachine):
                 assert self.queue.publish_group(old, late, token, Place.RESULTS) == Published.REFUSED
         else:  # or later, perhaps after its own new incarnation claimed the same groups
             self.zombies += [(old, g, t) for g, t in reaped]
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data(), tokens=st.integers(0, 3), lose_reply=st.booleans())
+    def checkpoint(self, data, tokens, lose_reply):
+        """The holder saves a group's progress (a lost reply is retried, as Reconnect does)."""
+        worker = data.draw(st.sampled_from(self._holding()))
+        gid = data.draw(st.sampled_from(sorted(self.held[worker])))
+        group, token = self.held[worker][gid]
+        log = self.logs[gid]
+        write = log.next_write(generate(group, tokens) if tokens else group)
+        if write is None:
+            return
+        self.lossy["checkpoint"].armed = int(lose_reply)
+        [outcome] = self._retrying(self.queue.checkpoint, self.ids[worker], [write])
+        assert outcome in (CheckpointOutcome.OK, CheckpointOutcome.ALREADY), outcome
+        log.settle(write, outcome)
+        self.saved[gid] = {i: (s.response_tokens, list(s.rollout_log_probs or []) or s.rollout_log_probs,
+                               list(s.weight_versions), s.status)
+                           for i, s in enumerate(group.samples) if s.response_length or s.status != Status.PENDING}
+
+    @precondition(lambda self: self.zombies)
+    @rule(data=st.data())
+    def zombie_checkpoint(self, data):
+        """A reaped incarnation, only slow, saves its progress: refused, whoever holds the group now."""
+        old, group, token = data.draw(st.sampled_from(self.zombies))
+        progress = generate(Group.fresh(group.group_id, "p", group.n_samples), 1)  # what it made since: any
+        write = CheckpointLog(group.group_id, token).next_write(progress)
+        assert self.queue.checkpoint(old, [write]) == [CheckpointOutcome.REFUSED]
 
     @precondition(lambda self: self.zombies)
     @rule(data=st.data())
@@ -353,6 +394,10 @@ class ConservationMachine(RuleBasedStateMachine):
             assert admitted <= staleness_limit(self.eta, self.version, self.batch_size)
         for w, actual in self._measure().items():
             assert actual == {gid: token for gid, (_, token) in self.held[w].items()}, (w, actual)
+
+
+def held_progress(checkpoint) -> dict:
+    return {i: (p.response_ids, p.log_probs, p.weight_versions, p.status) for i, p in checkpoint.samples.items()}
 
 
 def _server(redis_factory, name: str):

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from cli import main
 from pipeline import scripts
+from pipeline.checkpoints import CheckpointOutcome
 from pipeline.connection import connect
 from pipeline.consumer import Consumer
 from pipeline.ops.acl import Role, default_user, setuser_line
@@ -21,7 +22,7 @@ from pipeline.permissions import PermissionDenied
 from pipeline.queue import Place, Queue
 from pipeline.redis_server import RedisServer, free_port
 from tests.conftest import CORE_REDIS_BINARIES
-from tests.groups import claim, publish
+from tests.groups import claim, publish, write_checkpoint
 from tests.helpers import WorkerThread, wait_for
 from tests.test_acl import REDIS7, finished, fresh, refusals, sim  # noqa: F401 (fixture)
 from workers.worker import SamplingSettings, WorkerSettings
@@ -34,7 +35,7 @@ def server(tmp_path_factory):
     s = RedisServer(tmp_path_factory.mktemp("functions-redis"), port=free_port(), aof=False, binary=REDIS7)
     s.start()
     result = CliRunner().invoke(main, ["--redis-url", s.url, "functions", "load"])
-    assert result.exit_code == 0 and "loaded (15 scripts)" in result.output, result.output
+    assert result.exit_code == 0 and "loaded (16 scripts)" in result.output, result.output
     yield s
     s.kill()
 
@@ -81,6 +82,19 @@ def test_a_functions_worker_runs_its_whole_cycle_by_fcall(admin, server, sim, na
         worker.stop()
     assert refusals(admin, Role.WORKER, namespace) == []
     assert audit(setup).ok
+
+
+def test_a_functions_worker_writes_and_is_handed_checkpoints_by_fcall(admin, server, namespace):
+    worker = Queue(connect(functions_url(admin, server, Role.WORKER, namespace)), namespace)
+    Queue(admin, namespace).push_groups(fresh(1, "g"))
+    [held] = claim(worker, "A", 1).groups
+    assert write_checkpoint(worker, "A", held, tokens=3) == CheckpointOutcome.OK
+    assert isinstance(worker._scripts["checkpoint"]._run, scripts.FunctionScript)
+    assert worker.leave("A") == 1
+    [again] = claim(worker, "B", 1).groups
+    assert again.checkpoint is not None and again.checkpoint.header.tokens == 6
+    assert refusals(admin, Role.WORKER, namespace) == []
+    worker.redis.close()
 
 
 def test_a_functions_trainer_and_admin_run_their_cycles_by_fcall(admin, server, namespace):

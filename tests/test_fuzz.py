@@ -1,12 +1,14 @@
 """Hypothesis fuzzing of the parsers that read data from outside: the group decoder
 (pipeline/codec.py), the results-entry decoder (Queue.entries + decode_or_dead, as the
-consumer and status read a stream) and the /generate answer parser (workers/engine.py).
+consumer and status read a stream), the /generate answer parser (workers/engine_answers.py)
+and the streamed answer reader (workers/engine_stream.py).
 
 Each may raise only the project's own error type, and whatever it accepts must meet
 the schema: nothing malformed is ever decoded into a sample or a generation result.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import msgpack
@@ -18,7 +20,8 @@ from pipeline.codec import DecodeError, decode_group, encode_group
 from pipeline.queue import Queue
 from pipeline.types import Group, Sample, SamplingRecord, Status
 from workers.engine_answers import FINISH_TYPES, FLOAT32_MAX, INT32_MAX, decode_body, parse_generate_response
-from workers.engine_errors import EngineProtocolError
+from workers.engine_errors import EngineProtocolError, EngineRequestError, EngineUnavailable
+from workers.engine_stream import StreamAssembler
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -194,11 +197,10 @@ def test_parse_any_body_bytes(raw):
     parses_or_refuses(decode_body(raw))
 
 
-@st.composite
-def mutated_answers(draw) -> tuple[dict, bool]:
-    answer = valid_answer()
+def mutate_answer(draw, answer: dict, where: str) -> None:
+    """Replace or remove one field of an answer (or chunk): at the top, in meta_info, or in a
+    log-prob entry."""
     meta = answer["meta_info"]
-    where = draw(st.sampled_from(["top", "meta", "entry"]))
     if where == "top":
         answer[draw(st.sampled_from(["text", "output_ids", "meta_info"]))] = draw(json_values)
     elif where == "meta":
@@ -207,9 +209,15 @@ def mutated_answers(draw) -> tuple[dict, bool]:
             del meta[key]
         else:
             meta[key] = draw(json_values)
-    else:
-        entry = meta["output_token_logprobs"][draw(st.integers(0, 1))]
+    elif where == "entry" and meta["output_token_logprobs"]:
+        entry = meta["output_token_logprobs"][draw(st.integers(0, len(meta["output_token_logprobs"]) - 1))]
         entry[draw(st.integers(0, 2))] = draw(json_values)
+
+
+@st.composite
+def mutated_answers(draw) -> tuple[dict, bool]:
+    answer = valid_answer()
+    mutate_answer(draw, answer, draw(st.sampled_from(["top", "meta", "entry"])))
     return answer, draw(st.booleans())
 
 
@@ -218,3 +226,67 @@ def mutated_answers(draw) -> tuple[dict, bool]:
 def test_parse_mutated_answers(answer_and_mode, vocab_size):
     answer, return_logprob = answer_and_mode
     parses_or_refuses(answer, return_logprob, vocab_size)
+
+
+# -- the streamed answer reader (workers/engine_stream.py) -----------------------------------------
+
+
+def valid_stream(incremental: bool, pad: bool) -> list[dict]:
+    """A streamed answer of 5 tokens in three chunks; `pad` makes its chunks large enough to
+    be cut apart rather than parsed whole."""
+    ids, lps = [5, 6, 7, 8, 9], [-0.5, -0.25, -1.0, -2.0, -0.125]
+    out, sent = [], 0
+    for i, upto in enumerate((2, 4, 5)):
+        start = sent if incremental else 0
+        final = {"type": "stop", "matched": 9} if i == 2 else None
+        out.append({"text": "y" * (5000 if pad else 2), "output_ids": ids[start:upto], "meta_info": {
+            "id": "r", "finish_reason": final, "weight_version": "1", "completion_tokens": upto,
+            "output_token_logprobs": [[lps[k], ids[k], None] for k in range(start, upto)]}})
+        sent = upto
+    return out
+
+
+def streams_or_refuses(chunks: list[bytes], return_logprob: bool = True, vocab_size: int | None = None) -> None:
+    """Feeding the chunks raises only the engine errors; what was taken meets the schema."""
+    assembler = StreamAssembler("http://fuzz", "r", return_logprob, vocab_size, max_new_tokens=16)
+    try:
+        for data in chunks:
+            assembler.feed(data)
+    except (EngineProtocolError, EngineRequestError, EngineUnavailable) as exc:
+        assert len(str(exc)) < 2000
+    p = assembler.progress
+    limit = vocab_size if vocab_size is not None else INT32_MAX + 1
+    assert all(type(t) is int and 0 <= t < limit for t in p.output_ids) and len(p.output_ids) <= 16
+    if return_logprob:
+        assert len(p.output_log_probs) == len(p.output_ids)
+        assert all(type(x) in (int, float) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
+                   for x in p.output_log_probs)
+    if p.result is not None:
+        assert p.result.output_ids == p.output_ids and p.result.finish_type in FINISH_TYPES
+        for text in (p.result.text, p.result.weight_version, p.result.rid):
+            text.encode("utf-8")
+
+
+@FUZZ
+@given(st.lists(json_values, min_size=1, max_size=4), st.booleans())
+def test_stream_of_any_json_values(values, return_logprob):
+    streams_or_refuses([json.dumps(v).encode() for v in values], return_logprob)
+
+
+@st.composite
+def mutated_streams(draw) -> list[bytes]:
+    chunks = valid_stream(draw(st.booleans()), draw(st.booleans()))
+    where = draw(st.sampled_from(["top", "meta", "entry", "bytes"]))
+    mutate_answer(draw, chunks[draw(st.integers(0, len(chunks) - 1))], where)
+    raw = [json.dumps(x, separators=(",", ":")).encode() for x in chunks]
+    if where == "bytes":  # a byte of the text replaced: structure the cutter must not be fooled by
+        i = draw(st.integers(0, len(raw) - 1))
+        at = draw(st.integers(0, len(raw[i]) - 1))
+        raw[i] = raw[i][:at] + bytes([draw(st.integers(0, 255))]) + raw[i][at + 1:]
+    return raw
+
+
+@FUZZ
+@given(mutated_streams(), st.one_of(st.none(), st.integers(1, 10)))
+def test_stream_of_mutated_chunks(chunks, vocab_size):
+    streams_or_refuses(chunks, True, vocab_size)

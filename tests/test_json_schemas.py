@@ -13,7 +13,7 @@ from cli import main as cli_main
 from pipeline.consumer import Consumer
 from pipeline.control import configure
 from pipeline.queue import Place
-from tests.groups import claim, finish, fresh, produce, publish
+from tests.groups import claim, finish, fresh, produce, publish, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 NUM = (int, float)
@@ -41,6 +41,8 @@ WORKER_ROW = {"worker": str, "alive": bool, "last_heartbeat_s": NUM, "lease_left
               "host": (str, NONE), "pid": (int, NONE), "lease_s": (*NUM, NONE), "heartbeat_s": (*NUM, NONE),
               "counters": MapOf(int)}
 DEPARTED = {"worker": str, "how": str, "groups": int, "age_s": NUM, "overdue_s": NUM}
+CHECKPOINTS = {"groups": int, "bytes": int, "tokens": int, "oldest_write_age_s": (*NUM, NONE), "written": int,
+               "refused": int, "claimed": int, "tokens_claimed": int, "tokens_resumed": int, "tokens_lost": int}
 STATUS = {
     "namespace": str, "time": NUM, "empty": bool, "prompts": int, "inflight": int, "inflight_by_worker": MapOf(int),
     "unregistered_inflight": ListOf(str), "results_ready": int, "results_pending": int, "requeue": int, "dead": int,
@@ -48,7 +50,7 @@ STATUS = {
     "most_claimed": MapOf(int), "weight_version": int, "paused": bool, "max_staleness": (int, NONE),
     "batch_size": (int, NONE), "max_ready": int, "lease_s": NUM, "max_claims": int, "admitted": int,
     "counters": MapOf(int), "throughput": THROUGHPUT, "staleness": STALENESS, "backlog_age_s": (*NUM, NONE),
-    "requeue_age_s": (*NUM, NONE), "alerts": ListOf(str),
+    "requeue_age_s": (*NUM, NONE), "checkpoints": CHECKPOINTS, "alerts": ListOf(str),
 }
 HELD_GROUP = {"group_id": str, "token": str, "held_s": (*NUM, NONE), "claims": int, "attempts": (int, NONE),
               "restarts": (int, NONE), "n_samples": (int, NONE)}
@@ -60,19 +62,23 @@ WHEREABOUTS = {"place": str, "age_s": (*NUM, NONE), "position": (int, NONE), "wo
                "reason": (str, NONE), "batch": (str, NONE)}
 JSON_VALUE = (int, float, str, bool, dict, list, NONE)  # a label, a reward: any JSON value
 EVENT = {"at_ms": int, "age_s": NUM, "event": str, "who": str, "detail": str}
+SAMPLE_CHECKPOINT = {"position": int, "tokens": int, "weight_versions": ListOf(str), "status": str, "age_s": NUM}
+CHECKPOINT = {"writer": str, "records": int, "bytes": int, "tokens": int, "age_s": NUM,
+              "samples": ListOf(SAMPLE_CHECKPOINT), "error": (str, NONE)}
 INSPECT = {"namespace": str, "group_id": str, "place": str, "where": ListOf(WHEREABOUTS), "claims": int,
            "max_claims": int, "admitted_version": (int, NONE), "attempts": (int, NONE), "restarts": (int, NONE),
            "n_samples": (int, NONE), "label": JSON_VALUE,
            "samples": ListOf({"index": (int, NONE), "status": str, "response_length": int, "reward": JSON_VALUE,
                               "attributes": ListOf(str)}),
-           "history": ListOf(EVENT)}
+           "history": ListOf(EVENT), "checkpoint": (CHECKPOINT, NONE)}
 PUSH = {"namespace": str, "file": str, "dataset": str, "rows": int, "epochs": int, "n_samples": int, "pushed": int,
         "dead": int, "already": int, "without_label": int}
 AUDIT = {"pushed": int, "prompts": int, "inflight": int, "inflight_by_worker": MapOf(int), "requeue": int,
          "results_undelivered": int, "results_pending": int, "dead": int, "dropped": int, "committed": int,
          "discarded": int, "duplicates_discarded": int, "accounted": int, "lost": int, "extra": int,
          "in_two_places": ListOf(str), "committed_and_live": ListOf(str), "orphan_payloads": int,
-         "missing_payloads": int, "unregistered_inflight": ListOf(str), "ok": bool}
+         "missing_payloads": int, "unregistered_inflight": ListOf(str), "checkpoints": int, "checkpoint_bytes": int,
+         "orphan_checkpoints": int, "ok": bool}
 CONFIGURE = {"paused": bool, "weight_version": int, "max_staleness": (int, NONE), "batch_size": (int, NONE),
              "max_ready": int, "lease_s": NUM, "max_claims": int, "release_policy": str, "version_clock": str,
              "admitted": int, "committed": int, "budget_base": int, "staleness_limit": (int, NONE),
@@ -198,10 +204,12 @@ def test_status_json_busy_and_empty(rollout, queue):
     queue.reap_expired()  # a departed record
     claim(queue, "w3", 1)
     queue.leave("w3")
-    claim(queue, "w4", 1)
+    [held] = claim(queue, "w4", 1).groups
+    write_checkpoint(queue, "w4", held, tokens=5)
     queue.redis.hset(queue.keys.inflight("ghost"), "ghost-group", "tok")  # an unregistered worker's hash
     [d] = rollout("status", "--json", "--sample", "0.2")
     check(d, STATUS)
+    assert (d["checkpoints"]["groups"], d["checkpoints"]["tokens"], d["checkpoints"]["written"]) == (1, 10, 1)
     assert d["workers"] and d["departed"] and d["unregistered_inflight"] == ["ghost"] and d["claimed_repeatedly"]
 
 
@@ -223,12 +231,15 @@ def test_inspect_json_in_every_place(rollout, queue, client):
     publish(queue, "w", held[3], group=finish(held[3].group))
     consumer = Consumer(client, queue.keys.namespace)
     consumer.commit(consumer.next_batch(1, timeout=5))
-    places = set()
+    write_checkpoint(queue, "w", held[4], tokens=3)  # in flight, with what its holder saved of it
+    places, checkpoints = set(), 0
     for gid in ("g0", "g1", "g2", "g3", "g4", "g5", "never"):
         [d] = rollout("inspect", gid, "--json", code=1 if gid == "never" else 0)  # an unknown id is an error
         check(d, INSPECT)
         places.add(d["place"])
+        checkpoints += d["checkpoint"] is not None
     assert places == {"committed", "results", "requeue", "dead", "inflight", "prompts", "nowhere"}
+    assert checkpoints == 1
 
 
 def test_audit_configure_dead_and_consume_json(rollout, queue, tmp_path):

@@ -135,6 +135,9 @@ def test_a_workers_commands_are_granted_only_on_the_keys_its_scripts_and_calls_n
     assert on["del"] == {"inflight:*", "result:*:*", "staged:*:*"} and on["xadd"] >= {"results", "requeue", "dead"}
     assert on["ltrim"] == {"reaped"} and on["lpop"] == {"prompts"}
     assert on["rename"] == {"staged:*:*", "result:*:*"}
+    # Checkpoints are written and deleted field by field, by its scripts, never as keys.
+    assert {"checkpoints", "checkpoint_records"} <= on["hset"] & on["hdel"]
+    assert not any(c in worker for c in ("unlink", "expire")) and "checkpoints" not in on.get("get", set())
     assert "%W~{exp1}:result:*:*" in worker["rename"] and "~{exp1}:staged:*:*" in worker["rename"]
 
 

@@ -116,12 +116,19 @@ DEFAULT_MAX_NEW_TOKENS = 1024
                    "up, what it waits on); 0: none.")
 @click.option("--keep-response-text", is_flag=True,
               help="Publish response texts with the results (tokens always are; text adds about 20 percent per group).")
+@click.option("--stream/--no-stream", default=WorkerSettings.stream, show_default=True,
+              help="Read /generate answers as streams (stream: true), every chunk checked as it comes. The ground "
+                   "for in-flight checkpoints; costs worker CPU per chunk (docs/performance.md).")
+@click.option("--stream-interval", default=WorkerSettings.stream_interval, show_default=True,
+              type=click.IntRange(min=1),
+              help="With --stream: tokens per chunk asked of the engines (sampling_params.stream_interval). "
+                   "sglang-router drops it: behind a router, start the engines with --stream-interval N.")
 @click.pass_obj
 def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
            apply_chat_template_kwargs, group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
            stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
-           reward_threads, mask_offpolicy_prefix, partial_rollout, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host,
-           progress_s, keep_response_text) -> None:
+           reward_threads, mask_offpolicy_prefix, partial_rollout, generate_function, sample_timeout_s, max_context_len,
+           metrics_port, metrics_host, progress_s, keep_response_text, stream, stream_interval) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -141,6 +148,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
       rollout worker --engine-url http://router:30000 --apply-chat-template \\
         --generate-function generate_with_retool.generate \\
         --reward generate_with_retool.reward_func --reward-key score --max-context-len 9216
+      rollout worker --engine-url http://engine:30000 --stream --stream-interval 64
     """
     from workers.engine_errors import EngineError
     from workers.sampling import SamplingError, SamplingSettings
@@ -196,6 +204,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         metrics_port=metrics_port, metrics_host=metrics_host,
         keep_response_text=keep_response_text, sampling=sampling, generate_function=generate_function,
         sample_timeout_s=sample_timeout_s, max_context_len=max_context_len, progress_s=progress_s,
+        stream=stream, stream_interval=stream_interval,
     )
     starting.say("connecting to Redis")
     try:

@@ -47,6 +47,10 @@ class WorkerCounters:
     function_errors: int = 0  # of which raised, hung or returned no usable sample
     restarted: int = 0  # samples a weight update aborted mid-call, started again from their prompt (no --partial-rollout)
     versions_ahead: int = 0  # engine answers with a weight version newer than the queue's
+    # In-flight checkpoints (pipeline/checkpoints.py; `rollout status` sums them over the workers).
+    checkpoints_written: int = 0  # group checkpoints Redis accepted from this worker
+    checkpoint_tokens_resumed: int = 0  # tokens a claimed group's checkpoint gave back instead of generating them
+    checkpoint_tokens_lost: int = 0  # tokens generated and then not kept (a checkpoint too stale to resume)
 
 
 class DaemonPool(Executor):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 from yarl import URL
@@ -21,7 +21,9 @@ from pipeline.types import PauseMode, choices
 
 from .engine_answers import (ANSWER_BASE_BYTES, DEFAULT_MAX_NEW_TOKENS, GenerateResult, answer_head, answer_limit,
                              decode_body, error_message, parse_generate_response, read_bounded)
-from .engine_errors import EngineError, EngineProtocolError, EngineRequestError, EngineUnavailable
+from .engine_errors import EngineError, EngineProtocolError, EngineRequestError, EngineStreamCut, EngineUnavailable
+from .engine_stream import (DEFAULT_STREAM_INTERVAL, FEW_TOKENS_CHUNKS, FEW_TOKENS_PER_CHUNK, StreamAssembler,
+                            StreamProgress, is_done, sse_data)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,22 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     return str(parsed.with_user(None)), "Basic " + base64.b64encode(pair).decode("ascii")
 
 
+def _generate_payload(input_ids: list[int], sampling_params: dict, rid: str | None,
+                      return_logprob: bool) -> dict[str, Any]:
+    """The /generate body of one sample (what slime sends; SGLANG_API.md)."""
+    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params,
+                               "return_logprob": return_logprob}
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
+
+
+def _partial(exc: EngineError, stream: StreamAssembler) -> EngineError:
+    """`exc` carrying what the stream delivered before it."""
+    exc.partial = stream.progress
+    return exc
+
+
 def make_session(timeout_s: float = 600.0, api_key: str | None = None) -> aiohttp.ClientSession:
     """One session for thousands of concurrent requests; with `api_key`, every request
     carries it as SGLang's `--api-key` expects (`Authorization: Bearer KEY`).
@@ -57,8 +75,6 @@ def make_session(timeout_s: float = 600.0, api_key: str | None = None) -> aiohtt
     return aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers
     )
-
-
 
 
 class EngineClient:
@@ -82,6 +98,7 @@ class EngineClient:
         self._owns_session = session is None
         # None = unknown; False = engine predates 0.5.6 and takes no pause body.
         self._pause_takes_body: bool | None = None
+        self._warned_chunks = False  # said once that the engine streams too often (_check_chunk_size)
 
     def _get_session(self) -> aiohttp.ClientSession:
         # Created lazily so the client can be built outside a running loop.
@@ -112,39 +129,45 @@ class EngineClient:
         in the module docstring.
         """
         url = self.url + path
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        kwargs: dict[str, Any] = {"timeout": timeout, "allow_redirects": False}
-        if self._auth is not None:
-            kwargs["headers"] = {"Authorization": self._auth}
-        if send_body and payload is not None:
-            kwargs["json"] = payload
+        timeout_s = timeout_s or self.timeout_s
         try:
-            async with self._get_session().request(method, url, **kwargs) as resp:
-                status = resp.status
-                if 300 <= status < 400:
-                    location, _ = split_credentials(resp.headers.get("Location", "(no Location)"))
-                    raise EngineProtocolError(
-                        f"{method} {url} -> HTTP {status} redirect to {location:.200}; redirects are never "
-                        "followed: give the worker the URL that answers", url=self.url)
+            async with self._get_session().request(method, url, **self._request_kwargs(payload, timeout_s,
+                                                                                      send_body)) as resp:
+                self._refuse_redirect(resp, method, url)
                 raw = await read_bounded(resp, max_bytes, f"{method} {url}", self.url)
         except asyncio.TimeoutError as exc:
-            raise EngineUnavailable(
-                f"{method} {url} timed out after {timeout.total:g}s", url=self.url
-            ) from exc
+            raise EngineUnavailable(f"{method} {url} timed out after {timeout_s:g}s", url=self.url) from exc
         except aiohttp.ClientError as exc:
             # Refused, reset, server disconnected, payload cut short: all transient.
             raise EngineUnavailable(
                 f"{method} {url} failed: {type(exc).__name__}: {exc}", url=self.url
             ) from exc
-
         body = decode_body(raw)
-        if status < 400:
+        if resp.status < 400:
             return body
+        raise self._status_error(method, url, resp.status, body)
+
+    def _request_kwargs(self, payload: Any, timeout_s: float, send_body: bool = True) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s), "allow_redirects": False}
+        if self._auth is not None:
+            kwargs["headers"] = {"Authorization": self._auth}
+        if send_body and payload is not None:
+            kwargs["json"] = payload
+        return kwargs
+
+    def _refuse_redirect(self, resp: aiohttp.ClientResponse, method: str, url: str) -> None:
+        if 300 <= resp.status < 400:
+            location, _ = split_credentials(resp.headers.get("Location", "(no Location)"))
+            raise EngineProtocolError(
+                f"{method} {url} -> HTTP {resp.status} redirect to {location:.200}; redirects are never "
+                "followed: give the worker the URL that answers", url=self.url)
+
+    def _status_error(self, method: str, url: str, status: int, body: Any) -> EngineError:
         message = f"{method} {url} -> HTTP {status}: {error_message(body)}"
         # 408/429 are the router's queue timeout / rate limit: load, not a bad request.
         if status >= 500 or status in (408, 429):
-            raise EngineUnavailable(message, url=self.url, status=status)
-        raise EngineRequestError(message, url=self.url, status=status)
+            return EngineUnavailable(message, url=self.url, status=status)
+        return EngineRequestError(message, url=self.url, status=status)
 
     # -- generation -------------------------------------------------------------------
 
@@ -155,13 +178,7 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateResult:
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            payload["rid"] = rid
+        payload = _generate_payload(input_ids, sampling_params, rid, return_logprob)
         max_new_tokens = sampling_params.get("max_new_tokens")
         body = await self._request("POST", "/generate", payload, max_bytes=answer_limit(max_new_tokens))
         if isinstance(body, list):
@@ -177,6 +194,77 @@ class EngineClient:
         if not result.rid and rid is not None:
             result.rid = rid
         return result
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        stream_interval: int | None = DEFAULT_STREAM_INTERVAL,
+    ) -> AsyncIterator[StreamProgress]:
+        """`/generate` with `"stream": true`. Yields its StreamProgress (one object, updated)
+        after each chunk that brought tokens, every chunk checked as it came
+        (workers/engine_stream.py); the last time with `result`, the answer as `generate`
+        would return it. `stream_interval` (tokens per chunk) goes in the sampling params
+        unless they name one (None: the engine's). Whatever ends the stream early raises
+        an EngineError (EngineStreamCut when it just stopped) whose `partial` is the progress
+        so far: every token received, checked. Leaving the loop early closes the connection
+        (SGLang then aborts the request)."""
+        params = dict(sampling_params)
+        if stream_interval is not None:
+            params.setdefault("stream_interval", stream_interval)
+        payload = _generate_payload(input_ids, params, rid, return_logprob) | {"stream": True}
+        max_new_tokens = sampling_params.get("max_new_tokens")
+        stream = StreamAssembler(self.url, rid or "", return_logprob, self.vocab_size,
+                                 max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS)
+        url = self.url + "/generate"
+        answered = False
+        try:
+            async with self._get_session().post(url, **self._request_kwargs(payload, self.timeout_s)) as resp:
+                answered = True
+                self._refuse_redirect(resp, "POST", url)
+                if resp.status >= 400 or resp.content_type != "text/event-stream":
+                    # An error, or an answer that did not stream (a server that ignores `stream`).
+                    body = decode_body(await read_bounded(resp, stream.max_chunk_bytes, f"POST {url}", self.url))
+                    if resp.status >= 400:
+                        raise self._status_error("POST", url, resp.status, body)
+                    stream.whole(body)
+                    yield stream.progress
+                    return
+                async for data in sse_data(resp.content, stream.max_chunk_bytes, self.url):
+                    if is_done(data):
+                        break
+                    if stream.feed(data) and stream.progress.result is None:
+                        yield stream.progress
+                # After [DONE] (or the end of the body), so the connection goes back to the pool.
+                if stream.progress.result is None:
+                    raise EngineStreamCut(f"POST {url}: the stream ended after {len(stream.progress.output_ids)} "
+                                          f"tokens without its final chunk", url=self.url)
+                self._check_chunk_size(stream.progress, params.get("stream_interval"))
+                yield stream.progress
+        except asyncio.TimeoutError as exc:
+            raise _partial(EngineUnavailable(f"POST {url} timed out after {self.timeout_s:g}s", url=self.url),
+                           stream) from exc
+        except aiohttp.ClientError as exc:
+            # Refused before an answer; or reset, the server gone, the body cut short: what came is kept.
+            what = (f"broke off after {len(stream.progress.output_ids)} tokens" if answered else "failed")
+            cls = EngineStreamCut if answered else EngineUnavailable
+            raise _partial(cls(f"POST {url} {what}: {type(exc).__name__}: {exc}", url=self.url), stream) from exc
+        except EngineError as exc:
+            raise _partial(exc, stream)
+
+    def _check_chunk_size(self, progress: StreamProgress, asked: Any) -> None:
+        """Say once when the engine streams far more often than asked: a router dropped the
+        request's stream_interval and the engines stream every token (SGLang's default)."""
+        chunks, tokens = progress.chunks, len(progress.output_ids)
+        if self._warned_chunks or chunks < FEW_TOKENS_CHUNKS or tokens >= FEW_TOKENS_PER_CHUNK * chunks:
+            return
+        self._warned_chunks = True
+        logger.warning("engine %s streams a chunk every %.1f tokens (asked for every %s): each costs the worker "
+                       "a chunk's work; behind sglang-router, which drops the request's stream_interval, start the "
+                       "engines with --stream-interval %s", self.url, tokens / chunks, asked,
+                       asked or DEFAULT_STREAM_INTERVAL)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         if abort_all:

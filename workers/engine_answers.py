@@ -123,32 +123,13 @@ def parse_generate_response(
     `max_new_tokens` (None: unchecked) bounds their number: an engine that ignores
     it must not put tokens the trainer never asked for into a sample. When the answer
     also carries ``output_ids`` they must be the same ids: two versions of the output
-    means neither can be trusted.
+    means neither can be trusted. (A streamed answer is checked by the same rules, chunk
+    by chunk: workers/engine_stream.py.)
     """
-
-    def bad(why: str) -> EngineProtocolError:
-        return EngineProtocolError(f"malformed /generate answer from {url}: {why}", url=url, head=answer_head(data))
-
-    if not isinstance(data, dict):
-        raise bad(f"expected a JSON object, got {type(data).__name__}")
-    meta = data.get("meta_info")
-    if not isinstance(meta, dict):
-        raise bad("no meta_info object")
-
-    raw_reason = meta.get("finish_reason")
-    if isinstance(raw_reason, dict):
-        finish_type = raw_reason.get("type")
-    elif isinstance(raw_reason, str):  # tolerate a bare string, never seen in 0.4+
-        finish_type, raw_reason = raw_reason, {"type": raw_reason}
-    else:
-        finish_type = None
-    if finish_type not in FINISH_TYPES:
-        # Fail loudly: an unknown finish state must not be published as a sample.
-        raise bad(f"unknown finish_reason {raw_reason!r:.100}")
-
-    completion_tokens = meta.get("completion_tokens", _MISSING)
-    if completion_tokens is not _MISSING and (type(completion_tokens) is not int or completion_tokens < 0):
-        raise bad(f"completion_tokens is {completion_tokens!r:.50}, not a count")
+    bad = protocol_error(url, data)
+    meta = answer_meta(data, bad)
+    finish_type, raw_reason = finish_reason(meta, bad)
+    completion_tokens = count_field(meta, "completion_tokens", bad)
     ids: list = []
     log_probs: list = []
     if return_logprob:
@@ -156,17 +137,8 @@ def parse_generate_response(
         if entries is _MISSING or entries is None:
             if finish_type != "abort":
                 raise bad(f"finish_reason {finish_type!r} without output_token_logprobs")
-        elif type(entries) is not list:
-            raise bad(f"output_token_logprobs is a {type(entries).__name__}, not a list")
         else:
-            try:  # comprehensions: this runs once per response token, thousands per second
-                log_probs = [entry[0] for entry in entries]
-                ids = [entry[1] for entry in entries]
-            except (TypeError, KeyError, IndexError):
-                raise bad("an output_token_logprobs entry is not [logprob, token_id, text]") from None
-            why = _check_log_probs(log_probs)
-            if why:
-                raise bad(f"output_token_logprobs {why}")
+            ids, log_probs = split_entries(entries, bad)
         output_ids = data.get("output_ids", _MISSING)
         if output_ids is not _MISSING and output_ids is not None and output_ids != ids:
             raise bad(f"output_ids ({_count(output_ids)}) disagree with the {len(ids)} token ids of "
@@ -175,31 +147,100 @@ def parse_generate_response(
         ids = data.get("output_ids") or []
         if type(ids) is not list:
             raise bad(f"output_ids is a {type(ids).__name__}, not a list")
+    check_tokens(ids, log_probs, vocab_size, return_logprob, bad)
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        raise bad(f"{len(ids)} output tokens, more than the {max_new_tokens} asked for (max_new_tokens)")
+    if completion_tokens is not None and completion_tokens != len(ids):
+        raise bad(f"completion_tokens {completion_tokens} but {len(ids)} output tokens")
+    return finished_result(data, meta, finish_type, raw_reason, ids, log_probs, data.get("text"), url, bad)
+
+
+def protocol_error(url: str | None, data: Any):
+    """The factory of the EngineProtocolError for one answer (or chunk): its URL and first bytes."""
+    def bad(why: str) -> EngineProtocolError:
+        return EngineProtocolError(f"malformed /generate answer from {url}: {why}", url=url, head=answer_head(data))
+    return bad
+
+
+def answer_meta(data: Any, bad) -> dict:
+    """An answer's meta_info, once it is a JSON object with one."""
+    if not isinstance(data, dict):
+        raise bad(f"expected a JSON object, got {type(data).__name__}")
+    meta = data.get("meta_info")
+    if not isinstance(meta, dict):
+        raise bad("no meta_info object")
+    return meta
+
+
+def finish_reason(meta: dict, bad, final: bool = True) -> tuple[str | None, dict | None]:
+    """(finish type, the raw finish_reason): one of FINISH_TYPES; (None, None) for an
+    unfinished stream chunk when not `final`. Fail loudly: an unknown finish state must
+    not be published as a sample."""
+    raw_reason = meta.get("finish_reason")
+    if isinstance(raw_reason, dict):
+        finish_type = raw_reason.get("type")
+    elif isinstance(raw_reason, str):  # tolerate a bare string, never seen in 0.4+
+        finish_type, raw_reason = raw_reason, {"type": raw_reason}
+    elif raw_reason is None and not final:
+        return None, None
+    else:
+        finish_type = None
+    if finish_type not in FINISH_TYPES:
+        raise bad(f"unknown finish_reason {raw_reason!r:.100}")
+    return finish_type, raw_reason
+
+
+def count_field(meta: dict, name: str, bad) -> int | None:
+    """A count in meta_info (completion_tokens, prompt_tokens); None when absent."""
+    value = meta.get(name)
+    if value is not None and (type(value) is not int or value < 0):
+        raise bad(f"{name} is {value!r:.50}, not a count")
+    return value
+
+
+def split_entries(entries: Any, bad) -> tuple[list, list]:
+    """(token ids, log-probs) of output_token_logprobs entries `[logprob, token_id, text]`."""
+    if type(entries) is not list:
+        raise bad(f"output_token_logprobs is a {type(entries).__name__}, not a list")
+    try:  # comprehensions: this runs once per response token, thousands per second
+        return [entry[1] for entry in entries], [entry[0] for entry in entries]
+    except (TypeError, KeyError, IndexError):
+        raise bad("an output_token_logprobs entry is not [logprob, token_id, text]") from None
+
+
+def check_tokens(ids: list, log_probs: list, vocab_size: int | None, return_logprob: bool, bad) -> None:
+    """Token ids in the vocabulary (int32 at least) and finite float32 log-probs."""
+    why = _check_log_probs(log_probs)
+    if why:
+        raise bad(f"output_token_logprobs {why}")
     why = _check_token_ids(ids, vocab_size)
     if why:
         raise bad(f"{'output_token_logprobs' if return_logprob else 'output_ids'} {why}")
-    if max_new_tokens is not None and len(ids) > max_new_tokens:
-        raise bad(f"{len(ids)} output tokens, more than the {max_new_tokens} asked for (max_new_tokens)")
-    if completion_tokens is _MISSING:
-        completion_tokens = len(ids)
-    elif completion_tokens != len(ids):
-        raise bad(f"completion_tokens {completion_tokens} but {len(ids)} output tokens")
 
-    text = data.get("text")
-    text = "" if text is None else text
-    version = meta.get("weight_version")
-    # Engines before 0.5.2 have no weight versions; "default" is SGLang's own default.
-    version = "default" if version is None or version == "" else version
+
+def weight_version(value: Any, bad) -> str:
+    """meta_info.weight_version as the string SGLang means: "default" when absent (engines
+    before 0.5.2 have none; it is SGLang's own default)."""
+    version = "default" if value is None or value == "" else value
     if type(version) is int:
         version = str(version)
+    if not _utf8_text(version):
+        raise bad(f"weight_version is not a UTF-8 string: {version!r:.50}")
+    return version
+
+
+def finished_result(data: dict, meta: dict, finish_type: str, raw_reason: dict, ids: list, log_probs: list,
+                    text: Any, url: str | None, bad) -> GenerateResult:
+    """The GenerateResult of a finished answer whose tokens were checked: its strings and
+    numbers checked here."""
+    text = "" if text is None else text
+    version = weight_version(meta.get("weight_version"), bad)
     rid = meta.get("id")
     rid = "" if rid is None else rid
-    for name, value in (("text", text), ("weight_version", version), ("id", rid)):
+    for name, value in (("text", text), ("id", rid)):
         if not _utf8_text(value):
             raise bad(f"{name} is not a UTF-8 string: {value!r:.50}")
-    prompt_tokens = meta.get("prompt_tokens")
-    if prompt_tokens is not None and (type(prompt_tokens) is not int or prompt_tokens < 0):
-        raise bad(f"prompt_tokens is {prompt_tokens!r:.50}, not a count")
+    prompt_tokens = count_field(meta, "prompt_tokens", bad)
     e2e = meta.get("e2e_latency")
     if e2e is not None and (type(e2e) not in (int, float) or not abs(e2e) < 1e300):  # NaN fails too
         raise bad(f"e2e_latency is {e2e!r:.50}, not a number of seconds")
@@ -211,7 +252,7 @@ def parse_generate_response(
         finish_reason=raw_reason,
         weight_version=version,
         prompt_tokens=prompt_tokens or 0,
-        completion_tokens=completion_tokens,
+        completion_tokens=len(ids),
         rid=rid,
         e2e_latency=None if e2e is None else float(e2e),
         url=url,

@@ -14,7 +14,12 @@
   ``EngineUnavailable`` (the same request may reach a healthy engine), but it is a
   protocol error, never a sample; ``head`` holds the answer's first bytes
   (workers/engine_answers.py checks answers).
-* ``EngineError``: the base class.
+* ``EngineStreamCut`` (an ``EngineUnavailable``): a streamed answer ended before its
+  final chunk (connection reset, the engine killed, ``[DONE]`` too early). Retriable.
+* ``EngineError``: the base class. Raised while a streamed answer was being read, every
+  one of them carries in ``partial`` what the stream delivered before (a
+  ``workers.engine_stream.StreamProgress``: every token received and checked); None
+  for a request that was not streamed.
 * ``EngineControlError``: an ``EngineSet`` control call failed on some engines;
   lists each failing engine URL with its error.
 """
@@ -30,6 +35,7 @@ class EngineError(Exception):
         super().__init__(message)
         self.url = url
         self.status = status
+        self.partial: Any = None  # a streamed answer's StreamProgress before the error (workers/engine_stream.py)
 
 
 class EngineUnavailable(EngineError):
@@ -48,6 +54,10 @@ def nothing_there(exc: EngineUnavailable) -> str | None:
     if isinstance(reason, socket.gaierror):
         return "its host name does not resolve"
     return None
+
+
+class EngineStreamCut(EngineUnavailable):
+    """A streamed answer ended before its final chunk. Retriable; `partial` holds what came."""
 
 
 class EngineRequestError(EngineError):

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import logging
 import re
-from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import aiohttp
 
@@ -38,6 +38,7 @@ from pipeline.types import PauseMode, choices
 from .engine import META_TIMEOUT_S, EngineClient, make_session, split_credentials
 from .engine_answers import GenerateResult
 from .engine_errors import EngineControlError, EngineError, EngineRequestError
+from .engine_stream import DEFAULT_STREAM_INTERVAL, StreamProgress
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +121,13 @@ class EngineSet:
         refresh_before_control: bool = True,
         vocab_size: int | None = None,
         api_key: str | None = None,
+        stream: bool = False,
+        stream_interval: int | None = DEFAULT_STREAM_INTERVAL,
     ):
         """`api_key`: the engines' and routers' SGLang `--api-key`, sent with every request
-        (through the session this set makes; a given `session` carries its own headers)."""
+        (through the session this set makes; a given `session` carries its own headers).
+        `stream`: `generate` reads the answer as a stream (`generate_stream`) and returns it
+        whole; `stream_interval`: tokens per chunk asked of the engines when streaming."""
         if isinstance(urls, str):
             urls = [urls]
         given = _dedupe([u.rstrip("/") for u in urls])
@@ -135,6 +140,8 @@ class EngineSet:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.vocab_size = vocab_size  # bounds token ids in /generate answers; None: unknown
+        self.stream = stream
+        self.stream_interval = stream_interval
         # Re-discover before each control call so an engine that joined the router
         # since the last call is not left out of a pause or weight update.
         self.refresh_before_control = refresh_before_control
@@ -209,10 +216,32 @@ class EngineSet:
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateResult:
+        if self.stream:
+            progress = None
+            async for progress in self.generate_stream(input_ids, sampling_params, rid, return_logprob):
+                pass
+            return progress.result
+        with self.next_url() as i:
+            return await self._generation_client(i).generate(input_ids, sampling_params, rid, return_logprob)
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> AsyncIterator[StreamProgress]:
+        """`EngineClient.generate_stream` on the URL `next_url` chooses, counted in flight
+        until the stream ends."""
+        with self.next_url() as i:
+            async for progress in self._generation_client(i).generate_stream(
+                    input_ids, sampling_params, rid, return_logprob, self.stream_interval):
+                yield progress
+
+    def _generation_client(self, i: int) -> EngineClient:
         if self._gen_clients is None:
             self._gen_clients = [self._client(u, self.vocab_size) for u in self.urls]
-        with self.next_url() as i:
-            return await self._gen_clients[i].generate(input_ids, sampling_params, rid, return_logprob)
+        return self._gen_clients[i]
 
     @contextlib.contextmanager
     def next_url(self) -> Iterator[int]:

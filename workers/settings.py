@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pipeline import metrics
 from pipeline.control import DEFAULT_HEARTBEAT_S
 
+from .engine_stream import DEFAULT_STREAM_INTERVAL
 from .rewards import DEFAULT_REWARD_THREADS
 from .sampling import SamplingSettings
 
@@ -40,6 +41,9 @@ class WorkerSettings:
     backoff_max_s: float = 30.0
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
     request_timeout_s: float = 600.0
+    # Read answers as streams (workers/engine_stream.py), asking for a chunk every stream_interval tokens.
+    stream: bool = False
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
     progress_s: float = 60.0  # seconds between progress lines in the log (0: none)
     # slime's --custom-generate-function-path ("package.module:fn"): it makes the engine calls

@@ -130,6 +130,7 @@ class Worker:
         # Face tokenizer can be smaller than the model's padded vocabulary.)
         self.engines = EngineSet(settings.engine_urls, timeout_s=settings.request_timeout_s,
                                  refresh_before_control=False, api_key=settings.engine_api_key,
+                                 stream=settings.stream, stream_interval=settings.stream_interval,
                                  vocab_size=ByteTokenizer.vocab_size if isinstance(self.tokenizer, ByteTokenizer)
                                  else None)
         self.reward = reward or self._load_reward()

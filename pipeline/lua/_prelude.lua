@@ -43,3 +43,35 @@ local function grace_after_silence(workers, beats, now, lease)
   end
   return true
 end
+
+-- A group's in-flight checkpoint (lua/checkpoint.lua, pipeline/checkpoints.py): a header in the
+-- checkpoints hash, "<schema> <writer's token> <records> <bytes> <tokens> <write id> <ms,ms,...>",
+-- and its records `gid\n1`..`gid\n<records>` in the checkpoint_records hash. It lives beside the
+-- group's payload and never without it: a reap or a hand-back leaves both for the next claim,
+-- and every script that deletes a payload does it with drop_payload, which deletes both.
+local function checkpoint_count(header)
+  return tonumber(string.match(header, '^%S+ %S+ (%d+) ')) or 0
+end
+
+local function drop_payload(payloads, checkpoints, records, gid)
+  redis.call('HDEL', payloads, gid)
+  local header = redis.call('HGET', checkpoints, gid)
+  if not header then return end
+  local fields = {}
+  for k = 1, checkpoint_count(header) do fields[k] = gid .. '\n' .. k end
+  if #fields > 0 then redis.call('HDEL', records, unpack(fields)) end
+  redis.call('HDEL', checkpoints, gid)
+end
+
+-- A group's checkpoint as a claim hands it out: {header, record 1, ...}, or false for none.
+local function checkpoint_of(checkpoints, records, gid)
+  local header = redis.call('HGET', checkpoints, gid)
+  if not header then return false end
+  local fields = {}
+  for k = 1, checkpoint_count(header) do fields[k] = gid .. '\n' .. k end
+  local out = {header}
+  if #fields > 0 then
+    for _, record in ipairs(redis.call('HMGET', records, unpack(fields))) do out[#out + 1] = record or '' end
+  end
+  return out
+end

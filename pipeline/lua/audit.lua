@@ -4,7 +4,10 @@
 -- bounded by concurrency and max_ready) and only the lengths of the two that grow with a
 -- dataset (prompts, dead), which the audit then reads page by page (audit_page.lua, XRANGE):
 -- the server is never held for time linear in the groups queued.
--- KEYS: prompts, payloads, workers, requeue, results, dead, stats, committed, inflight...
+-- In-flight checkpoints live beside payloads (prelude): one whose group has no payload, or a
+-- record its header does not name, is an orphan.
+-- KEYS: prompts, payloads, workers, requeue, results, dead, stats, committed, checkpoints,
+--       checkpoint_records, inflight...
 -- (one in-flight key per worker in ARGV)
 -- ARGV: consumer group, then the worker ids whose in-flight keys follow
 -- Returns 'retry' when a worker registered that is not among those given; else a JSON object.
@@ -26,7 +29,7 @@ local inflight, unregistered, missing_payloads, inflight_payloads = {}, {}, 0, 0
 local is_registered = {}
 for _, w in ipairs(registered) do is_registered[w] = true end
 for i = 2, #ARGV do
-  local gids = redis.call('HKEYS', KEYS[7 + i])
+  local gids = redis.call('HKEYS', KEYS[9 + i])
   if #gids > 0 then
     inflight[ARGV[i]] = #gids
     if not is_registered[ARGV[i]] then unregistered[#unregistered + 1] = ARGV[i] end
@@ -67,6 +70,24 @@ for _, gid in ipairs(order) do
   if count[gid] > 1 then twice[#twice + 1] = gid end
   if redis.call('ZSCORE', KEYS[8], gid) then committed_too[#committed_too + 1] = gid end
 end
+local checkpoints, checkpoint_bytes, checkpoint_tokens, orphan_checkpoints = 0, 0, 0, 0
+local records_of = {}
+local headers = redis.call('HGETALL', KEYS[9])
+for j = 1, #headers, 2 do
+  local gid = headers[j]
+  local n, b, t = string.match(headers[j + 1], '^%S+ %S+ (%d+) (%d+) (%d+) ')
+  checkpoints = checkpoints + 1
+  checkpoint_bytes = checkpoint_bytes + (tonumber(b) or 0)
+  checkpoint_tokens = checkpoint_tokens + (tonumber(t) or 0)
+  if not n or redis.call('HEXISTS', KEYS[2], gid) == 0 then orphan_checkpoints = orphan_checkpoints + 1 end
+  records_of[gid] = tonumber(n) or 0
+end
+for _, field in ipairs(redis.call('HKEYS', KEYS[10])) do
+  local gid, k = string.match(field, '^(.*)\n(%d+)$')
+  if not gid or not records_of[gid] or tonumber(k) > records_of[gid] or tonumber(k) < 1 then
+    orphan_checkpoints = orphan_checkpoints + 1
+  end
+end
 local stats = {}
 local flat = redis.call('HGETALL', KEYS[7])
 for j = 1, #flat, 2 do stats[flat[j]] = flat[j + 1] end
@@ -75,5 +96,6 @@ return cjson.encode({
   requeue = requeue, results = results, pending = pending, dead = redis.call('XLEN', KEYS[6]),
   in_two_places = twice, committed_too = committed_too, missing_payloads = missing_payloads,
   payloads = redis.call('HLEN', KEYS[2]), inflight_payloads = inflight_payloads, placed = placed,
-  result_rows = result_rows,
+  result_rows = result_rows, checkpoints = checkpoints, checkpoint_bytes = checkpoint_bytes,
+  checkpoint_tokens = checkpoint_tokens, orphan_checkpoints = orphan_checkpoints,
 })

@@ -7,12 +7,13 @@
 -- (a suspect) runs alone: only a worker holding nothing claims it, and claims nothing
 -- else until it is done, so a group that kills its workers takes no neighbour with it.
 -- Claimed more than max_claims times without finishing, it goes to dead letters.
+-- A group is handed out with its in-flight checkpoint, if a holder before saved one (prelude).
 -- KEYS: prompts, payloads, inflight, workers, control, results, admitted, stats, claims, history,
---       dead, last_claim, isolated, holders
+--       dead, last_claim, isolated, holders, checkpoints, checkpoint_records
 -- ARGV: worker, claim id, max groups, default max_ready, default max_claims
--- Returns {status, weight_version, gid, payload, admitted_version, gid, ...} with status one of
--- ok, empty, paused, backlog, budget, isolating (a suspect runs alone), unregistered (reaped
--- or never registered), expired.
+-- Returns {status, weight_version, gid, payload, admitted_version, checkpoint, gid, ...} with status
+-- one of ok, empty, paused, backlog, budget, isolating (a suspect runs alone), unregistered (reaped
+-- or never registered), expired; a checkpoint is {header, record...} or false.
 local worker, token = ARGV[1], ARGV[2]
 local now = now_ms()
 local ctl = redis.call('HMGET', KEYS[5], 'paused', 'max_ready', 'max_staleness', 'batch_size',
@@ -25,6 +26,8 @@ local function held(out, gid)
   out[#out + 1] = gid
   out[#out + 1] = redis.call('HGET', KEYS[2], gid) or ''
   out[#out + 1] = redis.call('HGET', KEYS[7], gid)
+  out[#out + 1] = checkpoint_of(KEYS[15], KEYS[16], gid)
+  return out[#out]
 end
 
 local last = redis.call('HGET', KEYS[12], worker)
@@ -105,7 +108,7 @@ while #taken - 1 < want do
     local reason = 'claimed ' .. (claims - 1) .. ' times without finishing; held by ' .. holders(gid)
     redis.call('XADD', KEYS[11], '*', 'gid', gid, 'data', redis.call('HGET', KEYS[2], gid) or '',
                'error', reason, 'reason', 'max_claims')
-    redis.call('HDEL', KEYS[2], gid)
+    drop_payload(KEYS[2], KEYS[15], KEYS[16], gid)
     redis.call('HDEL', KEYS[9], gid)
     admitted = admitted - redis.call('HDEL', KEYS[7], gid)
     redis.call('HINCRBY', KEYS[8], 'dead', 1)
@@ -115,7 +118,12 @@ while #taken - 1 < want do
     redis.call('HSET', KEYS[3], gid, token)
     record(KEYS[10], gid, now, 'claimed', worker, token)
     taken[#taken + 1] = gid
-    held(out, gid)
+    local checkpoint = held(out, gid)
+    if checkpoint then
+      redis.call('HINCRBY', KEYS[8], 'checkpoints_claimed', 1)
+      redis.call('HINCRBY', KEYS[8], 'checkpoint_tokens_claimed', tonumber(string.match(checkpoint[1],
+                 '^%S+ %S+ %d+ %d+ (%d+) ')) or 0)
+    end
     if suspect then
       redis.call('HSET', KEYS[13], worker, gid)
       break

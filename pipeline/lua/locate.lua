@@ -3,12 +3,12 @@
 -- linear in the lengths of the requeue, results and dead streams (an operator's tool,
 -- as the audit). The drop log is searched afterwards: a drop is final.
 -- KEYS: prompts, payloads, workers, requeue, results, dead, committed, claims, history, admitted, trainer,
---       inflight...
+--       checkpoints, checkpoint_records, inflight...
 -- (one in-flight key per worker in ARGV)
 -- ARGV: group id, consumer group, then the worker ids whose in-flight keys follow
 -- Returns 'retry' when a worker registered that is not among those given; else {JSON of
--- where the group is, its encoded group or false}: the stored payload while queued or in
--- flight, else the data of its newest requeue or dead entry.
+-- where the group is, its encoded group or false, its in-flight checkpoint or false}: the
+-- stored payload while queued or in flight, else the data of its newest requeue or dead entry.
 local gid, group = ARGV[1], ARGV[2]
 local given = {}
 for i = 3, #ARGV do given[ARGV[i]] = true end
@@ -21,7 +21,7 @@ local payload = redis.call('HGET', KEYS[2], gid)
 local position = redis.call('LPOS', KEYS[1], gid)
 if position then where[#where + 1] = {place = 'prompts', position = position} end
 for i = 3, #ARGV do
-  local token = redis.call('HGET', KEYS[9 + i], gid)
+  local token = redis.call('HGET', KEYS[11 + i], gid)
   if token then where[#where + 1] = {place = 'inflight', worker = ARGV[i], token = token} end
 end
 
@@ -52,4 +52,4 @@ return {cjson.encode({
   where = where, now_ms = now_ms(), claims = tonumber(redis.call('HGET', KEYS[8], gid) or '0'),
   history = redis.call('HGET', KEYS[9], gid) or '', admitted = redis.call('HGET', KEYS[10], gid) or false,
   session = session or false,
-}), payload or false}
+}), payload or false, checkpoint_of(KEYS[12], KEYS[13], gid)}

@@ -215,7 +215,7 @@ RELEASE = _access(scripts=("settle",), commands={"xrange": ("requeue",)}, settle
 REAP = _access(scripts=("reap",), commands={"time": (), "zrangebyscore": ("workers",)})
 
 WORKER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
-    scripts=("register", "claim", "heartbeat", "publish", "handback"),
+    scripts=("register", "claim", "heartbeat", "publish", "handback", "checkpoint"),
     commands={
         "set": ("staged",),  # publish stages a result
         "llen": ("prompts",), "xlen": ("results", "requeue", "dead"),  # depths

@@ -9,7 +9,8 @@ pages, each a bounded step (lua/audit_page.lua), so auditing a namespace of mill
 of queued groups never holds the server for long (a long hold answers BUSY to every
 other client); a group the pages suggest is in two places, or committed and still
 queued, is re-checked atomically. Result payload keys are checked in a further
-atomic step (lua/check_results.lua).
+atomic step (lua/check_results.lua). In-flight checkpoints are counted in the snapshot,
+and one left without its group's payload is reported (nothing would ever delete it).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from pipeline.queue import Queue, text
 AUDIT_JSON_KEYS = (
     "pushed", "prompts", "inflight", "inflight_by_worker", "requeue", "results_undelivered", "results_pending",
     "dead", "dropped", "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra",
-    "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight", "ok",
+    "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight",
+    "checkpoints", "checkpoint_bytes", "orphan_checkpoints", "ok",
 )
 
 
@@ -47,6 +49,9 @@ class AuditReport:
     orphan_payloads: int = 0  # stored payloads of groups in no place
     missing_payloads: int = 0  # groups in a place with no payload
     unregistered_inflight: list[str] = field(default_factory=list)  # in-flight hashes of unregistered workers
+    checkpoints: int = 0  # groups with an in-flight checkpoint (queued or in flight)
+    checkpoint_bytes: int = 0  # their records' bytes
+    orphan_checkpoints: int = 0  # checkpoints (or records) of groups with no payload: nothing deletes them
 
     @property
     def accounted(self) -> int:
@@ -66,7 +71,7 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         return not (self.lost or self.extra or self.in_two_places or self.committed_and_live
-                    or self.orphan_payloads or self.missing_payloads)
+                    or self.orphan_payloads or self.missing_payloads or self.orphan_checkpoints)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -82,6 +87,8 @@ class AuditReport:
                 f" + dropped {self.dropped} + committed {self.committed} + discarded {self.discarded}")
         if self.duplicates_discarded:
             line += f" ({self.duplicates_discarded} duplicate copies discarded)"
+        if self.checkpoints:
+            line += f"; {self.checkpoints} checkpoints ({self.checkpoint_bytes:,} bytes)"
         if self.ok:
             return line + ": OK"
         problems = []
@@ -98,6 +105,8 @@ class AuditReport:
             problems.append(f"{self.orphan_payloads} orphan payloads")
         if self.missing_payloads:
             problems.append(f"{self.missing_payloads} groups without payload")
+        if self.orphan_checkpoints:
+            problems.append(f"{self.orphan_checkpoints} orphan checkpoints (or records) of groups with no payload")
         return line + ": PROBLEM: " + "; ".join(problems)
 
 
@@ -119,7 +128,7 @@ def _snapshot(queue: Queue) -> dict:
     while True:
         ordered = sorted({text(w) for w in r.zrange(k.workers, 0, -1)} | queue.inflight_holders())
         reply = script(keys=[k.prompts, k.payloads, k.workers, k.requeue, k.results, k.dead, k.stats, k.committed,
-                             *(k.inflight(w) for w in ordered)],
+                             k.checkpoints, k.checkpoint_records, *(k.inflight(w) for w in ordered)],
                        args=[CONSUMER_GROUP, *ordered])
         if text(reply) != "retry":
             # cjson copies ids byte for byte: a foreign id that is not UTF-8 must not break the
@@ -318,4 +327,7 @@ def audit(queue: Queue, prompt_page: int = PROMPT_PAGE, dead_page: int = DEAD_PA
         orphan_payloads=max(0, orphans) + orphan_results,
         missing_payloads=snap["missing_payloads"] + len(prompts.missing_payload) + missing_results,
         unregistered_inflight=sorted(snap["unregistered"] or []),
+        checkpoints=snap["checkpoints"],
+        checkpoint_bytes=snap["checkpoint_bytes"],
+        orphan_checkpoints=snap["orphan_checkpoints"],
     )

@@ -1,7 +1,9 @@
 """Where groups are and what happened to them: `rollout inspect GROUP_ID` and
 `rollout status --worker W`.
 
-`locate` reads every place a group can be in one atomic script (lua/locate.lua), then,
+`locate` reads every place a group can be in one atomic script (lua/locate.lua), with
+its in-flight checkpoint while it is queued or in flight (per sample: tokens saved,
+weight versions, status, age), then,
 only if it is in none of them, searches the drop log newest first (a drop is final, so
 that second step cannot race). Its history comes from the `history` hash: claims (with
 their tokens), reaps, hand-backs, publishes, releases and the batch that trained it;
@@ -22,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from pipeline import scripts
+from pipeline.checkpoints import CheckpointHeader, GroupCheckpoint
 from pipeline.codec import DecodeError, decode_group
 from pipeline.control import read_control
 from pipeline.keys import CONSUMER_GROUP
@@ -91,6 +94,30 @@ class SampleSummary:
 
 
 @dataclass
+class SampleCheckpoint:
+    """One sample as the group's in-flight checkpoint holds it."""
+
+    position: int  # in the group
+    tokens: int  # response tokens saved
+    weight_versions: list[str]  # of its engine calls so far
+    status: str
+    age_s: float  # since the write that last changed it
+
+
+@dataclass
+class CheckpointReport:
+    """What an earlier or the current holder saved of a group while generating it."""
+
+    writer: str  # the claim token of its last write
+    records: int
+    bytes: int
+    tokens: int
+    age_s: float  # since its last write
+    samples: list[SampleCheckpoint]
+    error: str | None = None  # its records do not decode (then no samples are shown)
+
+
+@dataclass
 class GroupReport:
     namespace: str
     group_id: str
@@ -105,6 +132,7 @@ class GroupReport:
     label: Any = None  # the samples' label (any JSON value), from the stored group
     samples: list[SampleSummary] = field(default_factory=list)  # from the stored group (none once trained)
     history: list[Event] = field(default_factory=list)
+    checkpoint: CheckpointReport | None = None  # its in-flight checkpoint, while queued or in flight
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +159,16 @@ class GroupReport:
             extra = f"   attributes {', '.join(s.attributes)}" if s.attributes else ""
             out.append(f"  sample {s.index}  {s.status}, {s.response_length} response tokens, reward "
                        f"{_json(s.reward)}{extra}")
+        if self.checkpoint is not None:
+            c = self.checkpoint
+            out.append(f"  checkpoint {c.tokens:,} tokens in {c.records} records ({c.bytes:,} bytes), written "
+                       f"{age(c.age_s)} ago under claim {c.writer}")
+            if c.error:
+                out.append(f"    unreadable: {c.error}")
+            for sc in c.samples:
+                versions = ",".join(sc.weight_versions) or "-"
+                out.append(f"    sample {sc.position:<3} {sc.tokens:>7,} tokens  {sc.status:<10} versions {versions}  "
+                           f"{age(sc.age_s)} ago")
         if self.history:
             out.append("  history")
             for e in self.history:
@@ -185,7 +223,8 @@ def locate(queue: Queue, group_id: str) -> GroupReport:
     while True:
         deadlines, workers = _inflight_workers(queue)
         reply = script(keys=[k.prompts, k.payloads, k.workers, k.requeue, k.results, k.dead, k.committed, k.claims,
-                             k.history, k.admitted, k.trainer, *(k.inflight(w) for w in workers)],
+                             k.history, k.admitted, k.trainer, k.checkpoints, k.checkpoint_records,
+                             *(k.inflight(w) for w in workers)],
                        args=[group_id, CONSUMER_GROUP, *workers])
         if text(reply) != "retry":
             break
@@ -211,7 +250,8 @@ def locate(queue: Queue, group_id: str) -> GroupReport:
         attempts=group.attempts if group else None, restarts=group.restarts if group else None,
         n_samples=group.n_samples if group else None,
         label=group.samples[0].label if group and group.samples else None,
-        samples=[SampleSummary.of(s) for s in group.samples] if group else [], history=history)
+        samples=[SampleSummary.of(s) for s in group.samples] if group else [], history=history,
+        checkpoint=_checkpoint_report(reply[2], now_ms) if reply[2] else None)
 
 
 def _whereabouts(raw: dict, now_ms: int, deadlines: dict[str, float], history: list[Event],
@@ -236,6 +276,24 @@ def _whereabouts(raw: dict, now_ms: int, deadlines: dict[str, float], history: l
         batches = [e.detail for e in history if e.event == "committed"]
         w.batch = batches[-1] if batches else None
     return w
+
+
+def _checkpoint_report(reply: list, now_ms: int) -> CheckpointReport:
+    try:
+        header = CheckpointHeader.parse(reply[0])
+    except DecodeError as exc:
+        return CheckpointReport("", 0, 0, 0, 0.0, [], error=str(exc))
+    report = CheckpointReport(header.writer, header.records, header.bytes, header.tokens,
+                              _age_s(now_ms, max(header.written_ms, default=now_ms)), [])
+    try:
+        checkpoint = GroupCheckpoint.from_reply(reply)
+    except DecodeError as exc:
+        report.error = str(exc)
+        return report
+    report.samples = [SampleCheckpoint(i, len(p.response_ids), list(p.weight_versions), p.status.value,
+                                       _age_s(now_ms, p.updated_ms))
+                      for i, p in sorted(checkpoint.samples.items())]
+    return report
 
 
 def _age_s(now_ms: int, then_ms: int) -> float:

@@ -44,6 +44,7 @@ from typing import Any
 
 import redis
 
+from pipeline.checkpoints import CheckpointHeader
 from pipeline.codec import DecodeError
 from pipeline.control import read_control
 from pipeline.keys import CONSUMER_GROUP
@@ -158,6 +159,23 @@ class Staleness:
 
 
 @dataclass
+class CheckpointStatus:
+    """In-flight checkpoints (pipeline/checkpoints.py): those held now, what the scripts
+    counted, and what the workers say they resumed and lost."""
+
+    groups: int = 0  # queued or in-flight groups with a checkpoint now
+    bytes: int = 0  # their records
+    tokens: int = 0  # response tokens they hold
+    oldest_write_age_s: float | None = None  # since the least recently written one was last written
+    written: int = 0  # writes Redis accepted, since the namespace began (stats `checkpoints`)
+    refused: int = 0  # writes of holders that no longer held their group (stats `checkpoints_refused`)
+    claimed: int = 0  # claims that handed a checkpoint to the group's next holder (stats `checkpoints_claimed`)
+    tokens_claimed: int = 0  # the tokens those held (stats `checkpoint_tokens_claimed`)
+    tokens_resumed: int = 0  # tokens the live workers took from checkpoints instead of generating them
+    tokens_lost: int = 0  # tokens the live workers generated and could not keep (a checkpoint too stale)
+
+
+@dataclass
 class StatusSnapshot:
     namespace: str
     time: float  # Redis server time, unix seconds
@@ -188,6 +206,7 @@ class StatusSnapshot:
     departed: list[DepartedWorker] = field(default_factory=list)  # the `reaped` log, newest first
     claimed_repeatedly: int = 0  # groups claimed 2+ times without finishing (a holder was reaped or lost it)
     most_claimed: dict[str, int] = field(default_factory=dict)  # group id -> claims, most first
+    checkpoints: CheckpointStatus = field(default_factory=CheckpointStatus)
     alerts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,8 +258,9 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     pipe.hgetall(k.control)
     pipe.lrange(k.reaped, 0, -1)
     pipe.hgetall(k.claims)
+    pipe.hgetall(k.checkpoints)
     (prompts, results, requeue, dead, workers, info, stats, committed_recent, oldest, oldest_requeue,
-     control_raw, reaped_log, claims) = pipe.execute()
+     control_raw, reaped_log, claims, checkpoint_headers) = pipe.execute()
     poison: list[str] = []
     counters = _numbers(stats, "stats", poison)
     _numbers({f: v for f, v in control_raw.items() if f in _NUMERIC_CONTROL}, "control", poison)
@@ -321,6 +341,7 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
         unregistered_inflight=sorted(stray),
         departed=_departed(reaped_log, now_ms, poison),
     )
+    snap.checkpoints = _checkpoints(list(checkpoint_headers.values()), counters, worker_rows, now_ms, poison)
     repeated = sorted(((n, text(g)) for g, n in _numbers(claims, "claims", poison).items() if n >= 2), reverse=True)
     snap.claimed_repeatedly = len(repeated)
     snap.most_claimed = {gid: n for n, gid in repeated[:MOST_CLAIMED_SHOWN]}
@@ -345,6 +366,27 @@ def _memory_alert(r) -> list[str]:
     return [f"Redis is full ({used / 2**20:.1f} MiB used of maxmemory {limit / 2**20:.1f} MiB, noeviction): every "
             f"write is refused; workers hold the groups they finished and retry publishing them (every "
             f"{DEFAULT_RETRY_MAX_S:g}s at most) until the trainer commits or maxmemory is raised"]
+
+
+def _checkpoints(headers: list[bytes], counters: dict[str, int], workers: list[WorkerStatus], now_ms: int,
+                 alerts: list[str]) -> CheckpointStatus:
+    out = CheckpointStatus(written=counters.get("checkpoints", 0), refused=counters.get("checkpoints_refused", 0),
+                           claimed=counters.get("checkpoints_claimed", 0),
+                           tokens_claimed=counters.get("checkpoint_tokens_claimed", 0),
+                           tokens_resumed=sum(w.counters.get("checkpoint_tokens_resumed", 0) for w in workers),
+                           tokens_lost=sum(w.counters.get("checkpoint_tokens_lost", 0) for w in workers))
+    last_writes = []
+    for raw in headers:
+        try:
+            header = CheckpointHeader.parse(raw)
+        except DecodeError as exc:
+            alerts.append(f"an in-flight checkpoint is unreadable: {exc}")
+            continue
+        out.groups, out.bytes, out.tokens = out.groups + 1, out.bytes + header.bytes, out.tokens + header.tokens
+        last_writes.append(max(header.written_ms, default=now_ms))
+    if last_writes:
+        out.oldest_write_age_s = round(max(0, now_ms - min(last_writes)) / 1000, 3)
+    return out
 
 
 def _worker_row(name: str, deadline: float, size: int, raw_info: bytes | None, now_ms: int,

@@ -45,7 +45,7 @@ def status(obj: Context, as_json, watch, interval, sample_s, worker_name) -> Non
     requeue, dead, workers_alive, workers, departed, claimed_repeatedly,
     most_claimed, weight_version, paused, max_staleness, batch_size, max_ready,
     lease_s, max_claims, admitted, counters, throughput, staleness,
-    backlog_age_s, requeue_age_s, alerts.
+    backlog_age_s, requeue_age_s, checkpoints, alerts.
     With --worker: namespace, workers (worker, registered, alive, lease_left_s,
     groups: group_id, token, held_s, claims, attempts, restarts, n_samples).
 
@@ -129,9 +129,10 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     which trainer session, how often), a dead letter (why), committed (when, in
     which batch), dropped (why), or nowhere. Read in one atomic step. Then its
     claim count and attempts, its label and each sample's status and reward (a
-    dict reward in full) while the group is stored, and its history: claims with
-    their tokens, reaps, hand-backs, publishes, releases and the batch that
-    trained it.
+    dict reward in full) while the group is stored, its in-flight checkpoint
+    while queued or in flight (per sample: tokens so far, weight versions, age),
+    and its history: claims with their tokens, reaps, hand-backs, publishes,
+    releases and the batch that trained it.
 
     \b
     JSON keys (stable; docs/cli.md): namespace, group_id, place (prompts,
@@ -140,7 +141,9 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     current_session, deliveries, error, reason, batch), claims, max_claims,
     admitted_version, attempts, restarts, n_samples, label, samples (index,
     status, response_length, reward, attributes), history (at_ms, age_s, event,
-    who, detail). Exit code 1 for an id the namespace knows nothing of.
+    who, detail), checkpoint (its in-flight checkpoint or null: writer, records,
+    bytes, tokens, age_s, samples: position, tokens, weight_versions, status,
+    age_s; error). Exit code 1 for an id the namespace knows nothing of.
 
     \b
     Example:
@@ -216,7 +219,8 @@ def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
     results_pending, dead, dropped, committed, discarded,
     duplicates_discarded, accounted, lost, extra, in_two_places (group ids),
     committed_and_live (group ids), orphan_payloads, missing_payloads,
-    unregistered_inflight (worker ids), ok.
+    unregistered_inflight (worker ids), checkpoints (groups with an in-flight
+    checkpoint), checkpoint_bytes, orphan_checkpoints, ok.
 
     \b
     Example:
@@ -248,6 +252,8 @@ def _print_audit(report) -> None:
              ("results pending", report.results_pending), ("dead letters", report.dead),
              ("dropped", report.dropped), ("committed", report.committed), ("discarded", report.discarded),
              ("= accounted", report.accounted), ("pushed", report.pushed)]
+    if report.checkpoints:
+        rows.append(("in-flight checkpoints", report.checkpoints))
     console = rich_console()
     console.print(FittedTable([Col("place", flex=True, min_width=20), Col("groups", "right")],
                               [(name, f"{n:,}") for name, n in rows], show_header=False))
@@ -269,3 +275,6 @@ def _print_audit(report) -> None:
                       style="red")
     if report.missing_payloads:
         console.print(f"PROBLEM: {report.missing_payloads} queued or in-flight groups have no payload", style="red")
+    if report.orphan_checkpoints:
+        console.print(f"PROBLEM: {report.orphan_checkpoints} in-flight checkpoints (or their records) belong to "
+                      "groups neither queued nor in flight", style="red")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from pipeline.tables import Col, Facts, FittedTable, Hanging
 
+from pipeline.wording import counted
+
 from .status import DepartedWorker, Departure, StatusSnapshot
 
 #: Departed workers listed under the workers table: the newest, within the last ten minutes.
@@ -97,6 +99,12 @@ def render(s: StatusSnapshot, title: str | None = None, outage: Outage | None = 
     facts.append(("totals", [f"{name} {c.get(key, 0):,}" for name, key in (
         ("pushed", "pushed"), ("committed", "committed"), ("dropped", "dropped"), ("requeued", "requeue"),
         ("reaped", "reaped"), ("handed back", "handed_back"))]))
+    cp = s.checkpoints
+    if cp.groups or cp.written:
+        facts.append(("checkpoints", [f"{counted(cp.groups, 'group')} ({cp.tokens:,} tokens, {cp.bytes:,} bytes)",
+                                      f"oldest written {age(cp.oldest_write_age_s)} ago", f"written {cp.written:,}",
+                                      f"refused {cp.refused:,}", f"resumed {cp.tokens_resumed:,} tokens",
+                                      f"lost {cp.tokens_lost:,} tokens"]))
     if s.batch_size or s.max_staleness is not None:
         facts.append(("pacing", [f"batch size {s.batch_size or '-'}",
                                  f"max staleness {'-' if s.max_staleness is None else s.max_staleness}",
