@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 
 import redis
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -423,6 +424,7 @@ def run_examples(url: str, examples: int) -> None:
     )
 
 
+@pytest.mark.timeout(900)  # 2,000 examples: ~2.5 minutes on a quiet CI machine, several on a loaded one
 def test_conservation(redis_factory):
     """EXAMPLES in all, split between this process and a child process (each with its
     own server and its own random seed) so that both cores of a CI machine work."""
