@@ -9,21 +9,23 @@ output token (TPOT) and the output tokens/s. Past b = 128 a batch of 511-token c
 no longer fits the KV cache (90,624 tokens), and throughput stops growing.
 
 Here the same experiment runs on a real simulator (`start_simulator`, profile
-`h100-llama2-7b`, its KV capacity, max_running_requests = b) through real HTTP: all
-requests sent at once, a few in the middle streamed (SSE chunks carry the tokens so far:
-TPOT = time between the first and the last chunk ÷ the tokens between them), the rest
-answered whole (throughput over whole rounds of requests after the first). The simulator runs
-`speedup` times faster than real time (decode_tokens_per_s = speedup / t1); its times are
-scaled back before they are compared.
+`h100-llama2-7b`, its KV capacity, max_running_requests = b) through real HTTP: every
+request queued before the first step (the simulator held until all have arrived, as the
+published run queued its 2,000), each answered with the model times of its first and
+last token (`SimConfig.model_times`: when the engine's own step schedule made them, not
+when the client saw them, so the figures do not depend on the machine's load). TPOT
+per request = (last - first) ÷ (tokens - 1), as vLLM's benchmark computes it, median
+over the rounds measured; throughput over whole rounds of requests after the first. The
+simulator runs `speedup` times faster than real time (decode_tokens_per_s = speedup / t1);
+its times are scaled back before they are compared, and only the run's length depends on it.
 
-    python bench/engine_table.py            # every batch of the table, ~40 s
+    python bench/engine_table.py            # every batch of the table, ~20 s
     python bench/engine_table.py --json     # t_of_b_error_max, saturation_spread, rows
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -39,6 +41,7 @@ if str(REPO) not in sys.path:  # run as `python bench/engine_table.py` from a cl
 
 from bench.report import run_bench  # noqa: E402
 from engines.profiles import LLAMA2_7B_KV_TOKENS, engine_profile  # noqa: E402
+from engines.server import ServerHandle  # noqa: E402
 from engines.simulator import SimConfig, start_simulator  # noqa: E402
 
 PROFILE = "h100-llama2-7b"
@@ -52,9 +55,8 @@ PUBLISHED: dict[int, tuple[float, float]] = {
 }
 #: The largest batch whose contexts all fit the cache; past it the cache, not b, sets the batch.
 KV_FULL_AFTER = max(b for b in PUBLISHED if b * (PROMPT_TOKENS + OUTPUT_TOKENS) <= LLAMA2_7B_KV_TOKENS)
-PROBES = 6  # streamed requests per batch size
-DEFAULT_SPEEDUP = 10.0  # simulator time against real time
-STREAM_INTERVAL_S = 0.002  # how often a streamed request is checked for new tokens (real seconds)
+DEFAULT_SPEEDUP = 50.0  # simulator time against real time
+QUEUE_TIMEOUT_S = 120.0  # for every request of a batch size to reach the held simulator
 
 
 @dataclass
@@ -63,7 +65,7 @@ class BatchRow:
     requests: int
     published_tpot_ms: float
     published_tokens_per_s: float
-    tpot_ms: float  # median over the streamed requests, scaled back to real time
+    tpot_ms: float  # median over the rounds measured, scaled back to real time
     tokens_per_s: float  # output tokens/s over the middle half of the completions, real time
     tpot_error: float  # relative to the published TPOT
     ratio_error: float  # of t(b)/t(1) against the published t(b)/t(1)
@@ -88,60 +90,64 @@ def requests_for(batch: int) -> int:
     return (rounds(batch) + 2) * held(batch)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, ids: list[int], stream: bool) -> tuple[float, float | None]:
-    """(completion time, TPOT in simulator seconds if streamed)."""
-    body = {"input_ids": ids, "stream": stream,
-            "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
+async def _one(session: aiohttp.ClientSession, url: str, ids: list[int]) -> tuple[float, float]:
+    """(first token, last token) of one request, in the simulator's model time."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
     async with session.post(url + "/generate", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}/generate answered {resp.status}: {(await resp.text())[:200]}")
-        if not stream:
-            out = await resp.json()
-            if out["meta_info"]["completion_tokens"] != OUTPUT_TOKENS:
-                raise RuntimeError(f"decoded {out['meta_info']['completion_tokens']} tokens, not {OUTPUT_TOKENS}")
-            return time.monotonic(), None
-        chunks: list[tuple[float, int]] = []  # (arrival, tokens so far)
-        async for line in resp.content:
-            if line.startswith(b"data: {"):
-                chunks.append((time.monotonic(), json.loads(line[6:])["meta_info"]["completion_tokens"]))
-    (t0, n0), (t1, n1) = chunks[0], chunks[-1]
-    if n1 != OUTPUT_TOKENS or n1 <= n0:
-        raise RuntimeError(f"a streamed request ended with {n1} tokens (first chunk {n0}), not {OUTPUT_TOKENS}")
-    return t1, (t1 - t0) / (n1 - n0)
+        meta = (await resp.json())["meta_info"]
+    if meta["completion_tokens"] != OUTPUT_TOKENS:
+        raise RuntimeError(f"decoded {meta['completion_tokens']} tokens, not {OUTPUT_TOKENS}")
+    times = meta["sim_model_time"]
+    return times["first_token"], times["last_token"]
 
 
-async def _drive(url: str, batch: int, seed: int) -> tuple[list[float], list[float]]:
-    """All requests at once, as the published run sent its 2,000; returns completion
-    times (sorted) and the streamed requests' TPOTs."""
+async def _queued(session: aiohttp.ClientSession, url: str, n: int) -> None:
+    """Wait until the simulator has queued `n` requests."""
+    deadline = time.monotonic() + QUEUE_TIMEOUT_S
+    while True:
+        async with session.get(url + "/sim/stats") as resp:
+            if (await resp.json())["stats"].get("submitted", 0) >= n:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not queue {n} requests within {QUEUE_TIMEOUT_S:g} s")
+        await asyncio.sleep(0.01)
+
+
+async def _drive(sim: ServerHandle, batch: int, seed: int) -> list[tuple[float, float]]:
+    """Every request queued on the held simulator, then released, as the published run
+    queued its 2,000; returns each request's (first token, last token) in model time."""
     n = requests_for(batch)
     rng = random.Random(f"{seed}|{batch}")
-    middle = range(held(batch), n - held(batch))  # the rounds measured
-    probes = set(middle[:: max(1, len(middle) // PROBES)][:PROBES])
     timeout = aiohttp.ClientTimeout(total=600)
+    sim.call(sim.server.engine.hold, True)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = []
-        for i in range(n):  # distinct prompts: the published run had no prefix caching
-            ids = [rng.randrange(32, 127) for _ in range(PROMPT_TOKENS)]
-            tasks.append(asyncio.create_task(_one(session, url, ids, i in probes)))
-            await asyncio.sleep(0)  # sent in order, so the engine queues them in order
-        results = await asyncio.gather(*tasks)
-    return sorted(t for t, _ in results), [tpot for _, tpot in results if tpot is not None]
+        # Distinct prompts of one length (the published run had no prefix caching): the
+        # schedule is the same whatever order they arrive in.
+        tasks = [asyncio.create_task(_one(session, sim.url, [rng.randrange(32, 127) for _ in range(PROMPT_TOKENS)]))
+                 for _ in range(n)]
+        try:
+            await _queued(session, sim.url, n)
+        finally:
+            sim.call(sim.server.engine.hold, False)
+        return await asyncio.gather(*tasks)
 
 
 def measure_batch(batch: int, speedup: float, seed: int = 0) -> tuple[float, float, int]:
     """(TPOT in real seconds, output tokens/s in real time, requests) at max_running_requests = batch."""
     t1 = engine_profile(PROFILE).t1_s
     config = SimConfig(seed=seed, engine_profile=PROFILE, decode_tokens_per_s=speedup / t1,
-                       max_running_requests=batch, max_total_num_tokens=LLAMA2_7B_KV_TOKENS,
-                       stream_interval_s=STREAM_INTERVAL_S)
+                       max_running_requests=batch, max_total_num_tokens=LLAMA2_7B_KV_TOKENS, model_times=True)
     with start_simulator(config) as sim:
-        done, tpots = asyncio.run(_drive(sim.url, batch, seed))
+        times = sorted(asyncio.run(_drive(sim, batch, seed)), key=lambda t: t[1])
     # Whole rounds, from the end of the first round's last request. (Requests of equal
     # length run in rounds; a window cutting rounds unevenly would be biased.)
     lo, hi = held(batch) - 1, (1 + rounds(batch)) * held(batch) - 1
+    done = [last for _, last in times]
     tokens_per_s = (hi - lo) * OUTPUT_TOKENS / (done[hi] - done[lo]) if done[hi] > done[lo] else 0.0
-    n = len(done)
-    return statistics.median(tpots) * speedup, tokens_per_s / speedup, n
+    tpot = statistics.median((last - first) / (OUTPUT_TOKENS - 1) for first, last in times[lo + 1:hi + 1])
+    return tpot * speedup, tokens_per_s / speedup, len(times)
 
 
 def measure(batches: list[int], speedup: float, seed: int = 0) -> dict:
@@ -198,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", default=",".join(map(str, PUBLISHED)),
                    help="batch sizes from the table, 1 first (default: all); e.g. --batches 1,8,128,256,512")
     p.add_argument("--speedup", type=float, default=DEFAULT_SPEEDUP,
-                   help=f"simulator time against real time (default {DEFAULT_SPEEDUP:g}; more is faster and noisier)")
+                   help=f"simulator time against real time (default {DEFAULT_SPEEDUP:g}; the figures do not depend on it, "
+                        "the run's length does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)

@@ -17,7 +17,12 @@ request and prefills a chunk of new prompts, and takes t1·(1 + c·b + d·KV + p
 with t1 = 1/`decode_tokens_per_s` and the coefficients of `engine_profile` (`flat`:
 c = d = 0 and a fixed `prefill_s` per request). When the cache fills, running
 requests are retracted as SGLang retracts them (counted in `num_retractions`). No
-task runs per request: one timer per engine, and the step clock is read lazily.
+task runs per request: one timer per engine, and the step clock is read lazily. A step
+that ends requests (or does not fit the cache) is the last until the timer has ended
+them and admitted the queue; the next begins at its end, however late the timer woke,
+so the engine's own schedule (model time) does not depend on the machine's load. With
+`model_times` each final answer's meta_info carries ``sim_model_time``: when, on that
+schedule, its first and its last token were made (the loop's clock, in seconds).
 
 Lengths: with a `sampling_seed` the whole response (length, text, log-probs) follows
 from that seed on every engine, and a request continued after an abort (prompt +
@@ -111,6 +116,8 @@ class SimConfig(EngineSettings):
     drop_rate: float = 0.0  # /generate connection closed without any response
     restart_s: float = 2.0  # downtime of POST /sim/restart
     weight_update_fail_rate: float = 0.0  # update_weights_* answer success=false, 400
+    # Add meta_info["sim_model_time"] to every final answer (not SGLang's: off by default).
+    model_times: bool = False
 
     def __post_init__(self) -> None:
         self.error_statuses = tuple(self.error_statuses)
@@ -166,7 +173,7 @@ class SimRequest(EngineRequest):
     """A request whose whole output is planned up front and released step by step."""
 
     __slots__ = ("plan", "done_tokens", "start_step", "segment", "ready_at", "prefill_left", "kv_tokens",
-                 "kv_waited")
+                 "kv_waited", "first_token_at", "last_token_at")
 
     def __init__(self, spec: GenSpec, created: float, future: asyncio.Future, seed_material: str,
                  cached_tokens: int, plan: Plan) -> None:
@@ -179,6 +186,8 @@ class SimRequest(EngineRequest):
         self.prefill_left = 0  # chunked profiles: prompt tokens still to prefill
         self.kv_tokens = 0  # KV cache held, not counting the current segment's tokens
         self.kv_waited = False  # counted once in stats["kv_waits"]
+        self.first_token_at: float | None = None  # model time (the end of the step that made it)
+        self.last_token_at: float | None = None  # of the last token of the last segment ended
 
 
 class SimEngine(Engine):
@@ -189,7 +198,8 @@ class SimEngine(Engine):
     `_prefilling`; its length comes from the profile (engines/profiles.py). Steps are
     counted lazily: `_advance(now)` completes every step that ended by `now` (pure
     bookkeeping, safe from any hook), and one timer wakes `_on_timer` to end requests
-    and retract when the cache is full, the only changes to the core's state.
+    and retract when the cache is full, the only changes to the core's state. Steps stop
+    at a boundary that needs `_on_timer` (`_resume_at`) and go on from it.
     """
 
     config: SimConfig
@@ -200,7 +210,12 @@ class SimEngine(Engine):
         self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()
         self._fault_rng = random.Random(f"{config.seed}|faults")
         self._step = 0  # steps completed
-        self._step_end: float | None = None  # end of the step in progress; None: idle or stalled
+        self._step_end: float | None = None  # end of the step in progress; None: idle, stopped or held
+        self._step_done_at = 0.0  # end of the last step completed (model time)
+        self._resume_at: float | None = None  # the boundary steps stopped at for _on_timer; the next begins there
+        self._settling = False  # _on_timer is ending requests and admitting: no step begins yet
+        self._held = False  # hold(): no step begins
+        self._step_first: list[SimRequest] = []  # make their first token in the step in progress
         self._step_prefill: list[tuple[SimRequest, int]] = []  # prefill chunk of the step in progress
         self._step_decoders = 0  # requests decoding in the step in progress
         self._decoding: dict[str, SimRequest] = {}
@@ -264,17 +279,27 @@ class SimEngine(Engine):
         return self._step - req.start_step if req.rid in self._decoding else 0
 
     def _advance(self, now: float) -> None:
-        """Complete every step that ended by `now` and start the next ones."""
+        """Complete every step that ended by `now` and start the next ones, up to a
+        step that ended requests: the scheduler ends them and admits the queue before
+        the next step, which `_kick` then begins at this one's end."""
         while self._step_end is not None and self._step_end <= now:
             end = self._step_end
-            self._complete_step()
+            self._complete_step(end)
+            if self._ended:
+                self._step_end, self._step_decoders, self._resume_at = None, 0, end
+                break
             self._begin_step(end)
         if self._ended or self._stalled:
             self._wake_soon()
 
-    def _complete_step(self) -> None:
+    def _complete_step(self, end: float) -> None:
         self._step += 1
+        self._step_done_at = end
         self.stats["decode_tokens"] += self._step_decoders
+        for req in self._step_first:
+            if self._decoding.get(req.rid) is req:  # not stopped during the step
+                req.first_token_at = end
+        self._step_first = []
         for req, tokens in self._step_prefill:
             if req.prefill_left == 0 and req in self._prefilling:
                 self._prefilling.remove(req)
@@ -299,6 +324,8 @@ class SimEngine(Engine):
                 heapq.heappush(self._finishes, (self._step + len(req.plan.tokens) - req.done_tokens, self._serial,
                                                 req.segment, req))
                 self._serial += 1
+                if req.first_token_at is None:
+                    self._step_first.append(req)
         chunk, budget = [], self.profile.chunked_prefill_size
         for req in self._prefilling:
             if budget <= 0:
@@ -314,7 +341,7 @@ class SimEngine(Engine):
         if self.kv_tokens + decoders > self.config.max_total_num_tokens and decoders > 1:
             for req, take in chunk:  # undone: the step does not run
                 req.prefill_left += take
-            self._step_end, self._stalled, self._step_decoders = None, True, 0
+            self._step_end, self._stalled, self._step_decoders, self._resume_at = None, True, 0, at
             return
         self._step_prefill, self._step_decoders = chunk, decoders
         self._step_end = at + self.step_s(decoders, sum(take for _, take in chunk))
@@ -322,6 +349,8 @@ class SimEngine(Engine):
     def _end_segment(self, req: SimRequest) -> None:
         """`req` stops decoding: its tokens so far become its own."""
         progress = self._step - req.start_step
+        if progress:
+            req.last_token_at = self._step_done_at
         req.done_tokens += progress
         req.kv_tokens += progress
         self._kv_held += progress
@@ -329,10 +358,27 @@ class SimEngine(Engine):
         del self._decoding[req.rid]
 
     def _kick(self, now: float) -> None:
-        """Start stepping if idle, and set the timer for the next thing to end."""
-        if self._step_end is None and not self._stalled:
-            self._begin_step(now)
+        """Start stepping if idle (where steps stopped for `_on_timer`, else now), and
+        set the timer for the next thing to end."""
+        if self._step_end is None and not (self._stalled or self._settling or self._held):
+            at, self._resume_at = self._model_now(now), None
+            self._begin_step(at)
         self._schedule(now)
+
+    def _model_now(self, now: float) -> float:
+        """Where the engine's schedule stands: the boundary steps stopped at for
+        `_on_timer` until the next step begins there, else the loop's clock."""
+        return now if self._resume_at is None else self._resume_at
+
+    def hold(self, held: bool = True) -> None:
+        """While held no step begins: requests that arrive queue and are admitted, and
+        the first step begins at the release, so a harness can queue a whole run
+        before it starts, as a benchmark that sends every request at once means to."""
+        if held and self._step_end is not None:
+            raise ValueError("hold an idle engine: steps are running")
+        self._held = held
+        if not held:
+            self._kick(self.now())
 
     def _wake_soon(self) -> None:
         if not self._soon:
@@ -362,13 +408,17 @@ class SimEngine(Engine):
         self._timer, self._soon = None, False
         now = self.now()
         self._advance(now)
-        ended, self._ended = self._ended, []
-        for req in ended:
-            if req.outcome is None and req.state == State.RUNNING:
-                self._finish(req, req.plan.finish)
-        if self._stalled:
-            self._retract_to_fit()
-        self._admit()
+        self._settling = True  # every end and admission goes into the next step
+        try:
+            ended, self._ended = self._ended, []
+            for req in ended:
+                if req.outcome is None and req.state == State.RUNNING:
+                    self._finish(req, req.plan.finish)
+            if self._stalled:
+                self._retract_to_fit()
+            self._admit()
+        finally:
+            self._settling = False
         self._kick(now)
 
     def _retract_to_fit(self) -> None:
@@ -428,10 +478,10 @@ class SimEngine(Engine):
                 req.prefill_left = max(1, context - req.cached_tokens)
                 self._prefilling.append(req)
             else:
-                req.ready_at = now + self.config.prefill_s
+                req.ready_at = self._model_now(now) + self.config.prefill_s
                 self._joining.append(req)
         else:  # continued after an in_place pause: its cache is still there
-            req.ready_at = now
+            req.ready_at = self._model_now(now)
             self._joining.append(req)
         self._kick(now)
 
@@ -511,7 +561,7 @@ class SimEngine(Engine):
         """Lose everything in flight; unavailable for `downtime` seconds."""
         dropped = self.drop_all()
         self._ended.clear()
-        self._step_end, self._stalled = None, False
+        self._step_end, self._stalled, self._resume_at, self._step_first = None, False, None, []
         self.weight_version = self.config.weight_version  # a restart reloads the startup weights
         self.model_path = self.config.model_path
         self._prefix_cache.clear()
@@ -532,6 +582,13 @@ class SimServer(EngineServer):
     def __init__(self, config: SimConfig | None = None) -> None:
         config = config or SimConfig()
         super().__init__(SimEngine(config, ByteTokenizer()), stream_interval_s=config.stream_interval_s)
+
+    def _render(self, req: SimRequest, stream: bool) -> dict:  # the engine makes SimRequests only
+        answer = super()._render(req, stream)
+        if self.config.model_times and req.outcome is not None:
+            answer["meta_info"]["sim_model_time"] = {"first_token": req.first_token_at,
+                                                     "last_token": req.last_token_at}
+        return answer
 
     async def before_submit(self, request: web.Request) -> web.StreamResponse | None:
         engine, cfg = self.engine, self.config
