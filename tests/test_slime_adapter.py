@@ -24,6 +24,7 @@ from pipeline.trainers.slime_metrics import slime_metrics
 from pipeline.types import Group, Sample, Status, VersionClock
 from tests import fake_slime
 from tests.fake_slime import Sample as FakeSlimeSample
+from tests.fake_slime_rollout import RolloutManager, slime_args
 from tests.slime_helpers import (  # noqa: F401 (fixtures)
     PROMPT,
     N,
@@ -242,10 +243,11 @@ def drop_row_1_on_second_sight(args, samples):
 
 
 def slimes_rollout_args(redis_url, namespace, **kwargs):
-    return make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     over_sampling_batch_size=2, dynamic_sampling_filter_path=f"{__name__}.drop_row_1_on_second_sight",
-                     rollout_sample_filter_path="pipeline.trainers.slime_adapter.record_trained", save="/ckpt",
-                     save_interval=1, **kwargs)
+    return slime_args(rollout_batch_size=2, n_samples_per_prompt=N, rollout_redis_url=redis_url,
+                      rollout_namespace=namespace, data_source_path="pipeline.trainers.slime_adapter.RedisDataSource",
+                      dynamic_sampling_filter_path=f"{__name__}.drop_row_1_on_second_sight",
+                      rollout_sample_filter_path="pipeline.trainers.slime_adapter.record_trained", save="/ckpt",
+                      save_interval=1, **kwargs)
 
 
 @pytest.mark.parametrize("partial_rollout", [False, True])
@@ -258,17 +260,16 @@ def test_a_refill_within_a_rollout_commits_only_the_groups_slimes_rollout_trains
     monkeypatch.setattr(sys.modules[__name__], "SIGHTS", {})
     publish_results(queue, list(range(8)), keep_response_text=True)
     args = slimes_rollout_args(redis_url, namespace, partial_rollout=partial_rollout)
-    source = sa.RedisDataSource(args)
-    source.load(-1)
+    manager = RolloutManager(args)  # slime's RolloutManager over RedisDataSource, its default rollout
+    manager.load(-1)
     trained = []
     for rollout_id in range(3):
-        fake_slime.set_current_rollout_id(rollout_id)
-        out = fake_slime.generate_rollout(args, rollout_id, source)
-        trained.append(rows_of(out.samples))
-        source.save(rollout_id)
+        out = manager.generate(rollout_id)
+        trained.append(sorted({i // N for i in out["sample_indices"]}))
+        manager.save(rollout_id)
         assert committed(queue) == 2 * (rollout_id + 1), trained
     assert trained == [[0, 2], [1, 3], [4, 5]]
-    assert read_records(queue) == 0 and source.pending_batches == 0
+    assert read_records(queue) == 0 and manager.data_source.pending_batches == 0
     assert queue.redis.xlen(queue.keys.results) == 2 and queue.redis.llen(queue.keys.prompts) == 0
     assert audit(queue).ok, audit(queue).summary()
 

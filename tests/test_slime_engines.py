@@ -21,6 +21,7 @@ from pipeline.trainers import slime_engines as sa_engines
 from pipeline.trainers import slime_types
 from pipeline.types import Group, parse_version
 from tests import fake_slime
+from tests.fake_slime_rollout import num_requests_from_load
 from tests.helpers import WorkerThread, http_call, wait_for
 from workers.sampling import SamplingSettings
 from workers.settings import WorkerSettings
@@ -34,20 +35,6 @@ MAX_NEW = 48
 MODEL = ModelConfig(context_length=128)
 # Requests that last long enough (~0.1-0.3 s) for a pause or an abort to land mid-generation.
 SIM = dict(decode_tokens_per_s=200.0, length_median=30.0, length_p99=48.0, prefill_s=0.002)
-
-
-def num_requests(load) -> int:
-    """slime's server_control.num_requests_from_load, for the /v1/loads answer."""
-    if isinstance(load, list):
-        return sum(num_requests(item) for item in load)
-    if not isinstance(load, dict):
-        return 0
-    if "loads" in load:
-        return num_requests(load["loads"])
-    for key in ("num_reqs", "num_total_reqs", "total_reqs"):
-        if isinstance(load.get(key), int):
-            return load[key]
-    return int(load.get("num_running_reqs", 0) or 0) + int(load.get("num_waiting_reqs", 0) or 0)
 
 
 def slime_update_weights(urls: list[str], version: int, model_path: str) -> None:
@@ -68,7 +55,7 @@ def slime_abort_until_idle(urls: list[str]) -> None:
     """server_control.abort_server_until_idle: abort all, read the load, again until idle."""
     def abort_once_and_idle(url: str) -> bool:
         http_call(url, "/abort_request", {"abort_all": True})
-        return num_requests(http_call(url, "/v1/loads?include=core")[1]) == 0
+        return num_requests_from_load(http_call(url, "/v1/loads?include=core")[1]) == 0
 
     for url in urls:
         wait_for(lambda: abort_once_and_idle(url), interval=0.2, what=f"{url} idle after abort_all")
