@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.consumer import Refusal
 from pipeline.types import Group, SamplingRecord
 
 #: slime's rollout function that calls `get_samples(1)` per group from a thread of its own.
@@ -28,6 +29,9 @@ class SlimeConfigError(ValueError):
 class SamplingMismatch(SlimeConfigError):
     """Groups were sampled with settings other than slime's."""
 
+
+#: The kind of a refusal of a group sampled with other settings (Refusal.kind, and its metric).
+SAMPLING = "sampling"
 
 
 def _names(path: Any, *ours: str) -> bool:
@@ -238,25 +242,23 @@ def _worker_flag(name: str, value: Any) -> str:
     return f"{flag} {value}"
 
 
-def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str]]:
-    """(group, why) for each group not sampled with slime's settings. Megatron divides
-    the logits by --rollout-temperature: tokens drawn at another temperature (or under
-    another top-k) make the PPO ratio and importance weights wrong without an error."""
+def sampling_refusals(args: Any, groups: list[Group]) -> list[Refusal | None]:
+    """For each group, a Refusal if it was not sampled with slime's settings. Megatron
+    divides the logits by --rollout-temperature: tokens drawn at another temperature (or
+    under another top-k) make the PPO ratio and importance weights wrong without an error."""
     wanted = slime_sampling(args)
-    out = []
-    for group in groups:
-        record: SamplingRecord | None = group.sampling
-        if record is None:
-            why = (f"group {group.group_id} carries no sampling settings (a worker older than this check "
-                   f"published it)")
-            out.append((group, why))
-            continue
-        for name, theirs in wanted.items():
-            ours = getattr(record, name)
-            if theirs is not None and _differs(ours, theirs):
-                slime_flag = _FLAGS[name][0]
-                why = (f"group {group.group_id} was sampled by worker {group.worker} with {name} {ours}, slime "
-                       f"trains with {slime_flag} {theirs}: start the workers with {_worker_flag(name, theirs)}")
-                out.append((group, why))
-                break
-    return out
+    return [_sampling_refusal(group, wanted) for group in groups]
+
+
+def _sampling_refusal(group: Group, wanted: dict[str, Any]) -> Refusal | None:
+    record: SamplingRecord | None = group.sampling
+    if record is None:
+        return Refusal(SAMPLING, f"group {group.group_id} carries no sampling settings (a worker older than this "
+                                 f"check published it)")
+    for name, theirs in wanted.items():
+        ours = getattr(record, name)
+        if theirs is not None and _differs(ours, theirs):
+            return Refusal(SAMPLING, f"group {group.group_id} was sampled by worker {group.worker} with {name} "
+                                     f"{ours}, slime trains with {_FLAGS[name][0]} {theirs}: start the workers "
+                                     f"with {_worker_flag(name, theirs)}")
+    return None
