@@ -231,3 +231,30 @@ def test_slimes_engines_are_read_from_its_router(two_sims, redis_url, queue, nam
         for w in workers:
             w.stop()
         router.stop()
+
+
+def test_a_worker_on_a_namespace_slime_owns_says_what_is_wrong_not_rollout_resume(two_sims, redis_url, queue,
+                                                                                 namespace, caplog):
+    """Issue 30 (11): on the queue's clock the slime adapter owns the version. A worker on
+    slime's engine (at its weight version 7, ahead of rollout 3) is not told to bump the
+    queue's version with `rollout resume --weight-version`; a worker on an engine still on
+    its initial weights past rollout 0 is told slime does not update it, and what to do."""
+    from pipeline.control import configure, set_weight_version
+    from pipeline.types import VersionClock
+
+    slimes, foreign = two_sims
+    http_call(slimes, "/update_weight_version", {"new_version": "7"})
+    configure(queue.redis, queue.keys, version_clock=VersionClock.QUEUE)
+    set_weight_version(queue.redis, queue.keys, 3)
+    for i, url in enumerate((slimes, foreign)):
+        queue.push_groups([Group.fresh(f"g{i}", f"lower: {i} plus {i}", 2, label=str(2 * i), row=i)])
+        worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[url], namespace=namespace,
+                                             sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+        try:
+            wait_for(lambda: queue.redis.xlen(queue.keys.results) == i + 1, what=f"group g{i} generated on {url}")
+        finally:
+            worker.stop()
+    assert "rollout resume --weight-version" not in caplog.text
+    assert f"engine {foreign} still serves its initial weights (weight version 'default') while the slime " \
+           f"adapter that owns this namespace's version is at rollout 3" in caplog.text
+    assert f"engine {slimes} still serves" not in caplog.text
