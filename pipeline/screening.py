@@ -94,12 +94,12 @@ class Judge:
                      "again", group.group_id, group.admitted_version,
                      mark if mark is not None else control.weight_version)
             metrics.abandoned += 1
-            return self.restart(entry, group, control, "admitted in a timeline the trainer left", stale=False)
+            return self.restart(entry, group, "admitted in a timeline the trainer left", stale=False)
         if refusal is not None:
             log.info("group %s: refused (%s); generating it again", group.group_id, refusal.reason)
             self.refused.append(refusal)
             metrics.refused[refusal.kind] = metrics.refused.get(refusal.kind, 0) + 1
-            return self.restart(entry, group, control, f"refused by the trainer: {refusal.kind}", stale=False)
+            return self.restart(entry, group, f"refused by the trainer: {refusal.kind}", stale=False)
         lag = control.lag(group)
         if lag < 0:
             metrics.ahead += 1
@@ -132,17 +132,17 @@ class Judge:
             return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token)
         log.info("group %s: %s; restarting it from its prompt", group.group_id, reason)
         metrics.restarted += 1
-        return self.restart(entry, group, control, "stale restart")
+        return self.restart(entry, group, "stale restart")
 
     @staticmethod
-    def restart(entry: StreamEntry, group: Group, control: ControlState, why: str, stale: bool = True) -> Settle:
-        """Back to the prompt list as pushed. Only staleness counts toward max_restarts: the
-        other reasons (a timeline left, a refusal) are not the group's doing."""
+    def restart(entry: StreamEntry, group: Group, why: str, stale: bool = True) -> Settle:
+        """Back to the prompt list as pushed, admitted anew when claimed (lua/settle.lua
+        `regenerate`): paced by the staleness budget like any admission and aged from then,
+        so a backlog sent back at once is not stamped with one version and left to go stale
+        again. Only staleness counts toward max_restarts: the other reasons (a timeline
+        left, a refusal) are not the group's doing."""
         group.reset()
         if stale:
             group.restarts += 1
-        # Generated again from the prompt, under at least the current version. (None would
-        # let claim fill in the first admission's version from the admitted hash, and a
-        # group whose samples carry no weight versions would be judged stale forever.)
-        group.admitted_version = control.weight_version
-        return Settle("prompt", entry.entry_id, group.group_id, why, encode_group(group), entry.token)
+        group.admitted_version = None
+        return Settle("regenerate", entry.entry_id, group.group_id, why, encode_group(group), entry.token)
