@@ -40,7 +40,7 @@ from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect, RedisUnavailable
-from .rewind import mark_admitted, read_marks
+from .rewind import Mark, mark_admitted, read_marks
 from .screening import BatchMetrics, GroupCheck, GroupsRefused, Judge, Refusal
 from .types import Group, VersionClock
 
@@ -207,7 +207,7 @@ class Consumer:
         scores, marks = self.call(self._committed_and_marks, gids, deadline=deadline)
         seen = ({h.group.group_id for h in self._held + self._fallback}
                 | {e.group_id for e in self._uncommitted.values()})
-        candidates: list[tuple[StreamEntry, Group, int | None]] = []
+        candidates: list[tuple[StreamEntry, Group, Mark | None]] = []
         for (entry, deliveries), committed_at, mark in zip(entries, scores, marks):
             if committed_at is not None or entry.group_id in seen:
                 log.warning("group %s: already trained on or held; dropping duplicate entry %s",
@@ -257,13 +257,13 @@ class Consumer:
         self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None], deadline)
         self.judge.report(metrics.abandoned - counted[0], metrics.ahead - counted[1], control)
 
-    def _committed_and_marks(self, group_ids: list[str]) -> tuple[list, list[int | None]]:
+    def _committed_and_marks(self, group_ids: list[str]) -> tuple[list, list[Mark | None]]:
         """Which of these groups were committed already, and their rewind marks (one round trip)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.zmscore(self.keys.committed, group_ids)
         pipe.hmget(self.keys.abandoned, group_ids)
         scores, marks = pipe.execute()
-        return scores, [None if m is None else int(m) for m in marks]
+        return scores, [Mark.decode(m) for m in marks]
 
     def _forget_marks(self, group_ids: list[str], deadline: float | None) -> None:
         """The delivered copies of these marked groups were judged (after their settle: a

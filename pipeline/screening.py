@@ -17,7 +17,7 @@ from typing import Callable
 from .codec import encode_group
 from .control import ControlState
 from .queue import Settle, StreamEntry
-from .rewind import abandoned
+from .rewind import Mark, abandoned
 from .types import Group
 
 log = logging.getLogger("pipeline.consumer")  # the trainer's log: its lines read as they always did
@@ -83,7 +83,7 @@ class Judge:
     def refusals(self, groups: list[Group]) -> list[Refusal | None]:
         return self.check(groups) if self.check is not None and groups else [None] * len(groups)
 
-    def judge(self, entry: StreamEntry, group: Group, mark: int | None, refusal: Refusal | None,
+    def judge(self, entry: StreamEntry, group: Group, mark: Mark | None, refusal: Refusal | None,
               control: ControlState, metrics: BatchMetrics) -> Settle | None:
         """None: `group` may be trained on as it is. Else how its entry is settled:
         admitted in a timeline the trainer left (`mark`: pipeline/rewind.py), refused by the
@@ -92,7 +92,7 @@ class Judge:
         if abandoned(group, mark, control):
             log.info("group %s: admitted at version %s, after the %s the trainer went back to; generating it "
                      "again", group.group_id, group.admitted_version,
-                     mark if mark is not None else control.weight_version)
+                     mark.version if mark is not None else control.weight_version)
             metrics.abandoned += 1
             return self.restart(entry, group, "admitted in a timeline the trainer left", stale=False)
         if refusal is not None:
