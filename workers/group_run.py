@@ -415,7 +415,7 @@ class GroupRunner:
             sample.weight_versions.append(version)
             new = [version]
         for version in new:
-            self._check_version(version)
+            self._check_version(version, url)
         segments = sample.metadata.get(SEGMENTS_KEY)
         if segments is not None and (len(segments) != len(sample.weight_versions)
                                      or sum(segments) != sample.response_length):
