@@ -34,6 +34,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 import urllib.request
 import uuid
 from collections import defaultdict
@@ -292,12 +293,17 @@ def num_requests_from_load(load: Any) -> int:
     return (running if isinstance(running, int) else 0) + (waiting if isinstance(waiting, int) else 0)
 
 
+#: slime/backends/sglang_utils/server_control.py
+ABORT_RETRY_INTERVAL_SECONDS = 3
+
+
 def abort_server_until_idle(url: str) -> None:
     """slime/backends/sglang_utils/server_control.py: abort all, read the load, again until idle."""
     while True:
         _http(f"{url}/abort_request", {"abort_all": True})
         if num_requests_from_load(_http(f"{url}/v1/loads?include=core")) <= 0:
             return
+        time.sleep(ABORT_RETRY_INTERVAL_SECONDS)
 
 
 async def abort(args: Any, rollout_id: int) -> list[list[Any]]:

@@ -32,6 +32,8 @@ from engines.simulator import SimConfig, start_simulator  # noqa: E402
 from engines.torch_engine import TorchEngineConfig, start_torch_engine  # noqa: E402
 
 MAX_NEW = 48
+#: slime/backends/sglang_utils/server_control.py ABORT_RETRY_INTERVAL_SECONDS
+ABORT_RETRY_INTERVAL_S = 3.0
 MODEL = ModelConfig(context_length=128)
 # Requests that last long enough (~0.1-0.3 s) for a pause or an abort to land mid-generation.
 SIM = dict(decode_tokens_per_s=200.0, length_median=30.0, length_p99=48.0, prefill_s=0.002)
@@ -52,13 +54,15 @@ def slime_update_weights(urls: list[str], version: int, model_path: str) -> None
 
 
 def slime_abort_until_idle(urls: list[str]) -> None:
-    """server_control.abort_server_until_idle: abort all, read the load, again until idle."""
+    """server_control.abort_server_until_idle: abort all, read the load, again until idle,
+    ABORT_RETRY_INTERVAL_SECONDS apart (a faster loop than slime's aborts a resubmitted
+    request before it could make progress, which no slime run does)."""
     def abort_once_and_idle(url: str) -> bool:
         http_call(url, "/abort_request", {"abort_all": True})
         return num_requests_from_load(http_call(url, "/v1/loads?include=core")[1]) == 0
 
     for url in urls:
-        wait_for(lambda: abort_once_and_idle(url), interval=0.2, what=f"{url} idle after abort_all")
+        wait_for(lambda: abort_once_and_idle(url), interval=ABORT_RETRY_INTERVAL_S, what=f"{url} idle after abort_all")
 
 
 def version_number(version: str) -> int:
