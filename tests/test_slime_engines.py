@@ -262,3 +262,34 @@ def test_a_worker_on_a_namespace_slime_owns_says_what_is_wrong_not_rollout_resum
     assert f"engine {foreign} still serves its initial weights (weight version 'default') while the slime " \
            f"adapter that owns this namespace's version is at rollout 3" in caplog.text
     assert f"engine {slimes} still serves" not in caplog.text
+
+
+def test_a_sample_aborted_at_its_last_token_is_masked_when_it_is_continued(two_sims, redis_url, queue, namespace):
+    """An abort that lands with the last allowed token: the sample comes back (a released
+    partial group) with nothing left to generate and is truncated without a request. With
+    off-policy masking its older segment must still be masked: it was trained unmasked
+    (loss_mask None), which is how tests of slime's weight updates saw it now and then."""
+    from pipeline.codec import decode_group
+    from pipeline.types import SEGMENTS_KEY, Status
+
+    sim, _ = two_sims
+    group = Group.fresh("g0", "lower: 1 plus 1", 2, label="2", row=0)
+    group.prompt_ids = [1, 2, 3]
+    for s in group.samples:  # 3 tokens under version 1, then 5 under version 2: MAX_NEW in all
+        s.tokens = [1, 2, 3] + [65] * MAX_NEW
+        s.response_length, s.response = MAX_NEW, "A" * MAX_NEW
+        s.rollout_log_probs = [-0.5] * MAX_NEW
+        s.weight_versions, s.metadata[SEGMENTS_KEY] = ["1", "2"], [3, MAX_NEW - 3]
+        s.status = Status.ABORTED
+    queue.push_groups([group])
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2,
+                                         mask_offpolicy_prefix=True))
+    try:
+        wait_for(lambda: queue.redis.xlen(queue.keys.results) == 1, what="the group published")
+    finally:
+        worker.stop()
+    entry = queue.read_stream(queue.keys.results)[0]
+    for s in decode_group(entry.data).samples:
+        assert s.status == Status.TRUNCATED and s.response_length == MAX_NEW
+        assert s.loss_mask == [0] * 3 + [1] * (MAX_NEW - 3)

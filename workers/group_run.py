@@ -271,7 +271,8 @@ class GroupRunner:
         while True:
             remaining = s.sampling.max_new_tokens - sample.response_length
             if remaining <= 0:
-                sample.status = Status.TRUNCATED  # nothing left to generate: no request
+                sample.status = Status.TRUNCATED  # nothing left to generate (aborted at its last token): no request
+                self._mask_offpolicy(sample)
                 return
             if self.ctx.paused or self.engine_health.down is not None:
                 # A weight update is under way (a request sent now would wait at the paused
@@ -480,8 +481,13 @@ class GroupRunner:
             metrics.SAMPLES_ABORTED.inc()
         if previous_mask is not None:
             sample.loss_mask = previous_mask + [1] * n_new
+        self._mask_offpolicy(sample)
+
+    def _mask_offpolicy(self, sample: Sample) -> None:
+        """With --mask-offpolicy-prefix, a finished sample's tokens from earlier weights get
+        loss_mask 0, however it finished (an answer, or nothing left to generate)."""
         if self.settings.mask_offpolicy_prefix and sample.status != Status.ABORTED:
-            sample.loss_mask = offpolicy_mask(sample.weight_versions, segments)
+            sample.loss_mask = offpolicy_mask(sample.weight_versions, sample.metadata.get(SEGMENTS_KEY, []))
 
     def _refuse_unusable_version(self, result: GenerateResult) -> None:
         """Staleness on the engines' clock needs integer versions; SGLang allows any string.
