@@ -12,6 +12,12 @@ trainers on one namespace never train the same group twice: the older one gets
 `next_batch(n)` reads `COUNT n-have` at a time, so it never takes more than it needs:
 the surplus stays undelivered. `commit()` acknowledges and deletes in one script;
 `release()` hands back a batch whose step failed. Redis outages are waited out.
+
+Every group delivered to a session, whichever way (read, taken over, handed back, held
+across a version change), is screened here and judged by one `Judge` (pipeline/screening.py):
+from a timeline the trainer left, refused by the trainer's own `check`, or too stale, it
+goes back to be generated again, once, counted in the batch's metrics; refusals then end
+the read with one `GroupsRefused`, after every refused group in the stream went back.
 """
 from __future__ import annotations
 
@@ -21,20 +27,21 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from . import metrics as prom
 from . import scripts
-from .codec import encode_group
 from .connection import socket_timeout_of
-from .control import ControlState, read_control
+from .control import ControlState, read_control, set_weight_version
 from .filters import FilterFn, apply_filter, load_filter
 from .keys import CONSUMER_GROUP
 from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect, RedisUnavailable
+from .rewind import Mark, mark_admitted, read_marks
+from .screening import BatchMetrics, GroupCheck, GroupsRefused, Judge, Refusal
 from .types import DeadReason, Group, VersionClock
 
 log = logging.getLogger(__name__)
@@ -47,30 +54,16 @@ DEFAULT_MAX_DELIVERIES = 5
 #: How long next_batch waits for groups the filter keeps before it fills the batch with
 #: rejected groups marked keep_when_insufficient (slime's "with fallback" filters).
 DEFAULT_FALLBACK_WAIT_S = 30.0
+#: Entries read per round when every entry left in the results stream is screened at once
+#: (after a refusal).
+SWEEP_PAGE = 256
 
-__all__ = ["Batch", "BatchMetrics", "BatchTimeout", "Consumer", "SessionFenced"]
+__all__ = ["Batch", "BatchMetrics", "BatchTimeout", "Consumer", "GroupCheck", "GroupsRefused", "Refusal",
+           "SessionFenced"]
 
 
 class BatchTimeout(TimeoutError):
     """next_batch gave up; the message says what the pipeline looked like."""
-
-
-@dataclass
-class BatchMetrics:
-    kept: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)  # reason -> count
-    restarted: int = 0  # too stale, sent back to the prompt list
-    dead: int = 0  # malformed, too stale too often, filter raised, delivered too often
-    duplicates: int = 0  # second copies of a group, discarded
-    ahead: int = 0  # groups with tokens from a weight version newer than the trainer's
-    kept_insufficient: int = 0  # rejected by the filter, kept because the batch could not fill
-    wait_s: float = 0.0
-    staleness: dict[int, int] = field(default_factory=dict)  # lag in versions -> groups
-
-    @property
-    def drop_ratio(self) -> float:
-        dropped = sum(self.dropped.values())
-        return dropped / (dropped + self.kept) if dropped + self.kept else 0.0
 
 
 @dataclass
@@ -106,17 +99,16 @@ class Consumer:
                  max_restarts: int = DEFAULT_MAX_RESTARTS, max_deliveries: int = DEFAULT_MAX_DELIVERIES,
                  block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
                  outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int = 0,
-                 replica_timeout_s: float = 5.0):
-        if stale_policy not in ("restart", "drop"):
-            raise ValueError(f"unknown stale_policy {stale_policy!r}: use restart or drop")
+                 replica_timeout_s: float = 5.0, check: GroupCheck | None = None):
         self.queue = Queue(client, namespace)
         self.redis = client
         self.keys = self.queue.keys
         self.name = consumer
         self.filter = load_filter(filter) if isinstance(filter, str) else filter
         self.filter_args = filter_args
-        self.stale_policy = stale_policy
-        self.max_restarts = max_restarts
+        self.judge = Judge(stale_policy, max_restarts, check)
+        # Counted by screens outside next_batch (hand-backs, commit_trained): in the next batch's metrics.
+        self._screened = BatchMetrics()
         self.max_deliveries = max_deliveries
         self.fallback_wait_s = fallback_wait_s
         # A commit returns once this many replicas have it (WAIT): a failover to one of
@@ -205,17 +197,19 @@ class Consumer:
 
     def _screen(self, entries: list[tuple[StreamEntry, int]], control: ControlState, metrics: BatchMetrics,
                 deadline: float | None) -> None:
-        """Keep what may be trained on; settle the rest (malformed, duplicate, stale,
-        filtered, delivered too often). `entries` come with their delivery counts."""
+        """Keep what may be trained on; settle the rest (malformed, duplicate, delivered too
+        often, then as the judge says, then filtered). `entries` come with their delivery counts."""
         if not entries:
             return
         settle: list[Settle] = []
-        scores = self.call(self.redis.zmscore, self.keys.committed, [e.group_id or "?" for e, _ in entries],
-                            deadline=deadline)
-        held_ids = ({h.group.group_id for h in self._held + self._fallback}
-                    | {e.group_id for e in self._uncommitted.values()})
-        for (entry, deliveries), committed_at in zip(entries, scores):
-            if committed_at is not None or entry.group_id in held_ids:
+        counted = (metrics.abandoned, metrics.ahead)
+        gids = [e.group_id or "?" for e, _ in entries]
+        scores, marks = self.call(self._committed_and_marks, gids, deadline=deadline)
+        seen = ({h.group.group_id for h in self._held + self._fallback}
+                | {e.group_id for e in self._uncommitted.values()})
+        candidates: list[tuple[StreamEntry, Group, Mark | None]] = []
+        for (entry, deliveries), committed_at, mark in zip(entries, scores, marks):
+            if committed_at is not None or entry.group_id in seen:
                 log.warning("group %s: already trained on or held; dropping duplicate entry %s",
                             entry.group_id, entry.entry_id)
                 settle.append(Settle("duplicate", entry.entry_id, entry.group_id, token=entry.token))
@@ -235,11 +229,13 @@ class Consumer:
                                      DeadReason.DELIVERIES))
                 metrics.dead += 1
                 continue
-            lag = control.lag(group)
-            if lag < 0:
-                metrics.ahead += 1
-            if control.max_staleness is not None and lag > control.max_staleness:
-                settle.append(self._stale(entry, group, lag, control, metrics))
+            seen.add(group.group_id)
+            candidates.append((entry, group, mark))
+        refusals = self.judge.refusals([g for _, g, _ in candidates])
+        for (entry, group, mark), refusal in zip(candidates, refusals):
+            judged = self.judge.judge(entry, group, mark, refusal, control, metrics)
+            if judged is not None:
+                settle.append(judged)
                 continue
             if self.filter is not None:
                 try:
@@ -252,79 +248,75 @@ class Consumer:
                     metrics.dead += 1
                     continue
                 if verdict.fallback:
-                    held_ids.add(group.group_id)
                     self._fallback.append(_Held(entry, group, verdict.reason))
                     continue
                 if not verdict.keep:
                     settle.append(Settle("drop", entry.entry_id, group.group_id, verdict.reason, token=entry.token))
                     metrics.dropped[verdict.reason] = metrics.dropped.get(verdict.reason, 0) + 1
                     continue
-            held_ids.add(group.group_id)
             self._held.append(_Held(entry, group))
-        if metrics.ahead and control.version_clock == VersionClock.QUEUE:
-            log.info("%d groups were admitted at versions after the trainer's %d (a trainer resumed from an "
-                     "earlier checkpoint); delivering them", metrics.ahead, control.weight_version)
-        elif metrics.ahead:
-            log.warning("%d groups carry weight versions newer than the trainer's %d: bump the queue's version "
-                        "with every weight update (Controller.resume(weight_version=...))", metrics.ahead,
-                        control.weight_version)
         self._settle(settle, deadline)
+        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None], deadline)
+        self.judge.report(metrics.abandoned - counted[0], metrics.ahead - counted[1], control)
 
-    def _stale(self, entry: StreamEntry, group: Group, lag: int, control: ControlState,
-               metrics: BatchMetrics) -> Settle:
-        reason = f"stale: {lag} versions behind (max {control.max_staleness})"
-        if self.stale_policy == "drop":
-            metrics.dropped["stale"] = metrics.dropped.get("stale", 0) + 1
-            return Settle("drop", entry.entry_id, group.group_id, reason, token=entry.token)
-        if group.restarts >= self.max_restarts:
-            log.error("group %s: %s after %d restarts; dead-lettering it", group.group_id, reason, group.restarts)
-            metrics.dead += 1
-            group.error = f"{reason}; restarted {group.restarts} times"
-            return Settle("dead", entry.entry_id, group.group_id, group.error, encode_group(group), entry.token,
-                          DeadReason.STALE)
-        log.info("group %s: %s; restarting it from its prompt", group.group_id, reason)
-        metrics.restarted += 1
-        return self._restart(entry, group, control, "stale restart")
+    def _committed_and_marks(self, group_ids: list[str]) -> tuple[list, list[Mark | None]]:
+        """Which of these groups were committed already, and their rewind marks (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zmscore(self.keys.committed, group_ids)
+        pipe.hmget(self.keys.abandoned, group_ids)
+        scores, marks = pipe.execute()
+        return scores, [Mark.decode(m) for m in marks]
 
-    @staticmethod
-    def _restart(entry: StreamEntry, group: Group, control: ControlState, why: str) -> Settle:
-        group.reset()
-        group.restarts += 1
-        # Generated again from the prompt, under at least the current version. (None would
-        # let claim fill in the first admission's version from the admitted hash, and a
-        # group whose samples carry no weight versions would be judged stale forever.)
-        group.admitted_version = control.weight_version
-        return Settle("prompt", entry.entry_id, group.group_id, why, encode_group(group), entry.token)
+    def _forget_marks(self, group_ids: list[str], deadline: float | None) -> None:
+        """The delivered copies of these marked groups were judged (after their settle: a
+        crash in between regenerates a group once more, never trains it)."""
+        if group_ids:
+            self.call(self.redis.hdel, self.keys.abandoned, *group_ids, deadline=deadline)
 
-    def restart(self, batch: Batch, why: str) -> None:
-        """Send a delivered batch's groups back to the prompt list, to be generated again
-        from their prompts (they cannot be trained on as they are; `why` says so)."""
-        if self.session is None:
-            raise ValueError("restart: this consumer has not delivered any batch")
-        control = self.call(read_control, self.redis, self.keys)
-        items = [self._restart(e, g, control, why) for e, g in zip(batch.entries, batch.groups)
-                 if self._uncommitted.pop(e.entry_id, None) is not None]
-        self._settle(items)
+    def _refuse(self, control: ControlState, metrics: BatchMetrics, deadline: float | None) -> None:
+        """Groups were refused: screen every entry left in the results stream as well, so
+        every group the same cause made goes back now (the rest stay held), then raise once."""
+        while entries := self._read(SWEEP_PAGE, deadline)[0]:
+            self._screen([(e, 1) for e in entries], control, metrics, deadline)
+        refused, self.judge.refused = self.judge.refused, []
+        raise GroupsRefused(refused, metrics)
 
     def _recheck_held(self, control: ControlState, metrics: BatchMetrics, deadline: float | None) -> None:
-        """Held groups were screened at an earlier weight version (a recovered surplus, or
-        groups read before a timeout): if the version moved on, check staleness again
-        before delivering them."""
+        """Held groups were judged at an earlier weight version (a recovered surplus, or
+        groups read before a timeout): if the version moved on or went back, judge them again."""
         if control.weight_version == self._held_version:
             return
         self._held_version = control.weight_version
-        if control.max_staleness is None or not self._held:
+        if not self._held:
             return
+        gids = [h.group.group_id for h in self._held]
+        counted = (metrics.abandoned, metrics.ahead)
+        marks = self.call(read_marks, self.redis, self.keys, gids, deadline=deadline)
         keep, settle = [], []
-        for h in self._held:
-            lag = control.lag(h.group)
-            if lag > control.max_staleness:
-                settle.append(self._stale(h.entry, h.group, lag, control, metrics))
-            else:
+        for h, mark in zip(self._held, marks):
+            judged = self.judge.judge(h.entry, h.group, mark, None, control, metrics)
+            if judged is None:
                 keep.append(h)
-        if settle:
-            self._held = keep
-            self._settle(settle, deadline)
+            else:
+                settle.append(judged)
+        self._held = keep
+        self._settle(settle, deadline)
+        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None], deadline)
+        self.judge.report(metrics.abandoned - counted[0], metrics.ahead - counted[1], control)
+
+    def set_weight_version(self, version: int, *, restart_budget: bool = False) -> None:
+        """The trainer's weight version (pipeline.control.set_weight_version, through this
+        consumer's reconnect and replicas). On the queue's clock, a trainer's (re)start
+        (`restart_budget`) or a lower version than the last marks every group admitted so
+        far: one admitted after `version` is from a timeline the trainer left (pipeline/rewind.py)."""
+        before = self.call(read_control, self.redis, self.keys)
+        self.call(set_weight_version, self.redis, self.keys, version, restart_budget=restart_budget,
+                  durability=self.durability)
+        if before.version_clock == VersionClock.QUEUE and (restart_budget or version < before.weight_version):
+            marked = self.call(mark_admitted, self.redis, self.keys, version)
+            log.info("the queue's clock is at version %d (it was at %d): %d groups admitted so far are marked; a "
+                     "copy admitted after %d is generated again when delivered", version, before.weight_version,
+                     marked, version)
 
     # -- batches -------------------------------------------------------------------------
 
@@ -363,7 +355,7 @@ class Consumer:
         SessionFenced when a newer trainer session took over."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        metrics = BatchMetrics()
+        metrics, self._screened = self._screened, BatchMetrics()
         control = self.call(read_control, self.redis, self.keys, deadline=deadline)
         self._check_batch_size(n, control)
         if self.session is None:
@@ -390,6 +382,8 @@ class Consumer:
                 control = self.call(read_control, self.redis, self.keys, deadline=deadline)
                 self._recheck_held(control, metrics, deadline)
                 self._screen(delivered, control, metrics, deadline)
+            if self.judge.refused:
+                self._refuse(control, metrics, deadline)
             # With no wait (slime's rule: kept at once when what was read cannot fill the
             # batch), once a read finds nothing more to screen.
             waited = time.monotonic() - started >= self.fallback_wait_s
@@ -547,7 +541,7 @@ class Consumer:
         trained = [(e, n) for e, n in pending if e.entry_id in entry_ids]
         items = [Settle("commit", e.entry_id, e.group_id, batch_id, token=e.token) for e, _ in trained]
         settled, already = self._settle(items)
-        self._screen([(e, n) for e, n in pending if e.entry_id not in entry_ids], control, BatchMetrics(), None)
+        self._screen([(e, n) for e, n in pending if e.entry_id not in entry_ids], control, self._screened, None)
         self._held_version = control.weight_version
         return settled + already
 
@@ -572,7 +566,7 @@ class Consumer:
         released = [(by_id[eid], int(c)) for eid, c in zip(ids, counts) if int(c)]
         held, self._held = self._held, []
         control = self.call(read_control, self.redis, self.keys)
-        self._screen(released, control, BatchMetrics(), None)
+        self._screen(released, control, self._screened, None)
         self._held += held
 
     # -- diagnosis -------------------------------------------------------------------
@@ -616,10 +610,11 @@ class Consumer:
             reasons.append(f"{dead} dead letter{'' if dead == 1 else 's'}")
         limit = control.staleness_limit
         if limit is not None and control.admitted >= limit:
+            bump = ("the slime adapter sets it to the rollout id it reads" if control.version_clock == VersionClock.QUEUE
+                    else "Controller.resume(weight_version=...) after each step")
             reasons.append(
                 f"the staleness budget is spent ({control.admitted}/{limit} admitted at version "
                 f"{control.weight_version}, {control.committed} committed): admission reopens when the weight "
-                f"version moves on, one bump per {control.batch_size} committed groups "
-                f"(Controller.resume(weight_version=...) after each step)")
+                f"version moves on, one bump per {control.batch_size} committed groups ({bump})")
         waited = "" if timeout is None else f" after {timeout:g}s"
         return f"next_batch({n}) timed out{waited} with {have} of {n} groups: " + "; ".join(reasons)

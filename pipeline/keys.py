@@ -116,6 +116,11 @@ class Keys:
         return self._key("slime_rollouts")
 
     @property
+    def abandoned(self) -> str:  # HASH group id -> the version the queue's clock went back to while it was
+        # admitted (pipeline/rewind.py), until the Consumer judges its next delivery
+        return self._key("abandoned")
+
+    @property
     def trainer(self) -> str:  # HASH generation, session, info: the current trainer session
         return self._key("trainer")
 
@@ -177,4 +182,5 @@ class Keys:
             self.claims, self.history, self.reaped, self.trainer, self.results, self.requeue, self.dead,
             self.dropped, self.committed, self.control, self.stats, self.dataset, self.holders, self.beats,
             self.checkpoints, self.checkpoint_records,
+            self.abandoned,
         ]

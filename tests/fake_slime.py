@@ -4,10 +4,11 @@ It mirrors the signatures and types of slime 0.3.1 / main 624b824 that the adapt
 meets, written from their documented behaviour (not copied): `Sample` with
 `rollout_id` and the top-p replay fields, `RolloutFnTrainOutput`,
 `RolloutFnEvalOutput`, `DynamicFilterOutput` with `keep_when_insufficient` and the
-rule that applies it, the nonzero-std filters, the data-source calls of
-`sglang_rollout.generate_rollout` (over finished groups), the abstract `DataSource`, slime's
-`load_tokenizer`, and the checks of `RolloutManager._convert_samples_to_train_data`
-that a batch must pass. `install(monkeypatch)` puts it in sys.modules.
+rule that applies it, the nonzero-std filters, the abstract `DataSource` and slime's
+`load_tokenizer`. slime's own rollout path (its default rollout, rewards, sample hooks,
+RolloutManager with the checks a batch must pass, train_async.py) is in
+tests/fake_slime_rollout.py, step by step as slime's code runs it.
+`install(monkeypatch)` puts both in sys.modules.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from tests import fake_slime_rollout as rollout
 from workers.tokenizer import load_tokenizer as _our_tokenizer
 
 
@@ -51,7 +53,9 @@ class Sample:
 
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
+    generate_function_path: str | None = None
     custom_rm_path: str | None = None
+    session_id: str | None = None
 
     def to_dict(self):
         value = self.__dict__.copy()
@@ -154,51 +158,6 @@ class HttpUtils:
             return await r.json()
 
 
-async def async_rm(args, sample, **kwargs):
-    """slime.rollout.rm_hub.async_rm's dispatch: args.custom_rm_path first, then rm_type."""
-    if args.custom_rm_path is not None:
-        module, _, name = args.custom_rm_path.rpartition(".")
-        return await getattr(sys.modules[module], name)(args, sample, **kwargs)
-    if args.rm_type == "math":
-        return 1 if sample.response.strip() == str(sample.label).strip() else 0
-    raise NotImplementedError(f"Rule-based RM for {args.rm_type} is not implemented.")
-
-
-def generate_rollout(args, rollout_id, data_source, evaluation=False):
-    """slime.rollout.sglang_rollout.generate_rollout (generate_rollout_async) over a data
-    source of finished groups, in slime's order: read --over-sampling-batch-size groups
-    while fewer than the batch are outstanding, screen each finished group with the dynamic
-    filter (a drop makes it read again), keep the first --rollout-batch-size; what is still
-    outstanding then is aborted, never trained (given back with add_samples under
-    --partial-rollout). The kept groups, sorted by index, go to --rollout-sample-filter-path
-    and are returned. Groups finish here in the order they were read."""
-    from pipeline.filters import load_object
-
-    dynamic_filter = load_object(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
-    target = args.rollout_batch_size
-    outstanding: list[list[Sample]] = []
-    remaining, data = 0, []
-    while len(data) < target:
-        while remaining < target:
-            samples = data_source.get_samples(args.over_sampling_batch_size)
-            outstanding += samples
-            remaining += len(samples)
-        group = outstanding.pop(0)
-        output = dynamic_filter(args, group) if dynamic_filter else DynamicFilterOutput(keep=True)
-        if not isinstance(output, DynamicFilterOutput):
-            output = DynamicFilterOutput(keep=output)
-        if should_drop_dynamic_filter_output(output, remaining_batch_size=remaining, target_data_size=target):
-            remaining -= 1
-            continue
-        data.append(group)
-    data.sort(key=lambda group: group[0].index)
-    if getattr(args, "rollout_sample_filter_path", None):
-        load_object(args.rollout_sample_filter_path)(args, data)
-    if getattr(args, "partial_rollout", False) and outstanding:
-        data_source.add_samples(outstanding)
-    return RolloutFnTrainOutput(samples=data, metrics={})
-
-
 _current_rollout_id: int | None = None
 
 
@@ -216,19 +175,25 @@ def install(monkeypatch, *, version_features: bool = True) -> None:
         "slime.utils.processing_utils": {"load_tokenizer": load_tokenizer},
         "slime.utils.http_utils": {"init_http_client": HttpUtils.init_http_client, "post": HttpUtils.post},
         "slime.rollout.base_types": ({"RolloutFnTrainOutput": RolloutFnTrainOutput,
-                                      "RolloutFnEvalOutput": RolloutFnEvalOutput} if version_features else {}),
+                                      "RolloutFnEvalOutput": RolloutFnEvalOutput, "call_rollout_fn": rollout.call_rollout_fn}
+                                     if version_features else {}),
         "slime.rollout.data_source": {"DataSource": DataSource} if version_features else {},
-        "slime.rollout.rm_hub": {"async_rm": async_rm},
-        "slime.rollout.sglang_rollout": {"generate_rollout": generate_rollout},
-        "slime.rollout.sample_hooks": {"_current_rollout_id": None, "set_current_rollout_id": set_current_rollout_id},
+        "slime.utils.misc": {"load_function": rollout.load_function},
+        "slime.rollout.rm_hub": {"async_rm": rollout.async_rm, "batched_async_rm": rollout.batched_async_rm},
+        "slime.rollout.sglang_rollout": {"generate_rollout": rollout.generate_rollout,
+                                         "generate_and_rm": rollout.generate_and_rm, "abort": rollout.abort},
+        "slime.rollout.sample_hooks": {"_current_rollout_id": None, "set_current_rollout_id": set_current_rollout_id,
+                                       "apply_rollout_sample_hooks": rollout.apply_rollout_sample_hooks},
+        "slime.ray": {}, "slime.ray.rollout": {"RolloutManager": rollout.RolloutManager},
         "slime.rollout.filter_hub.base_types": {
-            "DynamicFilterOutput": DynamicFilterOutput,
+            "DynamicFilterOutput": DynamicFilterOutput, "call_dynamic_filter": rollout.call_dynamic_filter,
             "should_drop_dynamic_filter_output": should_drop_dynamic_filter_output},
         "slime.rollout.filter_hub.dynamic_sampling_filters": {
             "check_reward_nonzero_std": check_reward_nonzero_std,
             "check_reward_nonzero_std_with_fallback": check_reward_nonzero_std_with_fallback},
     }
     monkeypatch.setattr(HttpUtils, "client_args", None)
+    monkeypatch.setattr(rollout.GenerateState, "instance", None)  # slime's singleton: one per process
     for name, attrs in tree.items():
         module = types.ModuleType(name)
         module.__dict__.update(attrs)

@@ -214,7 +214,7 @@ def test_the_slime_data_source_rides_out_outages(durable, monkeypatch):
     from pipeline.trainers import slime_adapter as sa
     from pipeline.trainers import slime_types as st
     from tests import fake_slime
-    from tests.test_slime_adapter import publish_results
+    from tests.slime_helpers import publish_results
 
     monkeypatch.setitem(sys.modules, "slime", None)
     fake_slime.install(monkeypatch)

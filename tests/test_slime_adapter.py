@@ -1,109 +1,43 @@
-"""pipeline.trainers.slime_adapter: slime's rollout function and data source over the queue,
-with the stand-in types (slime not installed) and with the stand-in `slime` package
+"""pipeline.trainers.slime_adapter: slime's rollout function and data source over the queue
+(types, the rollout function, commits that follow checkpoints, the data source), with the
+stand-in types (slime not installed) and with the stand-in `slime` package
 (tests/fake_slime.py) in sys.modules, against a real redis-server."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 
-from pipeline.trainers import slime_adapter as sa
-from pipeline.trainers import slime_types as st
-from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
 from pipeline.consumer import BatchMetrics
 from pipeline.control import configure, read_control
-from pipeline.filters import DynamicFilterOutput
-from pipeline.queue import ClaimStatus, Place
-from pipeline.trainers.slime_checks import SamplingMismatch, SlimeConfigError
+from pipeline.ops.audit import audit
+from pipeline.trainers import slime_adapter as sa
+from pipeline.trainers import slime_types as st
+from pipeline.trainers.slime_checks import SlimeConfigError
 from pipeline.trainers.slime_metrics import slime_metrics
-from pipeline.types import Group, Sample, SamplingRecord, Status, VersionClock
+from pipeline.types import Group, Sample, Status, VersionClock
 from tests import fake_slime
 from tests.fake_slime import Sample as FakeSlimeSample
-from tests.groups import claim, publish
-
-N = 2  # samples per group
-PROMPT = [1, 2, 3]
-SAMPLING = SamplingRecord(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64)
-
-
-@pytest.fixture
-def fake_slime_installed(monkeypatch):
-    fake_slime.install(monkeypatch)
-    st.slime_types.cache_clear()
-    yield
-    st.slime_types.cache_clear()
-
-
-@pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    monkeypatch.setitem(sys.modules, "slime", None)  # not importable unless a test installs the stand-in
-    st.slime_types.cache_clear()
-    sa.reset_default_sources()
-    yield
-    sa.reset_default_sources()
-    st.slime_types.cache_clear()
-
-
-# -- helpers ------------------------------------------------------------------------------
-
-
-def finished(row: int, rewards: list | None = None, version: int = 0, sampling: SamplingRecord | None = SAMPLING,
-             prefix: str = "g") -> Group:
-    """Group `g<row>`: sample i has 1 + i + row % 3 response tokens 100*row + 10*i + k."""
-    group = Group.fresh(f"{prefix}{row}", f"prompt {row}", N, label=str(row), row=row)
-    group.prompt_ids = list(PROMPT)
-    group.sampling, group.worker = sampling, "w"
-    for i, s in enumerate(group.samples):
-        n = 1 + i + row % 3
-        s.tokens = PROMPT + [100 * row + 10 * i + k for k in range(n)]
-        s.response_length = n
-        s.response = "x" * n
-        s.rollout_log_probs = [-(k + 1) / 4 for k in range(n)]
-        s.loss_mask = [1] * n
-        s.weight_versions = [str(version)]
-        s.reward = (rewards or [float(i)] * N)[i]
-        s.status = Status.TRUNCATED if i == N - 1 else Status.COMPLETED
-    return group
-
-
-def publish_results(queue, rows: list[int], keep_response_text: bool = False, **kwargs) -> list[Group]:
-    """Push, claim and publish finished groups, in the order given."""
-    groups = [finished(r, **kwargs) for r in rows]
-    queue.push_groups([Group.fresh(g.group_id, g.samples[0].prompt, N, row=g.row) for g in groups])
-    claimed = claim(queue, "w", len(groups))
-    assert [c.group_id for c in claimed.groups] == [g.group_id for g in groups]
-    for c, g in zip(claimed.groups, groups):
-        g.admitted_version = c.group.admitted_version
-        assert publish(queue, "w", g, Place.RESULTS, keep_response_text=keep_response_text)
-    return groups
-
-
-def make_args(redis_url: str, namespace: str, **kwargs) -> SimpleNamespace:
-    return SimpleNamespace(rollout_batch_size=2, n_samples_per_prompt=N, rollout_redis_url=redis_url,
-                           rollout_namespace=namespace, reward_key=None, **kwargs)
-
-
-def rows_of(groups: list[list]) -> list[int]:
-    return [g[0].group_index for g in groups]
-
-
-def committed(queue) -> int:
-    return queue.stats().get("committed", 0)
-
-
-def read_records(queue) -> int:
-    """Entries the adapter recorded as read and not committed (not the checkpoint records)."""
-    checkpoint = sa.CHECKPOINT_FIELD.encode()
-    return sum(1 for k in queue.redis.hkeys(queue.keys.slime_rollouts) if not k.startswith(checkpoint))
-
+from tests.fake_slime_rollout import RolloutManager, slime_args
+from tests.slime_helpers import (  # noqa: F401 (fixtures)
+    PROMPT,
+    N,
+    clean_state,
+    committed,
+    fake_slime_installed,
+    finished,
+    make_args,
+    publish_results,
+    read_records,
+    rows_of,
+    sim,
+)
 
 # -- types (item 6) -------------------------------------------------------------------------
 
@@ -309,10 +243,11 @@ def drop_row_1_on_second_sight(args, samples):
 
 
 def slimes_rollout_args(redis_url, namespace, **kwargs):
-    return make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     over_sampling_batch_size=2, dynamic_sampling_filter_path=f"{__name__}.drop_row_1_on_second_sight",
-                     rollout_sample_filter_path="pipeline.trainers.slime_adapter.record_trained", save="/ckpt",
-                     save_interval=1, **kwargs)
+    return slime_args(rollout_batch_size=2, n_samples_per_prompt=N, rollout_redis_url=redis_url,
+                      rollout_namespace=namespace, data_source_path="pipeline.trainers.slime_adapter.RedisDataSource",
+                      dynamic_sampling_filter_path=f"{__name__}.drop_row_1_on_second_sight",
+                      rollout_sample_filter_path="pipeline.trainers.slime_adapter.record_trained", save="/ckpt",
+                      save_interval=1, **kwargs)
 
 
 @pytest.mark.parametrize("partial_rollout", [False, True])
@@ -325,17 +260,16 @@ def test_a_refill_within_a_rollout_commits_only_the_groups_slimes_rollout_trains
     monkeypatch.setattr(sys.modules[__name__], "SIGHTS", {})
     publish_results(queue, list(range(8)), keep_response_text=True)
     args = slimes_rollout_args(redis_url, namespace, partial_rollout=partial_rollout)
-    source = sa.RedisDataSource(args)
-    source.load(-1)
+    manager = RolloutManager(args)  # slime's RolloutManager over RedisDataSource, its default rollout
+    manager.load(-1)
     trained = []
     for rollout_id in range(3):
-        fake_slime.set_current_rollout_id(rollout_id)
-        out = fake_slime.generate_rollout(args, rollout_id, source)
-        trained.append(rows_of(out.samples))
-        source.save(rollout_id)
+        out = manager.generate(rollout_id)
+        trained.append(sorted({i // N for i in out["sample_indices"]}))
+        manager.save(rollout_id)
         assert committed(queue) == 2 * (rollout_id + 1), trained
     assert trained == [[0, 2], [1, 3], [4, 5]]
-    assert read_records(queue) == 0 and source.pending_batches == 0
+    assert read_records(queue) == 0 and manager.data_source.pending_batches == 0
     assert queue.redis.xlen(queue.keys.results) == 2 and queue.redis.llen(queue.keys.prompts) == 0
     assert audit(queue).ok, audit(queue).summary()
 
@@ -406,218 +340,6 @@ def test_timeout_says_why(redis_url, namespace):
     args = make_args(redis_url, namespace, rollout_batch_timeout=0.3)
     with pytest.raises(TimeoutError, match="next_batch\\(2\\) timed out.*prompt list is empty"):
         sa.generate_rollout(args, 0, None)
-
-
-# -- staleness (item 1) ---------------------------------------------------------------------------
-
-
-class SlimeEngines:
-    """Workers generating against engines whose weights slime updates: slime's updater
-    numbers the weights of every run from 1 (π_r is "r + 1" in a run started at 0)."""
-
-    def __init__(self, queue, namespace: str):
-        self.queue, self.version, self.rows = queue, 1, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.queue.push_groups([Group.fresh(f"p{self.rows + i}", "p", N, row=self.rows + i) for i in range(2)])
-            self.rows += 2
-            c = claim(self.queue, "w", 2)
-            for x in c.groups:
-                g = finished(int(x.group_id[1:]), version=self.version, prefix="p")
-                g.admitted_version = x.group.admitted_version
-                publish(self.queue, "w", x, group=g)
-            if c.status in (ClaimStatus.BUDGET, ClaimStatus.BACKLOG):
-                self.stop.wait(0.005)
-
-
-def test_staleness_follows_slime_for_20_rollouts(fake_slime_installed, queue, redis_url, namespace):
-    """η = 1 under slime's train.py loop: generate r, train, update the engines' weights.
-    Never blocks, never delivers a group whose tokens come from weights older than π_{r-1}."""
-    args = make_args(redis_url, namespace, rollout_max_staleness=1, rollout_batch_timeout=20)
-    engines = SlimeEngines(queue, namespace)
-    engines.thread.start()
-    try:
-        source = sa.RedisDataSource(args)
-        control = read_control(queue.redis, queue.keys)
-        assert (control.max_staleness, control.batch_size) == (1, 2)
-        lags = []
-        for r in range(20):
-            out = sa.generate_rollout(args, r, source)
-            generated = [int(s.weight_versions[0]) - 1 for g in out.samples for s in g]  # π index
-            lags += [r - pi for pi in generated]
-            assert min(out.metrics[k] for k in out.metrics if k.startswith("rollout/queue/staleness/")) >= 0
-            engines.version += 1  # update_weights after the step: π_{r+1}
-    finally:
-        engines.stop.set()
-        engines.thread.join()
-    assert max(lags) <= 1 and min(lags) >= 0, lags
-    assert read_control(queue.redis, queue.keys).weight_version == 19
-
-
-# -- what slime must not train on (items 3, 5, 9) ---------------------------------------------------
-
-
-@pytest.mark.parametrize("slime, recorded, flag", [
-    ({"rollout_stop": ["</answer>"]}, {}, "--stop '</answer>'"),
-    ({"rollout_stop_token_ids": [7, 9]}, {"stop_token_ids": (9,)}, "--stop-token-id 7 --stop-token-id 9"),
-    ({"rollout_skip_special_tokens": False}, {"skip_special_tokens": True}, "--keep-special-tokens"),
-])
-def test_stop_strings_stop_ids_and_special_tokens_are_compared_with_slimes(queue, redis_url, namespace, slime,
-                                                                             recorded, flag):
-    """Issue 27: stop strings, stop token ids and skip_special_tokens shape what a sample
-    is (where it ends, the text its reward reads), and were not compared."""
-    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, **recorded))
-    with pytest.raises(sa.SamplingMismatch, match=f"start the workers with {re.escape(flag)}"):
-        sa.generate_rollout(make_args(redis_url, namespace, **slime), 0, None)
-
-
-def test_stop_settings_that_match_are_accepted_in_any_order(queue, redis_url, namespace):
-    publish_results(queue, [0, 1], sampling=SamplingRecord(1.0, 1.0, -1, 64, ("b", "a"), (9, 7), False))
-    args = make_args(redis_url, namespace, rollout_stop=["a", "b"], rollout_stop_token_ids=[7, 9],
-                     rollout_skip_special_tokens=False)
-    assert len(sa.generate_rollout(args, 0, None).samples) == 2
-
-
-def test_top_p_other_than_one_is_refused(redis_url, namespace):
-    with pytest.raises(SlimeConfigError, match="--rollout-top-p 0.9.*rollout_top_p_token_ids"):
-        sa.RedisDataSource(make_args(redis_url, namespace, rollout_top_p=0.9))
-
-
-def test_over_sampling_with_slimes_rollout_is_refused(redis_url, namespace):
-    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     over_sampling_batch_size=6)
-    with pytest.raises(SlimeConfigError, match="--over-sampling-batch-size 6 != --rollout-batch-size 2"):
-        sa.RedisDataSource(args)
-    args.over_sampling_batch_size = 2
-    source = sa.RedisDataSource(args)
-    with pytest.raises(SlimeConfigError, match="get_samples\\(6\\) but --rollout-batch-size is 2"):
-        source.get_samples(6)
-
-
-@pytest.mark.parametrize("flag, value, advice", [
-    ("custom_rm_path", "my.rm", "rollout worker --reward my.rm"),
-    ("rm_type", "math", "--reward slime.rollout.rm_hub.async_rm --rm-type math"),
-    ("group_rm", True, "--group-reward"),
-    ("custom_generate_function_path", "my.gen", "rollout worker --generate-function my.gen"),
-    ("rollout_sample_hook_path", ["my.hook"], "--generate-function or --reward"),
-    ("rollout_sample_filter_path", "my.filter", "--dynamic-sampling-filter-path"),
-    ("rollout_all_samples_process_path", "my.process", "--reward"),
-    ("buffer_filter_path", "my.buffer", "--dynamic-sampling-filter-path"),
-    ("mask_offpolicy_in_partial_rollout", True, "rollout worker --mask-offpolicy-prefix"),
-    ("over_sampling_batch_size", 6, "reads exactly --rollout-batch-size 2"),
-])
-def test_slime_flags_the_queues_rollout_would_ignore_are_refused_with_what_to_do(redis_url, namespace, flag,
-                                                                                 value, advice):
-    """Issue 27: accepted and silently ignored under the queue's rollout function."""
-    cli_flag = "--" + flag.replace("_", "-")
-    with pytest.raises(SlimeConfigError, match=f"{cli_flag}: .*{re.escape(advice)}"):
-        sa.RedisDataSource(make_args(redis_url, namespace, **{flag: value}))
-    # slime's defaults pass
-    sa.RedisDataSource(make_args(redis_url, namespace, rollout_sample_hook_path=[], group_rm=False,
-                                 over_sampling_batch_size=2, partial_rollout=True))
-
-
-def test_offpolicy_masking_by_slimes_rollout_over_the_data_source_is_refused(redis_url, namespace):
-    """slime's rollout masks the previous off-policy output of samples it continues; over
-    RedisDataSource every sample is finished, and every loss mask came out zero."""
-    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     partial_rollout=True, mask_offpolicy_in_partial_rollout=True, hf_checkpoint="bytes")
-    with pytest.raises(SlimeConfigError, match="would zero every loss mask.*--mask-offpolicy-prefix"):
-        sa.RedisDataSource(args)
-
-
-def test_fully_async_rollout_is_refused(redis_url, namespace):
-    args = make_args(redis_url, namespace,
-                     rollout_function_path="slime.rollout.fully_async_rollout.generate_rollout_fully_async")
-    with pytest.raises(SlimeConfigError, match="get_samples\\(1\\) per group from a thread"):
-        sa.RedisDataSource(args)
-
-
-def test_groups_sampled_otherwise_are_refused_and_regenerated(queue, redis_url, namespace):
-    publish_results(queue, [0], sampling=SamplingRecord(0.7, 1.0, -1, 64))
-    publish_results(queue, [1])
-    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=64)
-    with pytest.raises(SamplingMismatch, match="g0 was sampled by worker w with temperature 0.7, slime trains "
-                                               "with --rollout-temperature 1.0: start the workers with "
-                                               "--temperature 1.0"):
-        sa.generate_rollout(args, 0, None)
-    assert queue.redis.lrange(queue.keys.prompts, 0, -1) == [b"g0"]  # to be generated again
-    assert decode_group(queue.redis.hget(queue.keys.payloads, "g0")).samples[0].tokens == []
-    publish_results(queue, [0])  # a worker with the right settings generates it again
-    assert rows_of(sa.generate_rollout(args, 0, None).samples) == [0, 1]  # g1 came back first
-    publish_results(queue, [2], sampling=None)
-    publish_results(queue, [3])
-    with pytest.raises(SamplingMismatch, match="g2 carries no sampling settings"):
-        sa.generate_rollout(args, 1, None)
-    publish_results(queue, [2])
-    assert rows_of(sa.generate_rollout(args, 1, None).samples) == [2, 3]
-    assert audit(queue).ok, audit(queue).summary()
-
-
-# -- filters (item 7) --------------------------------------------------------------------------------
-
-
-def nonzero_std(args, samples, **kwargs):
-    """A slime-style filter: calls slime's Sample method, returns slime's output type."""
-    rewards = [s.get_reward_value(args) for s in samples]
-    keep = len(set(rewards)) > 1
-    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
-
-
-def test_slime_dynamic_filter_gets_slime_samples(fake_slime_installed, queue, redis_url, namespace):
-    publish_results(queue, [0, 1], rewards=[1.0, 1.0])
-    publish_results(queue, [2, 3, 4])
-    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.nonzero_std")
-    out = sa.generate_rollout(args, 0, None)
-    assert rows_of(out.samples) == [2, 3]
-    assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2
-    assert out.metrics["rollout/queue/dropped"] == 2 and out.metrics["rollout/queue/drop_ratio"] == pytest.approx(0.5)
-
-
-def text_filter(args, samples):
-    """A slime filter that reads the response text."""
-    assert all(s.response for s in samples), [s.response for s in samples]
-    return True
-
-
-def test_a_slime_filter_sees_the_response_text(fake_slime_installed, queue, redis_url, namespace):
-    """Issue 27: results carry tokens, not text; a filter reading Sample.response saw ""."""
-    publish_results(queue, [0, 1])
-    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=f"{__name__}.text_filter",
-                     hf_checkpoint="bytes", rollout_batch_timeout=5)
-    out = sa.generate_rollout(args, 0, None)
-    assert rows_of(out.samples) == [0, 1] and all(s.response for g in out.samples for s in g)
-
-
-def test_keep_when_insufficient_groups_are_kept_at_once_as_slime_does(fake_slime_installed, queue, redis_url,
-                                                                       namespace):
-    """Issue 27: slime keeps them as soon as what it read cannot fill the batch; the
-    adapter waited 30 s per batch (here the batch would have timed out first)."""
-    path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
-    publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])
-    publish_results(queue, [3])
-    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=path, rollout_batch_timeout=5)
-    out = sa.generate_rollout(args, 0, None)
-    assert rows_of(out.samples) == [0, 3] and out.metrics["rollout/queue/kept_when_insufficient"] == 1
-
-
-def test_keep_when_insufficient_fills_a_batch_that_cannot_fill(fake_slime_installed, queue, redis_url, namespace):
-    path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
-    publish_results(queue, [0, 1, 2], rewards=[1.0, 1.0])
-    publish_results(queue, [3])
-    args = make_args(redis_url, namespace, dynamic_sampling_filter_path=path, rollout_filter_fallback_wait=0.3)
-    out = sa.generate_rollout(args, 0, None)
-    assert rows_of(out.samples) == [0, 3]  # one passed; the oldest rejected group filled the batch
-    assert out.metrics["rollout/queue/kept_when_insufficient"] == 1
-    assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2  # the others, once the batch was full
-    publish_results(queue, [4, 5, 6], rewards=[0.0, 1.0])
-    publish_results(queue, [7], rewards=[1.0, 1.0])
-    out = sa.generate_rollout(args, 1, None)
-    assert rows_of(out.samples) == [4, 5] and out.metrics["rollout/queue/kept_when_insufficient"] == 0
-    assert audit(queue).ok, audit(queue).summary()
 
 
 # -- the data source ---------------------------------------------------------------------------------
@@ -733,175 +455,3 @@ def test_a_trainer_resumed_from_an_older_checkpoint_with_evals_and_a_staleness_b
     assert [e[0] for e in evals] == ["0", "1", "3", "5", "3", "5", "7"]
     assert all(e[1:] == ["6", "0"] for e in evals)  # every pass: 3 prompts x 2 samples, none failed
     assert audit(queue).ok, audit(queue).summary()
-
-
-# -- evaluation (item 8) ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def sim():
-    from engines.simulator import SimConfig, start_simulator
-
-    handle = start_simulator(SimConfig(seed=1, decode_tokens_per_s=20000.0, length_median=24, length_p99=240,
-                                       prefill_s=0.001))
-    yield handle
-    handle.stop()
-
-
-def test_evaluation_runs_through_the_eval_namespace(fake_slime_installed, queue, redis_url, namespace, sim,
-                                                     tmp_path):
-    from pipeline.keys import eval_namespace
-    from pipeline.queue import Queue
-    from tests.helpers import WorkerThread
-    from workers.worker import SamplingSettings, WorkerSettings
-
-    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(40)])
-    eval_file = tmp_path / "math.jsonl"
-    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(5)))
-    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=128,
-                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=3, label_key="label",
-                     rollout_batch_timeout=60)
-    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
-                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
-                                         concurrency_per_engine=8))
-    try:
-        train = sa.generate_rollout(args, 0, None)
-        out = sa.generate_rollout(args, 0, None, evaluation=True)
-        after = sa.generate_rollout(args, 1, None)  # training goes on after the pass
-    finally:
-        worker.stop()
-    assert isinstance(out, fake_slime.RolloutFnEvalOutput) and list(out.data) == ["math"]
-    math = out.data["math"]
-    assert len(math["rewards"]) == len(math["truncated"]) == len(math["samples"]) == 15
-    assert all(isinstance(s, FakeSlimeSample) for s in math["samples"])
-    assert [s.index for s in math["samples"]] == list(range(15))
-    assert all(r in (0.0, 1.0) for r in math["rewards"]) and math["truncated"] == [
-        s.status is FakeSlimeSample.Status.TRUNCATED for s in math["samples"]]
-    assert {s.label for s in math["samples"]} == {str(i + 3) for i in range(5)}
-    assert all(s.response for s in math["samples"])  # eval samples keep their text
-    trained = [g[0].prompt for g in train.samples + after.samples]
-    assert all(p.startswith("What is") and "+ 2?" in p for p in trained)  # training groups only
-    eval_queue = Queue(queue.redis, eval_namespace(namespace))
-    eval_books, train_books = audit(eval_queue), audit(queue)
-    assert eval_books.ok and eval_books.committed == 5, eval_books.summary()
-    assert train_books.ok and train_books.pushed == 40, train_books.summary()
-
-
-def test_staleness_budget_restarts_with_a_trainer_that_goes_back_in_rollout_ids(fake_slime_installed, queue,
-                                                                                 redis_url, namespace, sim):
-    """Issue 27: the budget counted the namespace's lifetime commits against slime's
-    rollout id, so a new run in a used namespace (or a resume from an older checkpoint)
-    found it spent for good. It restarts at each trainer's first rollout."""
-    from pipeline.control import read_control
-    from tests.helpers import WorkerThread
-    from workers.worker import SamplingSettings, WorkerSettings
-
-    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=str(i + 2), row=i) for i in range(12)])
-    args = make_args(redis_url, namespace, rollout_max_staleness=1, rollout_max_response_len=64,
-                     rollout_batch_timeout=20)
-    queue.redis.hset(queue.keys.stats, "committed", 1000)  # a long earlier run in this namespace
-    source = sa.RedisDataSource(args)  # a new run: rollout ids from 0 again
-    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
-                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
-    try:
-        for rollout_id in range(4):  # admission goes on (the lifetime count kept it blocked until version 500)
-            source.read_rollout(rollout_id, 2)
-        assert read_control(queue.redis, queue.keys).budget_base == 1000
-    finally:
-        worker.stop()
-
-
-def test_eval_always_returns_with_failures_named_and_again_after_a_resume(fake_slime_installed, queue, redis_url,
-                                                                         namespace, sim, tmp_path, caplog):
-    """Issue 27: one eval group dead-lettered (a row without a label, under a reward that
-    needs one) does not hold the pass: the finished groups come back, the dead one is
-    named. slime resumed from an older checkpoint re-runs the eval of a rollout id whose
-    pass was read and committed: it is pushed again and read, not waited on forever."""
-    from tests.helpers import WorkerThread
-    from workers.worker import SamplingSettings, WorkerSettings
-
-    eval_file = tmp_path / "math.jsonl"
-    eval_file.write_text("".join(f'{{"input": "What is {i} + 3?", "label": "{i + 3}"}}\n' for i in range(3))
-                         + '{"input": "What is unlabeled?"}\n')
-    args = make_args(redis_url, namespace, rollout_temperature=1.0, rollout_max_response_len=64,
-                     eval_prompt_data=["math", str(eval_file)], n_samples_per_eval_prompt=2, label_key="label",
-                     rollout_batch_timeout=60)
-    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
-                                         sampling=SamplingSettings(max_new_tokens=64), heartbeat_s=0.5))
-    try:
-        first = sa.generate_rollout(args, 0, None, evaluation=True)
-        sa.reset_default_sources()  # the trainer dies; slime resumes and evaluates rollout 0 again
-        again = sa.generate_rollout(args, 0, None, evaluation=True)
-    finally:
-        worker.stop()
-    for out in (first, again):
-        assert len(out.data["math"]["samples"]) == 6  # the three labeled prompts, two samples each
-        assert out.metrics == {"eval/math/failed_groups": 1}
-    assert "1 of 4 groups could not be evaluated (math@rollout0:0:3: dead-lettered:" in caplog.text
-    assert "math@rollout0~1:0:3: dead-lettered:" in caplog.text  # the re-run is a pass of its own
-
-
-# -- rewards (items 2, 9) -------------------------------------------------------------------------
-
-
-def test_slimes_rescoring_gives_the_workers_rewards(fake_slime_installed, queue, redis_url, namespace, sim):
-    """slime's own rollout over RedisDataSource with --group-rm scores each group again
-    from Sample.response; results carry no text, so the data source decodes it with
-    slime's tokenizer, and the scores come out as the workers' (f1, slime's rm_type)."""
-    from tests.helpers import WorkerThread
-    from workers.rewards import f1_score
-    from workers.worker import SamplingSettings, WorkerSettings
-
-    queue.push_groups([Group.fresh(f"t{i}", f"What is {i} + 2?", N, label=f"the answer is {i + 2}", row=i)
-                       for i in range(6)])
-    args = make_args(redis_url, namespace, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     over_sampling_batch_size=2, hf_checkpoint="bytes", rollout_max_response_len=128,
-                     group_rm=True, rm_type="f1", rollout_batch_timeout=60)
-    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim.url], namespace=namespace,
-                                         sampling=SamplingSettings(max_new_tokens=128), heartbeat_s=0.5,
-                                         reward="f1"))
-    try:
-        source = sa.RedisDataSource(args)
-        source.load(-1)
-        groups = [g for _ in range(3) for g in source.get_samples(2)]
-    finally:
-        worker.stop()
-    samples = [s for g in groups for s in g]
-    assert all(s.response for s in samples)
-    assert [f1_score(s.response, s.label) for s in samples] == [s.reward for s in samples]
-    assert any(s.reward > 0 for s in samples)
-
-
-def slime_rm(args, sample):
-    """A slime custom reward: slime's Sample and the args slime's rewards read."""
-    assert isinstance(sample, FakeSlimeSample) and sample.rollout_id is None
-    return float(args.rm_type == "custom" and args.rollout_temperature == 0.5 and sample.response == sample.label)
-
-
-def test_a_slime_custom_reward_gets_slimes_sample_and_args(fake_slime_installed):
-    import asyncio
-
-    from workers.rewards import Reward
-    from workers.worker import SamplingSettings, WorkerSettings, reward_args
-
-    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="custom",
-                              reward=f"{__name__}.slime_rm", sampling=SamplingSettings(temperature=0.5))
-    reward = Reward.from_path(settings.reward)
-    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
-    assert asyncio.run(reward.score(reward_args(settings), samples)) == [1.0, 0.0]
-    assert not Reward.from_path("f1").slime_samples  # built-ins take ours
-
-
-def test_slimes_async_rm_with_an_rm_type_scores_without_calling_itself(fake_slime_installed):
-    """Issue 27: the documented port of slime's rewards, `--reward slime.rollout.rm_hub.async_rm
-    --rm-type math`, named async_rm as args.custom_rm_path, which async_rm dispatches to
-    first: it called itself until RecursionError."""
-    import asyncio
-
-    from workers.rewards import Reward
-    from workers.worker import WorkerSettings, reward_args
-
-    settings = WorkerSettings(redis_url="redis://unused", engine_urls=[], rm_type="math",
-                              reward="slime.rollout.rm_hub.async_rm")
-    samples = [Sample(response="4", label="4"), Sample(response="5", label="4")]
-    assert asyncio.run(Reward.from_path(settings.reward).score(reward_args(settings), samples)) == [1, 0]

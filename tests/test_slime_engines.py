@@ -21,6 +21,7 @@ from pipeline.trainers import slime_engines as sa_engines
 from pipeline.trainers import slime_types
 from pipeline.types import Group, parse_version
 from tests import fake_slime
+from tests.fake_slime_rollout import num_requests_from_load
 from tests.helpers import WorkerThread, http_call, wait_for
 from workers.sampling import SamplingSettings
 from workers.settings import WorkerSettings
@@ -31,23 +32,11 @@ from engines.simulator import SimConfig, start_simulator  # noqa: E402
 from engines.torch_engine import TorchEngineConfig, start_torch_engine  # noqa: E402
 
 MAX_NEW = 48
+#: slime/backends/sglang_utils/server_control.py ABORT_RETRY_INTERVAL_SECONDS
+ABORT_RETRY_INTERVAL_S = 3.0
 MODEL = ModelConfig(context_length=128)
 # Requests that last long enough (~0.1-0.3 s) for a pause or an abort to land mid-generation.
 SIM = dict(decode_tokens_per_s=200.0, length_median=30.0, length_p99=48.0, prefill_s=0.002)
-
-
-def num_requests(load) -> int:
-    """slime's server_control.num_requests_from_load, for the /v1/loads answer."""
-    if isinstance(load, list):
-        return sum(num_requests(item) for item in load)
-    if not isinstance(load, dict):
-        return 0
-    if "loads" in load:
-        return num_requests(load["loads"])
-    for key in ("num_reqs", "num_total_reqs", "total_reqs"):
-        if isinstance(load.get(key), int):
-            return load[key]
-    return int(load.get("num_running_reqs", 0) or 0) + int(load.get("num_waiting_reqs", 0) or 0)
 
 
 def slime_update_weights(urls: list[str], version: int, model_path: str) -> None:
@@ -65,13 +54,15 @@ def slime_update_weights(urls: list[str], version: int, model_path: str) -> None
 
 
 def slime_abort_until_idle(urls: list[str]) -> None:
-    """server_control.abort_server_until_idle: abort all, read the load, again until idle."""
+    """server_control.abort_server_until_idle: abort all, read the load, again until idle,
+    ABORT_RETRY_INTERVAL_SECONDS apart (a faster loop than slime's aborts a resubmitted
+    request before it could make progress, which no slime run does)."""
     def abort_once_and_idle(url: str) -> bool:
         http_call(url, "/abort_request", {"abort_all": True})
-        return num_requests(http_call(url, "/v1/loads?include=core")[1]) == 0
+        return num_requests_from_load(http_call(url, "/v1/loads?include=core")[1]) == 0
 
     for url in urls:
-        wait_for(lambda: abort_once_and_idle(url), interval=0.2, what=f"{url} idle after abort_all")
+        wait_for(lambda: abort_once_and_idle(url), interval=ABORT_RETRY_INTERVAL_S, what=f"{url} idle after abort_all")
 
 
 def version_number(version: str) -> int:
@@ -244,3 +235,61 @@ def test_slimes_engines_are_read_from_its_router(two_sims, redis_url, queue, nam
         for w in workers:
             w.stop()
         router.stop()
+
+
+def test_a_worker_on_a_namespace_slime_owns_says_what_is_wrong_not_rollout_resume(two_sims, redis_url, queue,
+                                                                                 namespace, caplog):
+    """Issue 30 (11): on the queue's clock the slime adapter owns the version. A worker on
+    slime's engine (at its weight version 7, ahead of rollout 3) is not told to bump the
+    queue's version with `rollout resume --weight-version`; a worker on an engine still on
+    its initial weights past rollout 0 is told slime does not update it, and what to do."""
+    from pipeline.control import configure, set_weight_version
+    from pipeline.types import VersionClock
+
+    slimes, foreign = two_sims
+    http_call(slimes, "/update_weight_version", {"new_version": "7"})
+    configure(queue.redis, queue.keys, version_clock=VersionClock.QUEUE)
+    set_weight_version(queue.redis, queue.keys, 3)
+    for i, url in enumerate((slimes, foreign)):
+        queue.push_groups([Group.fresh(f"g{i}", f"lower: {i} plus {i}", 2, label=str(2 * i), row=i)])
+        worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[url], namespace=namespace,
+                                             sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2))
+        try:
+            wait_for(lambda: queue.redis.xlen(queue.keys.results) == i + 1, what=f"group g{i} generated on {url}")
+        finally:
+            worker.stop()
+    assert "rollout resume --weight-version" not in caplog.text
+    assert f"engine {foreign} still serves its initial weights (weight version 'default') while the slime " \
+           f"adapter that owns this namespace's version is at rollout 3" in caplog.text
+    assert f"engine {slimes} still serves" not in caplog.text
+
+
+def test_a_sample_aborted_at_its_last_token_is_masked_when_it_is_continued(two_sims, redis_url, queue, namespace):
+    """An abort that lands with the last allowed token: the sample comes back (a released
+    partial group) with nothing left to generate and is truncated without a request. With
+    off-policy masking its older segment must still be masked: it was trained unmasked
+    (loss_mask None), which is how tests of slime's weight updates saw it now and then."""
+    from pipeline.codec import decode_group
+    from pipeline.types import SEGMENTS_KEY, Status
+
+    sim, _ = two_sims
+    group = Group.fresh("g0", "lower: 1 plus 1", 2, label="2", row=0)
+    group.prompt_ids = [1, 2, 3]
+    for s in group.samples:  # 3 tokens under version 1, then 5 under version 2: MAX_NEW in all
+        s.tokens = [1, 2, 3] + [65] * MAX_NEW
+        s.response_length, s.response = MAX_NEW, "A" * MAX_NEW
+        s.rollout_log_probs = [-0.5] * MAX_NEW
+        s.weight_versions, s.metadata[SEGMENTS_KEY] = ["1", "2"], [3, MAX_NEW - 3]
+        s.status = Status.ABORTED
+    queue.push_groups([group])
+    worker = WorkerThread(WorkerSettings(redis_url=redis_url, engine_urls=[sim], namespace=namespace,
+                                         sampling=SamplingSettings(max_new_tokens=MAX_NEW), heartbeat_s=0.2,
+                                         mask_offpolicy_prefix=True))
+    try:
+        wait_for(lambda: queue.redis.xlen(queue.keys.results) == 1, what="the group published")
+    finally:
+        worker.stop()
+    entry = queue.read_stream(queue.keys.results)[0]
+    for s in decode_group(entry.data).samples:
+        assert s.status == Status.TRUNCATED and s.response_length == MAX_NEW
+        assert s.loss_mask == [0] * 3 + [1] * (MAX_NEW - 3)

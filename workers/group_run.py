@@ -81,7 +81,7 @@ class GroupRunner:
         self.group_size = ctx.capacity
         self.outstanding = 0  # engine requests in flight
         self.last_answer = time.monotonic()
-        self._versions_ahead_seen: set[str] = set()
+        self._warned: set[str] = set()  # weight versions (engine clock) or engines (queue clock) warned about
         self.aborts: set[asyncio.Task] = set()
         self._abort_slots = asyncio.Semaphore(16)  # aborts in flight at once
 
@@ -294,7 +294,8 @@ class GroupRunner:
         while True:
             remaining = s.sampling.max_new_tokens - sample.response_length
             if remaining <= 0:
-                sample.status = Status.TRUNCATED  # nothing left to generate: no request
+                sample.status = Status.TRUNCATED  # nothing left to generate (aborted at its last token): no request
+                self._mask_offpolicy(sample)
                 return
             if self.ctx.paused or self.engine_health.down is not None:
                 # A weight update is under way (a request sent now would wait at the paused
@@ -463,7 +464,7 @@ class GroupRunner:
             sample.weight_versions.append(version)
             new = [version]
         for version in new:
-            self._check_version(version)
+            self._check_version(version, url)
         segments = sample.metadata.get(SEGMENTS_KEY)
         if segments is not None and (len(segments) != len(sample.weight_versions)
                                      or sum(segments) != sample.response_length):
@@ -522,14 +523,19 @@ class GroupRunner:
         if n_new:  # a call that produced nothing (aborted while queued) adds no version
             sample.weight_versions.append(result.weight_version)
             segments.append(n_new)
-            self._check_version(result.weight_version)
+            self._check_version(result.weight_version, result.url)
         sample.status = FINISH_STATUS[result.finish_type]
         if sample.status == Status.ABORTED:
             metrics.SAMPLES_ABORTED.inc()
         if previous_mask is not None:
             sample.loss_mask = previous_mask + [1] * n_new
+        self._mask_offpolicy(sample)
+
+    def _mask_offpolicy(self, sample: Sample) -> None:
+        """With --mask-offpolicy-prefix, a finished sample's tokens from earlier weights get
+        loss_mask 0, however it finished (an answer, or nothing left to generate)."""
         if self.settings.mask_offpolicy_prefix and sample.status != Status.ABORTED:
-            sample.loss_mask = offpolicy_mask(sample.weight_versions, segments)
+            sample.loss_mask = offpolicy_mask(sample.weight_versions, sample.metadata.get(SEGMENTS_KEY, []))
 
     def _refuse_unusable_version(self, result: GenerateResult) -> None:
         """Staleness on the engines' clock needs integer versions; SGLang allows any string.
@@ -544,18 +550,38 @@ class GroupRunner:
             "integer versions (update_weights ... weight_version=str(step)), or measure on the queue's clock "
             "(configure(version_clock='queue'), as the slime adapter does)", url=result.url)
 
-    def _check_version(self, version: str) -> None:
+    def _check_version(self, version: str, url: str | None) -> None:
         """An engine ahead of the queue's weight version means the trainer updates the
-        engines without telling the queue: staleness checks would be off. Say so."""
+        engines without telling the queue: staleness checks would be off. Say so. On the
+        queue's clock the slime adapter owns the version (slime's rollout id; slime numbers
+        its engines' weights its own way) and bumps it itself: there, say what is wrong
+        instead when an engine still has its initial weights."""
+        if self.ctx.version_clock == VersionClock.QUEUE:
+            self._check_slime_engine(version, url)
+            return
         v = parse_version(version)
-        if v is None or v <= self.ctx.queue_version or self.ctx.version_clock == VersionClock.QUEUE:
+        if v is None or v <= self.ctx.queue_version:
             return
         self.ctx.counters.versions_ahead += 1
-        if version not in self._versions_ahead_seen:
-            self._versions_ahead_seen.add(version)
+        if version not in self._warned:
+            self._warned.add(version)
             log.warning("worker %s: an engine generates with weight version %s, ahead of the queue's %d: bump "
                         "the queue's version with every weight update (Controller.resume(weight_version=...), "
-                        "`rollout resume --weight-version`)", self.ctx.id, version, self.ctx.queue_version)
+                        "`rollout resume --weight-version`); under slime nothing is to do: its adapter owns the "
+                        "version once it reads this namespace", self.ctx.id, version, self.ctx.queue_version)
+
+    def _check_slime_engine(self, version: str, url: str | None) -> None:
+        """slime pushes its weights to its engines before its first rollout: past rollout 0,
+        an engine still on its initial weights ("default") is one slime does not update."""
+        engine = url or "(unknown)"
+        if version != "default" or self.ctx.queue_version < 1 or engine in self._warned:
+            return
+        self._warned.add(engine)
+        log.warning("worker %s: engine %s still serves its initial weights (weight version 'default') while the "
+                    "slime adapter that owns this namespace's version is at rollout %d: slime updates only its own "
+                    "engines, so this worker samples a policy nobody trains and the adapter refuses its groups; "
+                    "start it with --engine-url on slime's engines or its router (docs/trainers.md, 'One set of "
+                    "engines')", self.ctx.id, engine, self.ctx.queue_version)
 
     async def _score(self, group: Group) -> None:
         # slime's rule: a sample whose generate function set its reward is not scored again.

@@ -12,12 +12,17 @@
 --   drop      filtered or too stale; logged with text as the reason
 --   duplicate a second copy of an already committed or held group
 --   prompt    back to the head of the prompt list as the encoded group
+--   regenerate  the same, and its admission ends: its next claim admits it anew (paced by the
+--             staleness budget and stamped with the version then), as a group that must be
+--             generated again from its prompt (too stale, from a timeline the trainer left,
+--             refused by the trainer) is a new generation, not the old one continued
 --   dead      to the dead-letter stream with text as the error (and its reason: `dead_<reason>` counted)
 --   discard   an operator threw a dead letter away
 -- Entries already gone (settled before) are skipped; a commit of an entry already
 -- committed (a retried commit whose reply was lost) counts as done.
 -- Returns {settled, already committed} or an error starting with FENCED.
-local actions = {commit = true, drop = true, duplicate = true, prompt = true, dead = true, discard = true}
+local actions = {commit = true, drop = true, duplicate = true, prompt = true, regenerate = true, dead = true,
+                 discard = true}
 for i = 5, #ARGV, 6 do
   if not actions[ARGV[i]] then return redis.error_reply('settle: unknown action ' .. ARGV[i]) end
 end
@@ -56,9 +61,10 @@ for i = 5, #ARGV, 6 do
     elseif action == 'duplicate' then
       -- Another copy of this group id lives on: its books stay as they are.
       redis.call('HINCRBY', KEYS[7], 'duplicates', 1)
-    elseif action == 'prompt' then
+    elseif action == 'prompt' or action == 'regenerate' then
       redis.call('HSET', KEYS[3], gid, payload)
       redis.call('LPUSH', KEYS[2], gid)
+      if action == 'regenerate' then redis.call('HDEL', KEYS[8], gid) end
       redis.call('HINCRBY', KEYS[7], 'released', 1)
       record(KEYS[10], gid, now, 'released', consumer, text)
     elseif action == 'dead' then

@@ -17,9 +17,13 @@ What keeps slime from training on the wrong data (docs/trainers.md):
 * a batch is committed when the checkpoint that includes its step is saved
   (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
   first, in order;
-* groups sampled with settings other than slime's are refused (pipeline/trainers/slime_checks.py);
-* workers on engines slime does not update are refused at start, and batches whose weight
-  versions lag slime's engines are reported (pipeline/trainers/slime_engines.py).
+* groups admitted before slime went back to an earlier rollout id (a resume from an older
+  checkpoint, a new run) at a later version are generated again (pipeline/rewind.py);
+* groups sampled with settings other than slime's, and groups of workers on engines slime
+  does not update, are refused when read: every such group in the stream goes back to be
+  generated again, then one error (pipeline/trainers/slime_checks.py, slime_engines.py);
+  workers on foreign engines are refused at start too, and batches whose weight versions
+  lag slime's engines are reported.
 """
 from __future__ import annotations
 
@@ -39,13 +43,16 @@ from pipeline.consumer import (
     BatchMetrics,
     BatchTimeout,
     Consumer,
+    GroupsRefused,
+    Refusal,
 )
-from pipeline.control import configure, read_control, set_weight_version
+from pipeline.control import configure, read_control
 from .eval import push_eval, read_eval
 from pipeline.filters import BUILTIN_FILTERS, load_object
 from pipeline.producer import PushOptions
 from pipeline.queue import StreamEntry
 from .slime_checks import (
+    SAMPLING,
     SamplingMismatch,
     SlimeConfigError,
     check_backlog,
@@ -53,7 +60,7 @@ from .slime_checks import (
     check_ignored_flags,
     check_top_p,
     records_trained,
-    sampling_mismatches,
+    sampling_refusals,
     uses_our_rollout,
 )
 from .slime_engines import EngineCheck
@@ -207,7 +214,7 @@ class RedisDataSource:
         self.client = client or connect(self.settings.redis_url)
         self.consumer = Consumer(self.client, self.settings.namespace, consumer=self.settings.consumer,
                                  filter=_slime_filter(self.settings.filter_path, self._fill_texts),
-                                 filter_args=args,
+                                 filter_args=args, check=self._refusals,
                                  fallback_wait_s=self.settings.fallback_wait_s, replicas=self.settings.replicas)
         self.queue = self.consumer.queue
         self.checkpoints = saves_checkpoints(args)
@@ -356,6 +363,9 @@ class RedisDataSource:
         self._next_rollout = 0 if rollout_id is None else rollout_id + 1
         if self.consumer.session is not None or rollout_id is None or rollout_id < 0:
             return
+        # The queue's clock at the rollout slime resumes at, before anything is screened:
+        # groups of the run it left are judged against it, not against that run's last.
+        self._restart_clock(rollout_id + 1)
         recorded = self.consumer.call(self.client.hgetall, self.queue.keys.slime_rollouts)
         records = {k.decode(): v.decode() for k, v in recorded.items()}
         reads = {eid: _read_record(value) for eid, value in records.items() if not eid.startswith(CHECKPOINT_FIELD)}
@@ -388,19 +398,17 @@ class RedisDataSource:
             raise ValueError(f"a rollout needs a positive number of groups, got {n}")
         started = time.monotonic()
         if self._budget_restarted is None:
-            # This trainer's first rollout: resumed from an older checkpoint than the queue
-            # last saw, or a new run in a used namespace. The budget counts from here.
-            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id, restart_budget=True,
-                               durability=self.consumer.durability)
-            self._budget_restarted = rollout_id
+            self._restart_clock(rollout_id)
         elif self.consumer.call(read_control, self.client, self.queue.keys).weight_version != rollout_id:
             # slime updates the weights once per rollout: its rollout id is the version.
-            self.consumer.call(set_weight_version, self.client, self.queue.keys, rollout_id,
-                               durability=self.consumer.durability)
+            self.consumer.set_weight_version(rollout_id)
         if not self.checkpoints:
             self._commit_through(rollout_id - COMMIT_AFTER_ROLLOUTS)
-        batch = self._next_batch(n)
-        self._refuse_mismatched(batch)
+        try:
+            batch = self._next_batch(n)
+        except GroupsRefused as exc:
+            error = SamplingMismatch if {r.kind for r in exc.refusals} == {SAMPLING} else SlimeConfigError
+            raise error(str(exc)) from exc
         self._fill_responses(batch.groups)
         items = [_Item(entry, group, [to_slime_sample(s, self.types) for s in group.samples])
                  for entry, group in zip(batch.entries, batch.groups)]
@@ -420,23 +428,19 @@ class RedisDataSource:
         self.last_metrics = {**slime_metrics(metrics, version), **self.engine_check.rollout(batch.groups)}
         return [it.slime_group for it in items]
 
-    def _refuse_mismatched(self, batch: Batch) -> None:
-        """Groups sampled with other settings go back to be generated again (by workers
-        started with the right ones); the rest wait for the next read. Then the error."""
-        bad = sampling_mismatches(self.args, batch.groups)
-        if not bad:
-            return
-        bad_ids = {g.group_id for g, _ in bad}
+    def _restart_clock(self, rollout_id: int) -> None:
+        """This trainer's first rollout: resumed from an older checkpoint than the queue last
+        saw, or a new run in a used namespace. The staleness budget counts from here, and
+        groups admitted after it were made by weights of a run slime left (pipeline/rewind.py)."""
+        self.consumer.set_weight_version(rollout_id, restart_budget=True)
+        self._budget_restarted = rollout_id
 
-        def part(mismatched: bool) -> Batch:
-            pairs = [(e, g) for e, g in zip(batch.entries, batch.groups) if (g.group_id in bad_ids) == mismatched]
-            return Batch([g for _, g in pairs], [e for e, _ in pairs], batch.weight_version, batch.metrics,
-                         batch.batch_id)
-
-        self.consumer.restart(part(True), "sampled with settings other than the trainer's")
-        self.consumer.release(part(False), "read with groups of other sampling settings")
-        more = f" (and {len(bad) - 1} more groups)" if len(bad) > 1 else ""
-        raise SamplingMismatch(f"{bad[0][1]}{more}; those groups went back to the prompt list")
+    def _refusals(self, groups: list[Group]) -> list[Refusal | None]:
+        """The Consumer's check of every group delivered: sampled with slime's settings, on
+        the engines slime updates."""
+        sampling = sampling_refusals(self.args, groups)
+        engines = self.consumer.call(self.engine_check.refusals, groups)
+        return [s or e for s, e in zip(sampling, engines)]
 
     def _fill_texts(self, samples: list[Sample]) -> None:
         """Response texts for the filter and eval: decoded with slime's tokenizer when

@@ -7,13 +7,17 @@ data without an error.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from pipeline.consumer import Refusal
 from pipeline.types import Group, SamplingRecord
 
 #: slime's rollout function that calls `get_samples(1)` per group from a thread of its own.
 FULLY_ASYNC_ROLLOUT = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 OUR_ROLLOUT = "pipeline.trainers.slime_adapter.generate_rollout"
+#: The package of slime's own rollout functions.
+SLIME_ROLLOUTS = "slime.rollout."
 #: slime's --rollout-sample-filter-path: it is called with exactly the groups slime's rollout trains.
 RECORD_TRAINED = "pipeline.trainers.slime_adapter.record_trained"
 
@@ -26,12 +30,24 @@ class SamplingMismatch(SlimeConfigError):
     """Groups were sampled with settings other than slime's."""
 
 
+#: The kind of a refusal of a group sampled with other settings (Refusal.kind, and its metric).
+SAMPLING = "sampling"
+
+
 def _names(path: Any, *ours: str) -> bool:
     return isinstance(path, str) and path.replace(":", ".") in ours
 
 
 def uses_our_rollout(args: Any) -> bool:
     return _names(getattr(args, "rollout_function_path", OUR_ROLLOUT), OUR_ROLLOUT)
+
+
+def uses_slimes_rollout(args: Any) -> bool:
+    """slime's own rollout functions (its default, `slime.rollout.sglang_rollout.generate_rollout`),
+    whose `generate_and_rm` reads the flags `check_ignored_flags` refuses; a rollout function of
+    your own is trusted with them."""
+    path = getattr(args, "rollout_function_path", OUR_ROLLOUT)
+    return isinstance(path, str) and path.replace(":", ".").startswith(SLIME_ROLLOUTS)
 
 
 def check_top_p(args: Any) -> None:
@@ -81,28 +97,65 @@ def check_data_source_use(args: Any) -> None:
             f"groups slime trains (a sample filter of your own can call record_trained(args, samples) itself)")
 
 
-#: slime flags its own rollout applies and the queue's does not: (attribute, flag, what to do instead).
-#: Rewards and generation run in the workers (`rollout worker --reward`, `--generate-function`).
-_NOT_UNDER_OUR_ROLLOUT = (
-    ("custom_rm_path", "--custom-rm-path",
-     "the workers score: start them with `rollout worker --reward {value}` (the same function)"),
-    ("rm_type", "--rm-type",
-     "the workers score: start them with `rollout worker --reward slime.rollout.rm_hub.async_rm --rm-type {value}`"),
-    ("group_rm", "--group-rm", "the workers score: start them with `rollout worker --reward <path> --group-reward`"),
-    ("custom_generate_function_path", "--custom-generate-function-path",
-     "the workers generate: start them with `rollout worker --generate-function {value}`"),
-    ("rollout_sample_hook_path", "--rollout-sample-hook-path",
-     "slime's rollout is not run: do the hook's work in the workers' --generate-function or --reward"),
-    ("rollout_sample_filter_path", "--rollout-sample-filter-path",
-     "filter groups in the queue with --dynamic-sampling-filter-path (its Consumer applies it)"),
-    ("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
-     "slime's rollout is not run: process samples in the workers' --reward or a --dynamic-sampling-filter-path"),
-    ("buffer_filter_path", "--buffer-filter-path",
-     "the queue has no buffer filter: the results stream is read oldest first; drop groups with "
-     "--dynamic-sampling-filter-path"),
-    ("mask_offpolicy_in_partial_rollout", "--mask-offpolicy-in-partial-rollout",
-     "the workers continue partial samples and know each token's version: start them with "
-     "`rollout worker --mask-offpolicy-prefix` and drop this flag"),
+@dataclass(frozen=True)
+class _Ignored:
+    """A slime flag slime's rollout reads and the queue would not act on: what to do
+    instead under the queue's rollout function (`ours`) and under slime's rollout over
+    RedisDataSource (`slimes`; None: slime acts on it there)."""
+
+    attr: str
+    flag: str
+    ours: str
+    slimes: str | None = None
+    with_group_rm: bool = False  # allowed over RedisDataSource with --group-rm (slime scores again)
+
+
+#: Checked against slime main 624b824: slime/rollout/sglang_rollout.py (`generate_and_rm`
+#: returns a completed or truncated sample before it would generate, run the sample hooks or
+#: score; with --group-rm `generate_and_rm_group` scores every group again through
+#: rm_hub.batched_async_rm, which reads --custom-rm-path or --rm-type), and
+#: slime/rollout/data_source.py (only slime's buffer reads --buffer-filter-path).
+_IGNORED = (
+    _Ignored("custom_rm_path", "--custom-rm-path",
+             "the workers score: start them with `rollout worker --reward {value}` (the same function)",
+             "slime's rollout gets every sample finished and scored by the workers and never calls it: start "
+             "the workers with `rollout worker --reward {value}`, or add --group-rm to have slime score every "
+             "group again (in batch mode); for slime's own eval set custom_rm_path per dataset in --eval-config",
+             with_group_rm=True),
+    _Ignored("rm_type", "--rm-type",
+             "the workers score: start them with `rollout worker --reward slime.rollout.rm_hub.async_rm "
+             "--rm-type {value}`",
+             "slime's rollout gets every sample finished and scored by the workers and never scores it: start "
+             "the workers with `rollout worker --reward slime.rollout.rm_hub.async_rm --rm-type {value}`, or add "
+             "--group-rm to have slime score every group again; for slime's own eval set rm_type per dataset in "
+             "--eval-config", with_group_rm=True),
+    _Ignored("group_rm", "--group-rm", "the workers score: start them with `rollout worker --reward <path> "
+             "--group-reward`"),
+    _Ignored("custom_generate_function_path", "--custom-generate-function-path",
+             "the workers generate: start them with `rollout worker --generate-function {value}`",
+             "slime's rollout gets every sample finished by the workers and never generates: start them with "
+             "`rollout worker --generate-function {value}`; for slime's own eval set custom_generate_function_path "
+             "per dataset in --eval-config"),
+    _Ignored("rollout_sample_hook_path", "--rollout-sample-hook-path",
+             "slime's rollout is not run: do the hook's work in the workers' --generate-function or --reward",
+             "slime runs sample hooks only on samples it generated itself, never on the finished samples it gets "
+             "here: do the hook's work in the workers' `rollout worker --generate-function` or `--reward`"),
+    _Ignored("rollout_sample_filter_path", "--rollout-sample-filter-path",
+             "filter groups in the queue with --dynamic-sampling-filter-path (its Consumer applies it)"),
+    _Ignored("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
+             "slime's rollout is not run: process samples in the workers' --reward or a "
+             "--dynamic-sampling-filter-path"),
+    _Ignored("buffer_filter_path", "--buffer-filter-path",
+             "the queue has no buffer filter: the results stream is read oldest first; drop groups with "
+             "--dynamic-sampling-filter-path",
+             "only slime's own buffer (RolloutDataSourceWithBuffer) calls it: RedisDataSource serves the results "
+             "stream oldest first; drop groups with --dynamic-sampling-filter-path (the queue's Consumer applies "
+             "it) or score them in the workers (`rollout worker --reward`)"),
+    _Ignored("mask_offpolicy_in_partial_rollout", "--mask-offpolicy-in-partial-rollout",
+             "the workers continue partial samples and know each token's version: start them with "
+             "`rollout worker --mask-offpolicy-prefix` and drop this flag",
+             "over RedisDataSource slime's rollout gets finished groups and would zero every loss mask: start the "
+             "workers with `rollout worker --mask-offpolicy-prefix` and drop this flag"),
 )
 
 
@@ -111,24 +164,21 @@ def _is_set(value: Any) -> bool:
 
 
 def check_ignored_flags(args: Any) -> None:
-    """Refuse at start what slime would accept and the queue would silently not do.
-    Under the queue's rollout function slime's own rollout never runs, so its rollout
-    flags do nothing; over RedisDataSource slime's rollout runs on finished groups, whose
-    off-policy masking it would get wrong (every loss mask zeroed)."""
-    if uses_our_rollout(args):
-        refused = [(flag, todo.format(value=getattr(args, attr))) for attr, flag, todo in _NOT_UNDER_OUR_ROLLOUT
-                   if _is_set(getattr(args, attr, None))]
-        over, batch = getattr(args, "over_sampling_batch_size", None), getattr(args, "rollout_batch_size", None)
-        if over is not None and batch is not None and over != batch:
-            refused.append(("--over-sampling-batch-size", f"the queue reads exactly --rollout-batch-size {batch} "
-                            f"groups; the workers generate ahead on their own (max_ready) and the Consumer "
-                            f"replaces filtered groups: drop the flag"))
-    elif _is_set(getattr(args, "mask_offpolicy_in_partial_rollout", None)):
-        refused = [("--mask-offpolicy-in-partial-rollout", "over RedisDataSource slime's rollout gets finished "
-                    "groups and would zero every loss mask: start the workers with `rollout worker "
-                    "--mask-offpolicy-prefix` and drop this flag")]
-    else:
-        return
+    """Refuse at start what slime would accept and the queue would silently not do. Under
+    the queue's rollout function slime's own rollout never runs, so none of its rollout
+    flags does anything. Over RedisDataSource slime's own rollout runs on finished, scored
+    groups: it generates, hooks and scores nothing (but with --group-rm, which scores
+    again), and it would zero the loss masks for off-policy masking."""
+    ours, slimes = uses_our_rollout(args), uses_slimes_rollout(args)
+    group_rm = _is_set(getattr(args, "group_rm", None))
+    refused = [(f.flag, (f.ours if ours else f.slimes).format(value=getattr(args, f.attr)))
+               for f in _IGNORED if _is_set(getattr(args, f.attr, None))
+               and (ours or (slimes and f.slimes is not None and not (f.with_group_rm and group_rm)))]
+    over, batch = getattr(args, "over_sampling_batch_size", None), getattr(args, "rollout_batch_size", None)
+    if ours and over is not None and batch is not None and over != batch:
+        refused.append(("--over-sampling-batch-size", f"the queue reads exactly --rollout-batch-size {batch} "
+                        f"groups; the workers generate ahead on their own (max_ready) and the Consumer "
+                        f"replaces filtered groups: drop the flag"))
     if refused:
         lines = "; ".join(f"{flag}: {todo}" for flag, todo in refused)
         raise SlimeConfigError(f"slime flags the rollout queue would ignore ({lines})")
@@ -192,25 +242,23 @@ def _worker_flag(name: str, value: Any) -> str:
     return f"{flag} {value}"
 
 
-def sampling_mismatches(args: Any, groups: list[Group]) -> list[tuple[Group, str]]:
-    """(group, why) for each group not sampled with slime's settings. Megatron divides
-    the logits by --rollout-temperature: tokens drawn at another temperature (or under
-    another top-k) make the PPO ratio and importance weights wrong without an error."""
+def sampling_refusals(args: Any, groups: list[Group]) -> list[Refusal | None]:
+    """For each group, a Refusal if it was not sampled with slime's settings. Megatron
+    divides the logits by --rollout-temperature: tokens drawn at another temperature (or
+    under another top-k) make the PPO ratio and importance weights wrong without an error."""
     wanted = slime_sampling(args)
-    out = []
-    for group in groups:
-        record: SamplingRecord | None = group.sampling
-        if record is None:
-            why = (f"group {group.group_id} carries no sampling settings (a worker older than this check "
-                   f"published it)")
-            out.append((group, why))
-            continue
-        for name, theirs in wanted.items():
-            ours = getattr(record, name)
-            if theirs is not None and _differs(ours, theirs):
-                slime_flag = _FLAGS[name][0]
-                why = (f"group {group.group_id} was sampled by worker {group.worker} with {name} {ours}, slime "
-                       f"trains with {slime_flag} {theirs}: start the workers with {_worker_flag(name, theirs)}")
-                out.append((group, why))
-                break
-    return out
+    return [_sampling_refusal(group, wanted) for group in groups]
+
+
+def _sampling_refusal(group: Group, wanted: dict[str, Any]) -> Refusal | None:
+    record: SamplingRecord | None = group.sampling
+    if record is None:
+        return Refusal(SAMPLING, f"group {group.group_id} carries no sampling settings (a worker older than this "
+                                 f"check published it)")
+    for name, theirs in wanted.items():
+        ours = getattr(record, name)
+        if theirs is not None and _differs(ours, theirs):
+            return Refusal(SAMPLING, f"group {group.group_id} was sampled by worker {group.worker} with {name} "
+                                     f"{ours}, slime trains with {_FLAGS[name][0]} {theirs}: start the workers "
+                                     f"with {_worker_flag(name, theirs)}")
+    return None

@@ -23,9 +23,12 @@ def slime_metrics(metrics: BatchMetrics, weight_version: int) -> dict[str, Any]:
         "rollout/queue/dead": metrics.dead,
         "rollout/queue/duplicates": metrics.duplicates,
         "rollout/queue/kept_when_insufficient": metrics.kept_insufficient,
+        "rollout/queue/abandoned": metrics.abandoned,
         "rollout/queue/wait_time": metrics.wait_s,
         "rollout/queue/weight_version": weight_version,
     }
+    for kind, count in metrics.refused.items():
+        out[f"rollout/queue/refused_{_metric_name(kind)}"] = count
     for reason, count in metrics.dropped.items():
         key = "rollout/queue/drop_stale" if reason == "stale" else f"rollout/dynamic_filter/drop_{_metric_name(reason)}"
         out[key] = out.get(key, 0) + count

@@ -54,7 +54,7 @@ try:
     fake_slime.install(_MP())
     from pipeline.trainers import slime_adapter as sa  # noqa: E402
     from pipeline.trainers import slime_types as st  # noqa: E402
-    from tests.test_slime_adapter import publish_results  # noqa: E402
+    from tests.slime_helpers import publish_results  # noqa: E402
     st.slime_types.cache_clear()
     q = Queue(admin.redis, "o4s")
     publish_results(q, [0, 1])
