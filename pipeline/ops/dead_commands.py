@@ -94,6 +94,8 @@ def dead_list(obj: Context, limit, as_json) -> None:
 def _retry_mark(letter) -> str:
     if letter.not_retriable:
         return "[cannot retry] "
+    if letter.fails_again:
+        return "[fails again] "
     return "[bad row] " if letter.bad_row else ""
 
 
@@ -143,6 +145,8 @@ def dead_show(obj: Context, ident, as_json) -> None:
                  f"  error      {l.error or '-'}" + (f" ({l.reason})" if l.reason else "")]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
+        elif l.fails_again:
+            lines.append(f"  retry      not as it is: {l.fails_again}")
         elif l.bad_row:
             lines.append(f"  retry      after fixing the row in its file: rollout dead retry {l.entry_id}")
         else:
