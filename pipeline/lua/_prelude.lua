@@ -43,3 +43,21 @@ local function grace_after_silence(workers, beats, now, lease)
   end
   return true
 end
+
+-- A key of the namespace holding another type than the script writes (a key made by hand or
+-- by another tool) is refused before the first write, naming it: a WRONGTYPE halfway through
+-- would leave half a move. Returns the error reply to return, or nil.
+local function type_error(key, kind)
+  local found = redis.call('TYPE', key)['ok']
+  if found == 'none' or found == kind then return nil end
+  return redis.error_reply('WRONGTYPE ' .. key .. ' holds a ' .. found .. ', not a ' .. kind ..
+                           ': it is not this pipeline\'s (delete or rename it)')
+end
+
+-- A command the caller's ACL user may not send on a key is refused before the first write
+-- too, for scripts whose writes depend on their input (Redis 7 has redis.acl_check_cmd; 6.2
+-- checks each call only as it comes). Returns the error reply to return, or nil.
+local function permission_error(command, key)
+  if not redis.acl_check_cmd or redis.acl_check_cmd(command, key) then return nil end
+  return redis.error_reply('NOPERM this user may not run ' .. command .. ' on ' .. key)
+end
