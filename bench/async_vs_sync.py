@@ -102,7 +102,7 @@ class PipelineRollout:
              "--metrics-port", str(self.metrics_port), *worker_args])
         self.consumer = Consumer(self.queue.redis, NAMESPACE)
         self.engines = EngineSet(engine_urls)
-        self.controller = Controller(self.queue, self.engines)
+        self.controller = Controller(self.queue, self.engines, writer=self.consumer.writer)
         self.trained = 0
 
     async def next_batch(self, n: int) -> TrainedBatch:

@@ -44,6 +44,18 @@ local function grace_after_silence(workers, beats, now, lease)
   return true
 end
 
+-- The fence of every trainer write (pipeline/writer.py): a session id other than the
+-- current trainer session's is refused, before the script writes anything. '' is a writer
+-- without a session (an operator, a trainer before its first batch): not fenced.
+-- Returns the error reply to return, or nil.
+local function fence_error(trainer, session_id, consumer)
+  if session_id == '' then return nil end
+  local current = redis.call('HMGET', trainer, 'session_id', 'session')
+  if current[1] == session_id then return nil end
+  return redis.error_reply('FENCED trainer session ' .. consumer .. ' was replaced by session ' ..
+                           tostring(current[2]))
+end
+
 -- A key of the namespace holding another type than the script writes (a key made by hand or
 -- by another tool) is refused before the first write, naming it: a WRONGTYPE halfway through
 -- would leave half a move. Returns the error reply to return, or nil.
