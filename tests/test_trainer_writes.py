@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced, UncommittableBatch
-from pipeline.control import configure, read_control, set_weight_version
+from pipeline.control import WeightVersionBehind, configure, read_control, set_weight_version
 from pipeline.controller import Controller
 from pipeline.queue import Queue
 from pipeline.retry import RedisUnavailable
@@ -316,3 +316,36 @@ def test_configure_refuses_a_lease_shorter_than_the_heartbeat_and_upkeep(client,
     with pytest.raises(ValueError, match=r"lease of 2.5s.*worker w heartbeats every 2s"):
         configure(client, queue.keys, lease_s=2.5)
     assert configure(client, queue.keys, lease_s=3.5).lease_s == 3.5
+
+
+# -- the slime adapter: its one rollback, and no write once fenced --------------------------------
+
+
+def test_the_slime_adapters_first_rollout_is_its_one_rollback(stand_in_slime, queue, redis_url, namespace, caplog):
+    """slime resumed from an earlier checkpoint: the adapter's first rollout sets the queue's
+    version back, and says so; any later version behind the recorded one is refused."""
+    from tests.test_slime_adapter import make_args, publish_results
+
+    publish_results(queue, [0, 1, 2, 3])
+    set_weight_version(queue.redis, queue.keys, 7)
+    source = sa.RedisDataSource(make_args(redis_url, namespace))
+    source.read_rollout(3, 2)
+    assert read_control(queue.redis, queue.keys).weight_version == 3
+    assert "the queue's weight version goes back from 7 to 3" in caplog.text
+    with pytest.raises(WeightVersionBehind, match="behind the recorded 3"):
+        source.read_rollout(2, 2)
+    assert read_control(queue.redis, queue.keys).weight_version == 3
+
+
+def test_a_replaced_slime_trainer_records_and_commits_nothing(stand_in_slime, queue, redis_url, namespace):
+    from tests.test_slime_adapter import make_args, publish_results
+
+    publish_results(queue, [0, 1, 2, 3])
+    old = sa.RedisDataSource(make_args(redis_url, namespace, save="/ckpt", save_interval=1))
+    old.read_rollout(0, 2)
+    new = sa.RedisDataSource(make_args(redis_url, namespace, save="/ckpt", save_interval=1))
+    new.read_rollout(0, 2)  # its session fences the old one (and takes its batch over)
+    records = queue.redis.hgetall(queue.keys.slime_rollouts)
+    with pytest.raises(SessionFenced):
+        old.save(0)
+    assert queue.redis.hgetall(queue.keys.slime_rollouts) == records and queue.stats().get("committed", 0) == 0
