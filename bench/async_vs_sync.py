@@ -129,7 +129,7 @@ class PipelineRollout:
         self.engines = EngineSet(engine_urls)
         # Aborted groups are continued (the default release policy): a path that dropped
         # their partial output would show as unaccounted tokens in the waterfall's check.
-        self.controller = Controller(self.queue, self.engines)
+        self.controller = Controller(self.queue, self.engines, writer=self.consumer.writer)
 
     async def next_batch(self, n: int) -> TrainedBatch:
         batch = await asyncio.to_thread(self.consumer.next_batch, n, BATCH_TIMEOUT_S)

@@ -92,10 +92,12 @@ class ChaosTrainer:
         self.consumer = Consumer(client, settings.namespace, consumer=CONSUMER, filter=settings.filter,
                                  replicas=settings.replicas, replica_timeout_s=REPLICA_TIMEOUT_S)
         self.queue = self.consumer.queue
-        # The same for weight updates: a resume a failover forgot would leave the pipeline
-        # paused, with no next update to resume it while the trainer waits for a batch.
+        # The same for weight updates (a resume a failover forgot would leave the pipeline
+        # paused, with no next update to resume it while the trainer waits for a batch), and
+        # fenced by this trainer's session: once a newer trainer took over, this one can
+        # neither pause the pipeline nor set its version back.
         self.controller = Controller(self.queue, EngineSet([settings.engine_url], timeout_s=CONTROL_TIMEOUT_S),
-                                     replicas=settings.replicas, replica_timeout_s=REPLICA_TIMEOUT_S)
+                                     writer=self.consumer.writer)
         self.ledger = Ledger(settings.ledger)
         self.loop = asyncio.new_event_loop()
 

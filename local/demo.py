@@ -85,7 +85,6 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
         configure(queue.redis, queue.keys, max_ready=4 * opts.batch_size, max_staleness=opts.max_staleness,
                   batch_size=opts.batch_size, lease_s=10.0)
         engines = EngineSet([sim.url])
-        controller = Controller(queue, engines)
         loop = asyncio.new_event_loop()  # one loop for the engine client's HTTP session
         rows = sum(1 for line in DATASET.open() if line.strip())
         epochs = max(1, math.ceil(opts.steps * opts.batch_size / rows))
@@ -98,6 +97,7 @@ def run_demo(opts: DemoOptions, echo: Callable[[str], None] | None = print) -> d
                                               ["--max-new-tokens", str(opts.max_new_tokens)]
                                               + (TOOLS_WORKER_ARGS if tools else [])))
         consumer = Consumer(queue.redis, NAMESPACE)
+        controller = Controller(queue, engines, writer=consumer.writer)  # its writes fenced by the trainer's session
         say(f"{'step':>4} {'wait s':>7} {'groups':>6} {'samples':>7} {'reward':>7} {'truncated':>9} "
             f"{'staleness':>9} {'update s':>8} {'requeued':>8}" + (f" {'turns':>5} {'tool tok':>8}" if tools else ""))
         for step in range(opts.steps):

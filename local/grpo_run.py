@@ -205,8 +205,8 @@ def run_grpo(opts: GRPOOptions, echo: Callable[[str], None] | None = print) -> d
         for i in range(opts.workers):
             procs.append(start_worker_process(url, NAMESPACE, urls, workdir / f"worker-{i}.log", _worker_args(opts)))
         engine_set = EngineSet(urls)
-        controller = Controller(queue, engine_set)
         consumer = Consumer(queue.redis, NAMESPACE)
+        controller = Controller(queue, engine_set, writer=consumer.writer)  # its writes fenced by the trainer's session
         m = opts.trainer.model
         model = (f"{served['architectures']} from {opts.trainer.model_dir}" if served
                  else f"{m.n_layers} layers x {m.d_model}")

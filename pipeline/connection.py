@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from functools import cache
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, unquote_plus, urlsplit
 
 import redis
 from redis.cluster import RedisCluster
@@ -58,27 +58,53 @@ class ConnectionFailed(RuntimeError):
         self.transient = transient
 
 
-#: Query parameters that carry credentials (redis-py reads `?password=` and `?username=`).
-_SECRET_QUERY = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
+#: Query parameters that carry credentials: redis-py reads `?password=` and `?username=`,
+#: their names percent-decoded (`pass%77ord` is one too).
+_CREDENTIALS = ("password", "username")
+
+
+def _credential(query: str) -> tuple[int, str] | None:
+    """Where the first credential parameter of `query` (the URL after its '?') starts, and its
+    name as typed. Everything from there on is secret: a password may hold an '&' or a '#'
+    not percent-encoded, so what follows it cannot be told apart from it."""
+    i = 0
+    while i <= len(query):
+        ends = [k for k in (query.find("&", i), query.find("#", i)) if k >= 0]
+        j = min(ends, default=len(query))
+        name = query[i:j].partition("=")[0]
+        if unquote_plus(name).lower() in _CREDENTIALS:
+            return i, name
+        i = j + 1
+    return None
 
 
 def redact(url: str) -> str:
-    """The URL without its userinfo (everything up to the last '@' after the
-    scheme) and without the values of a `password=` or `username=` query
-    parameter, for logs and error messages."""
+    """The URL without its userinfo (everything up to the last '@' after the scheme) and
+    without everything from a `password=` or `username=` query parameter on, for logs and
+    error messages."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     if "@" in rest:
         rest = f"***@{rest.rpartition('@')[2]}"
-    return f"{scheme}{sep}{_SECRET_QUERY.sub(lambda m: m.group(1) + '***', rest)}"
+    head, mark, query = rest.partition("?")
+    found = _credential(query) if mark else None
+    if found:
+        rest = f"{head}?{query[:found[0]]}{found[1]}=***"
+    return f"{scheme}{sep}{rest}"
 
 
 def _secrets(url: str) -> set[str]:
-    """The credentials in `url`: userinfo pieces and credential query values."""
+    """The credentials in `url`: userinfo pieces, and the rest of the URL from a credential
+    query parameter's value on, whole and in its pieces."""
     userinfo = url.partition("://")[2].rpartition("@")[0]
-    found = set(userinfo.split(":")) | {m.group()[len(m.group(1)):] for m in _SECRET_QUERY.finditer(url)}
-    return {p for part in found for p in (part, unquote(part)) if len(p) > 2}
+    found = set(userinfo.split(":"))
+    query = url.partition("?")[2]
+    credential = _credential(query)
+    if credential:
+        tail = query[credential[0]:].partition("=")[2]
+        found |= {tail, *re.split(r"[&#=]", tail)}
+    return {p for part in found for p in (part, unquote(part), unquote_plus(part)) if len(p) > 2}
 
 
 def scrub(text: str, url: str) -> str:
@@ -134,8 +160,20 @@ def check_url(url: str) -> SplitResult:
         check_tls_options(url)
     except ValueError as exc:
         raise ConnectionFailed(f"bad Redis URL {shown}: {exc}") from None
-    unknown = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    credential = _credential(url.partition("?")[2])
+    if credential:  # after it, only parameters redis-py knows: else they are the password's rest
+        after = url.partition("?")[2][credential[0]:]
+        names = [unquote_plus(n) for n, _ in parse_qsl(after.partition("#")[0], keep_blank_values=True)]
+        if "#" in after or set(names) - _query_parameters(scheme) - {unquote_plus(credential[1])}:
+            raise ConnectionFailed(f"malformed Redis URL {shown!r}: what follows {credential[1]}= is not a query "
+                                   f"parameter redis-py knows; a password or user name holding '&' or '#' must "
+                                   f"percent-encode them (%26, %23)")
+    query = url.partition("?")[2]
+    before = query[:credential[0]] if credential else query
+    unknown = sorted({name for name, _ in parse_qsl(before.partition("#")[0], keep_blank_values=True)}
                      - _query_parameters(scheme))
+    if credential and unquote_plus(credential[1]) not in _query_parameters(scheme):
+        unknown.append(credential[1])
     if unknown:
         raise ConnectionFailed(f"unknown query parameter {', '.join(map(repr, unknown))} in Redis URL {shown!r} "
                                f"(known: {', '.join(sorted(URL_QUERY_ARGUMENT_PARSERS))}, ...)")

@@ -18,6 +18,12 @@ across a version change), is screened here and judged by one `Judge` (pipeline/s
 from a timeline the trainer left, refused by the trainer's own `check`, or too stale, it
 goes back to be generated again, once, counted in the batch's metrics; refusals then end
 the read with one `GroupsRefused`, after every refused group in the stream went back.
+
+Every write (the session's start, each delivery, hand-back and settle, commits included)
+goes through the Consumer's one pipeline.writer.Writer: fenced by its session, and with
+`replicas=N` on N replicas before the call returns. A Controller or an adapter built on the
+Consumer writes through the same writer (`consumer.writer`). The Consumer keeps a ledger of
+the batches it handed out: only those, as handed out and not handed back, are committed.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -37,12 +43,13 @@ from . import scripts
 from .connection import socket_timeout_of
 from .control import ControlState, read_control, set_weight_version
 from .filters import FilterFn, apply_filter, load_filter
-from .keys import CONSUMER_GROUP
-from .queue import Queue, SessionFenced, Settle, StreamEntry, TrainerSession, parse_history, text
+from .keys import CONSUMER_GROUP, check_name
+from .queue import Queue, Settle, StreamEntry, text
 from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect, RedisUnavailable
 from .rewind import Mark, mark_admitted, read_marks
 from .screening import BatchMetrics, GroupCheck, GroupsRefused, Judge, Refusal
 from .types import DeadReason, Group, VersionClock
+from .writer import ScriptCall, SessionFenced, TrainerSession, Writer
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +64,21 @@ DEFAULT_FALLBACK_WAIT_S = 30.0
 #: Entries read per round when every entry left in the results stream is screened at once
 #: (after a refusal).
 SWEEP_PAGE = 256
+#: What became of an entry this Consumer handed out (StreamEntry.fate), to tell a second commit
+#: of a batch (counted once) from a commit of a batch it handed back (refused).
+COMMITTED, HANDED_BACK = "committed", "handed back"
 
 __all__ = ["Batch", "BatchMetrics", "BatchTimeout", "Consumer", "GroupCheck", "GroupsRefused", "Refusal",
-           "SessionFenced"]
+           "SessionFenced", "UncommittableBatch"]
 
 
 class BatchTimeout(TimeoutError):
     """next_batch gave up; the message says what the pipeline looked like."""
+
+
+class UncommittableBatch(ValueError):
+    """commit() of a batch this Consumer did not hand out as it is now: handed back (release,
+    restart), or delivered by another Consumer. Nothing was committed."""
 
 
 @dataclass
@@ -100,6 +115,7 @@ class Consumer:
                  block_s: float = 1.0, fallback_wait_s: float = DEFAULT_FALLBACK_WAIT_S,
                  outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int = 0,
                  replica_timeout_s: float = 5.0, check: GroupCheck | None = None):
+        check_name("consumer name", consumer)  # part of every session's name, and of each group's history
         self.queue = Queue(client, namespace)
         self.redis = client
         self.keys = self.queue.keys
@@ -111,45 +127,49 @@ class Consumer:
         self._screened = BatchMetrics()
         self.max_deliveries = max_deliveries
         self.fallback_wait_s = fallback_wait_s
-        # A commit returns once this many replicas have it (WAIT): a failover to one of
-        # them cannot forget it, so the batch is never delivered (and trained) again
-        # (docs/operations.md, Durability). 0: the primary's acknowledgement is enough.
-        self.durability = Durability(replicas, replica_timeout_s)
         # Stay under the socket timeout, or a long BLOCK reads as a dead connection.
         sock = socket_timeout_of(client)
         self.block_s = min(block_s, sock / 2) if sock else block_s
-        self.session: TrainerSession | None = None
         # Every Redis call of this consumer (and of the adapters built on it) goes through
         # here: outages up to outage_limit_s are waited out, then RedisUnavailable.
         self.reconnect = Reconnect(f"trainer {consumer}", limit_s=outage_limit_s)
+        # Every write: fenced by this Consumer's session, and returned once `replicas`
+        # replicas have it, so a failover cannot forget a delivery or a commit the trainer
+        # acted on (docs/operations.md, Durability). 0: the primary's word is enough.
+        self.writer = Writer(client, self.keys, Durability(replicas, replica_timeout_s), self.reconnect, consumer)
         self._scripts = scripts.load(client, "session", "read", "redeliver")
         self._held: list[_Held] = []  # delivered to this session, not yet in a batch
         self._fallback: list[_Held] = []  # rejected by the filter, kept if the batch cannot fill
-        self._uncommitted: dict[str, StreamEntry] = {}  # entry id -> entry, handed out in a batch
+        # The ledger: entry id -> the very entry handed out in a batch and not settled since (a
+        # batch is committed only with these); what became of the others is on them (fate).
+        self._uncommitted: dict[str, StreamEntry] = {}
         self._held_version: int | None = None  # weight version _held was last screened at
         self._batches = 0
         self._last_reap = 0.0
 
     # -- the session -------------------------------------------------------------------
 
-    def _start_session(self, deadline: float | None) -> None:
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name})
+    @property
+    def session(self) -> TrainerSession | None:
+        """This Consumer's trainer session (None before its first batch): its writer's fence."""
+        return self.writer.session
+
+    @property
+    def durability(self) -> Durability:
+        return self.writer.durability
+
+    def _start_session(self, deadline: float | None, batch: int | None = None) -> None:
+        # `batch`: what the trainer asks for, so `rollout configure --max-ready` can say when
+        # a limit would hold its batches forever.
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "name": self.name, "batch": batch})
         session_id = TrainerSession.new_id()
-
-        def start() -> list:
-            reply = self._scripts["session"](keys=[self.keys.trainer, self.keys.results],
-                                             args=[CONSUMER_GROUP, self.name, info, session_id])
-            if self.durability.replicas:
-                # Until a replica has the start: a failover that forgot it would leave an
-                # earlier session current, which fences this one. Retried whole: a start
-                # the new primary never saw is made there again, under the same id.
-                pipe = self.redis.pipeline(transaction=False)
-                self._wait_replicas(pipe, "last_session", session_id)
-                self.durability.check(pipe.execute()[1], f"start of trainer session {session_id}")
-            return reply
-
-        generation, consumer, taken = self.call(start, deadline=deadline)
-        self.session = TrainerSession(text(consumer), int(generation), session_id)
+        # A start a failover forgot would leave an earlier session current, which fences this
+        # one: the writer waits for the replicas, and a retry under the same id finds it made.
+        start = ScriptCall(self._scripts["session"], [self.keys.trainer, self.keys.results],
+                           [CONSUMER_GROUP, self.name, info, session_id])
+        generation, consumer, taken = self.writer.write(f"start of trainer session {session_id}", [start],
+                                                        deadline)[0]
+        self.writer.session = TrainerSession(text(consumer), int(generation), session_id)
         self.reconnect.what = f"trainer session {self.session.consumer}"
         if int(taken):
             log.info("trainer session %s: took over %d entries delivered to earlier sessions and not committed",
@@ -180,20 +200,15 @@ class Consumer:
         return self.queue.entries(self.keys.results, rows)
 
     def call(self, fn, *args, deadline: float | None = None, **kwargs):
-        """fn(*args, **kwargs), a Redis call, retried through outages (up to `deadline`
-        and the outage limit, then RedisUnavailable); a fenced session's script call
-        raises SessionFenced. The adapters built on a Consumer make their calls here."""
-        try:
-            return self.reconnect.call(fn, *args, deadline=deadline, **kwargs)
-        except redis.ResponseError as exc:
-            if str(exc).startswith("FENCED"):
-                raise SessionFenced(str(exc)[len("FENCED "):]) from None
-            raise
+        """fn(*args, **kwargs), a Redis read, retried through outages (up to `deadline` and
+        the outage limit, then RedisUnavailable). The adapters built on a Consumer make their
+        reads here; their writes go through `writer`."""
+        return self.reconnect.call(fn, *args, deadline=deadline, **kwargs)
 
     # -- screening -----------------------------------------------------------------------
 
     def _settle(self, items: list[Settle], deadline: float | None = None) -> tuple[int, int]:
-        return self.call(self.queue.settle, self.keys.results, items, self.session, deadline=deadline)
+        return self.writer.settle(self.keys.results, items, deadline)
 
     def _screen(self, entries: list[tuple[StreamEntry, int]], control: ControlState, metrics: BatchMetrics,
                 deadline: float | None) -> None:
@@ -256,7 +271,7 @@ class Consumer:
                     continue
             self._held.append(_Held(entry, group))
         self._settle(settle, deadline)
-        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None], deadline)
+        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None])
         self.judge.report(metrics.abandoned - counted[0], metrics.ahead - counted[1], control)
 
     def _committed_and_marks(self, group_ids: list[str]) -> tuple[list, list[Mark | None]]:
@@ -267,11 +282,10 @@ class Consumer:
         scores, marks = pipe.execute()
         return scores, [Mark.decode(m) for m in marks]
 
-    def _forget_marks(self, group_ids: list[str], deadline: float | None) -> None:
+    def _forget_marks(self, group_ids: list[str]) -> None:
         """The delivered copies of these marked groups were judged (after their settle: a
         crash in between regenerates a group once more, never trains it)."""
-        if group_ids:
-            self.call(self.redis.hdel, self.keys.abandoned, *group_ids, deadline=deadline)
+        self.writer.records(self.keys.abandoned, delete=group_ids, what="rewind marks judged")
 
     def _refuse(self, control: ControlState, metrics: BatchMetrics, deadline: float | None) -> None:
         """Groups were refused: screen every entry left in the results stream as well, so
@@ -301,19 +315,20 @@ class Consumer:
                 settle.append(judged)
         self._held = keep
         self._settle(settle, deadline)
-        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None], deadline)
+        self._forget_marks([gid for gid, mark in zip(gids, marks) if mark is not None])
         self.judge.report(metrics.abandoned - counted[0], metrics.ahead - counted[1], control)
 
-    def set_weight_version(self, version: int, *, restart_budget: bool = False) -> None:
+    def set_weight_version(self, version: int, *, restart_budget: bool = False, rollback: bool = False) -> None:
         """The trainer's weight version (pipeline.control.set_weight_version, through this
-        consumer's reconnect and replicas). On the queue's clock, a trainer's (re)start
-        (`restart_budget`) or a lower version than the last marks every group admitted so
-        far: one admitted after `version` is from a timeline the trainer left (pipeline/rewind.py)."""
+        consumer's writer: fenced, on its replicas); behind the recorded one only with
+        `rollback`. On the queue's clock, a trainer's (re)start (`restart_budget`) or a lower
+        version than the last marks every group admitted so far: one admitted after `version`
+        is from a timeline the trainer left (pipeline/rewind.py)."""
         before = self.call(read_control, self.redis, self.keys)
-        self.call(set_weight_version, self.redis, self.keys, version, restart_budget=restart_budget,
-                  durability=self.durability)
+        set_weight_version(self.redis, self.keys, version, restart_budget=restart_budget, rollback=rollback,
+                           writer=self.writer)
         if before.version_clock == VersionClock.QUEUE and (restart_budget or version < before.weight_version):
-            marked = self.call(mark_admitted, self.redis, self.keys, version)
+            marked = mark_admitted(self.redis, self.keys, version, self.writer, self.call)
             log.info("the queue's clock is at version %d (it was at %d): %d groups admitted so far are marked; a "
                      "copy admitted after %d is generated again when delivered", version, before.weight_version,
                      marked, version)
@@ -323,6 +338,18 @@ class Consumer:
     def _check_batch_size(self, n: int, control: ControlState) -> None:
         if n <= 0:
             raise ValueError(f"batch size must be positive, got {n}")
+        # A batch's groups all wait in the results stream until it is committed, and workers
+        # stop claiming at max_ready results: a batch past that limit could never fill.
+        if n > control.max_ready:
+            raise ValueError(f"next_batch({n}) could never fill: workers stop claiming once max_ready "
+                             f"({control.max_ready}) results wait, and a batch's groups all wait until it is "
+                             f"committed; ask for at most {control.max_ready}, or `rollout configure --max-ready {n}`")
+        outstanding = len(self._uncommitted)
+        if outstanding and n + outstanding > control.max_ready:
+            raise ValueError(f"next_batch({n}) could never fill: {outstanding} groups of earlier batches are delivered "
+                             f"and not committed, and with this batch's {n} they pass max_ready "
+                             f"({control.max_ready}), where workers stop claiming; commit (or release) them first, or "
+                             f"`rollout configure --max-ready {n + outstanding}`")
         if control.max_staleness is not None and control.batch_size and n != control.batch_size:
             raise ValueError(
                 f"next_batch({n}) but the namespace paces admission for batches of {control.batch_size} "
@@ -330,9 +357,12 @@ class Consumer:
                 f"{control.batch_size} groups, or `rollout configure --batch-size {n}`")
 
     def _read(self, count: int, deadline: float | None) -> tuple[list[StreamEntry], str, int]:
-        newest, pending, *rows = self.call(
-            self._scripts["read"], keys=[self.keys.results, self.keys.trainer],
-            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, count], deadline=deadline)
+        # A delivery is a write: with replicas, it returns once they have it, so a failover
+        # cannot forget the delivery of a batch the trainer trains (it would be delivered
+        # again). A retry after a lost reply reads on; _lost finds what the lost read took.
+        read = ScriptCall(self._scripts["read"], [self.keys.results, self.keys.trainer],
+                          [CONSUMER_GROUP, self.session.consumer, self.session.id, count])
+        newest, pending, *rows = self.writer.write(f"delivery of up to {count} entries", [read], deadline)[0]
         rows = [(eid, dict(zip(flat[::2], flat[1::2]))) for eid, flat in rows]
         return self.call(self.queue.entries, self.keys.results, rows, deadline=deadline), text(newest), int(pending)
 
@@ -359,7 +389,7 @@ class Consumer:
         control = self.call(read_control, self.redis, self.keys, deadline=deadline)
         self._check_batch_size(n, control)
         if self.session is None:
-            self._start_session(deadline)
+            self._start_session(deadline, n)
             self._screen(self._own_pending(deadline), control, metrics, deadline)
             self._held_version = control.weight_version
         self._recheck_held(control, metrics, deadline)
@@ -406,15 +436,6 @@ class Consumer:
                 block = max(0.001, min(block, started + self.fallback_wait_s - time.monotonic()))
             self._wait_for_new(newest, block, deadline)
         taken, self._held = self._held[:n], self._held[n:]
-        if self.durability.replicas:
-            lost = self._confirm_delivery(taken, deadline)
-            if lost:  # a failover forgot their delivery: read again (they are undelivered there)
-                log.warning("trainer session %s: %d groups of the batch were delivered by a primary that failed "
-                            "over before a replica had the delivery; reading again", self.session.consumer,
-                            len(lost))
-                self._held = [h for h in taken if h.entry.entry_id not in lost] + self._held
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                return self.next_batch(n, remaining)
         self._drop_fallback(metrics, deadline)
         metrics.kept = n
         metrics.wait_s = time.monotonic() - started
@@ -455,79 +476,61 @@ class Consumer:
 
     def commit(self, batch: Batch, timeout: float | None = 300.0) -> int:
         """Acknowledge and delete a batch after the training step succeeded. Raises
-        SessionFenced if a newer trainer session took over (it trains these groups)."""
-        if self.session is None:
-            raise ValueError("commit: this consumer has not delivered any batch")
+        SessionFenced if a newer trainer session took over (it trains these groups), and
+        UncommittableBatch for a batch this Consumer did not hand out as it is (released,
+        sent back, or another Consumer's). A batch committed already counts again, once."""
+        handed_out = self._handed_out(batch)
+        if len(handed_out) < len(batch.entries) and not self._refuse_commit(batch, handed_out):
+            return len(batch.entries)  # committed by an earlier call
         deadline = None if timeout is None else time.monotonic() + timeout
         # By the batch's own entries, never by `batch.groups`: a trainer may sort or filter
         # that list, and pairing it with the entries would settle one group's entry under
         # another's id (orphaning payloads in the audit).
         items = [Settle("commit", e.entry_id, e.group_id, batch.batch_id, token=e.token) for e in batch.entries]
-        gids = [e.group_id or "?" for e in batch.entries]
         try:
-            while True:
-                settled, already = self._settle(items, deadline)
-                # With replicas: done once a replica has the commit. WAIT confirms the
-                # writes of the primary it runs on: after a failover that is a new primary,
-                # which may never have seen the commit (its replica had not when the old
-                # one died), so the confirmation also reads this batch's commit back, and
-                # a commit the failover forgot is made again, on the primary that has the
-                # delivery (or refused as FENCED if a newer session took the batch over).
-                if not self.durability.replicas or self.call(self._replicate, batch.batch_id, gids, deadline=deadline):
-                    break
-                log.warning("trainer session %s: the commit of batch %s is not on the primary (a failover lost it, "
-                            "or a newer session took the batch over); committing it again", self.session.consumer,
-                            batch.batch_id)
+            # The writer's reply is the confirmation: settled now or committed already, on
+            # the primary its replica wait ran on (a commit a failover forgot is made again
+            # there, or refused as FENCED if a newer session took the batch over).
+            settled, already = self._settle(items, deadline)
         except RedisUnavailable as exc:
             raise RedisUnavailable(f"{exc}; batch {batch.batch_id} is not committed: call commit() with it again "
                                    f"once Redis is back (a commit is idempotent)") from exc
-        for e in batch.entries:
-            self._uncommitted.pop(e.entry_id, None)
+        self._forget(batch.entries, COMMITTED)
         if settled + already != len(items):
             raise RuntimeError(f"commit of batch {batch.batch_id}: {len(items) - settled - already} of "
                                f"{len(items)} entries are no longer this session's (settled elsewhere)")
         return settled + already
 
-    def _wait_replicas(self, pipe, mark: str, value: str) -> None:
-        """Queue on `pipe`: a write of this connection (WAIT counts the writes of its own
-        connection, so one goes first: a replica that has it has every earlier write of
-        this primary), then WAIT."""
-        pipe.hset(self.keys.trainer, mark, value)
-        self.durability.queue_wait(pipe)
+    def _handed_out(self, batch: Batch) -> list[StreamEntry]:
+        """The batch's entries as this Consumer handed them out and has not settled since: the
+        very objects (a batch handed back and delivered again is a new batch of new entries)."""
+        return [e for e in batch.entries if self._uncommitted.get(e.entry_id) is e]
 
-    def _replicate(self, batch_id: str, group_ids: list[str]) -> bool:
-        """Until `replicas` replicas have every write of the primary so far; then whether
-        the batch's groups are committed there *by this batch* (their histories say so).
-        False: a failover lost the commit; another session may have committed the groups
-        since (it took them over), which makes this session's commit again raise
-        SessionFenced rather than count them twice."""
-        pipe = self.redis.pipeline(transaction=False)
-        self._wait_replicas(pipe, "last_commit", batch_id)
-        pipe.hmget(self.keys.history, group_ids)
-        _, acked, histories = pipe.execute()
-        self.durability.check(acked, f"commit of batch {batch_id}")
-        return all(any(event == "committed" and detail == batch_id
-                       for _, event, _, detail in parse_history(text(h) or ""))
-                   for h in histories)
+    def _refuse_commit(self, batch: Batch, handed_out: list[StreamEntry]) -> bool:
+        """For a batch not all handed out now: raise UncommittableBatch unless every entry
+        that is not was committed by this Consumer (then True: commit the rest)."""
+        mine = {e.entry_id for e in handed_out}
+        others = [e for e in batch.entries if e.entry_id not in mine]
+        if {e.fate for e in others} == {COMMITTED}:
+            return bool(handed_out)
+        back = [e.group_id for e in others if e.fate == HANDED_BACK]
+        if back:
+            raise UncommittableBatch(
+                f"batch {batch.batch_id}: {len(back)} of its groups ({', '.join(back[:3])}) were handed back "
+                f"(release or restart), so it cannot be committed; they come again in a later batch: train and "
+                f"commit that one")
+        session = f"trainer session {self.session.consumer}" if self.session else "no batch delivered yet"
+        raise UncommittableBatch(
+            f"batch {batch.batch_id} was not delivered by this consumer ({session}): commit a batch through the "
+            f"Consumer whose next_batch returned it; a batch of a replaced session is delivered again to its "
+            f"successor")
 
-    def _confirm_delivery(self, taken: list[_Held], deadline: float | None) -> set[str]:
-        """With replicas: until a replica has the delivery of these entries (and the
-        session start), so a failover cannot forget it after the batch was handed out;
-        returns the entry ids no longer delivered to this session (a failover forgot them
-        before a replica had them)."""
-        ids = [h.entry.entry_id for h in taken]
-
-        def confirm() -> set[str]:
-            pipe = self.redis.pipeline(transaction=False)
-            self._wait_replicas(pipe, "last_read", ids[-1] if ids else "")
-            for eid in ids:
-                pipe.xpending_range(self.keys.results, CONSUMER_GROUP, min=eid, max=eid, count=1)
-            _, acked, *rows = pipe.execute()
-            self.durability.check(acked, f"delivery of {len(ids)} entries")
-            return {eid for eid, row in zip(ids, rows)
-                    if not (row and text(row[0]["consumer"]) == self.session.consumer)}
-
-        return self.call(confirm, deadline=deadline) if ids else set()
+    def _forget(self, entries: list[StreamEntry], fate: str) -> None:
+        """Out of the ledger's handed-out entries, each marked with what became of it."""
+        for e in entries:
+            if self._uncommitted.get(e.entry_id) is e:
+                del self._uncommitted[e.entry_id]
+            e.fate = fate
 
     def commit_trained(self, entry_ids: set[str], batch_id: str) -> int:
         """Commit entries delivered to earlier sessions that their trainer did train (a
@@ -548,22 +551,25 @@ class Consumer:
     def release(self, batch: Batch, error: str = "") -> None:
         """Hand back a batch whose training step failed: its groups come first in the
         next batches of this session (or of the next session, if this one dies). Each
-        release counts as a delivery; an entry past max_deliveries is dead-lettered."""
+        release counts as a delivery; an entry past max_deliveries is dead-lettered. The
+        batch cannot be committed any more; the groups' next batch can."""
         if self.session is None:
             raise ValueError("release: this consumer has not delivered any batch")
-        ids = [e.entry_id for e in batch.entries if e.entry_id in self._uncommitted]
-        for eid in ids:
-            del self._uncommitted[eid]
+        handed_out = self._handed_out(batch)
+        ids = [e.entry_id for e in handed_out]
         if not ids:
             return
         log.warning("trainer session %s: batch %s handed back%s", self.session.consumer, batch.batch_id,
                     f" ({error})" if error else "")
         # Claimed again by this session, which counts the delivery: a batch that keeps
         # failing ends in dead letters instead of failing the trainer forever.
-        counts = self.call(self._scripts["redeliver"], keys=[self.keys.results, self.keys.trainer],
-                            args=[CONSUMER_GROUP, self.session.consumer, self.session.id, *ids])
-        by_id = {e.entry_id: e for e in batch.entries}
-        released = [(by_id[eid], int(c)) for eid, c in zip(ids, counts) if int(c)]
+        redeliver = ScriptCall(self._scripts["redeliver"], [self.keys.results, self.keys.trainer],
+                               [CONSUMER_GROUP, self.session.consumer, self.session.id, *ids])
+        counts = self.writer.write(f"hand-back of batch {batch.batch_id}", [redeliver])[0]
+        # Copies: the next batch holds other objects than the batch handed back, which stays
+        # uncommittable (_handed_out compares the very entries).
+        released = [(replace(e), int(c)) for e, c in zip(handed_out, counts) if int(c)]
+        self._forget(handed_out, HANDED_BACK)
         held, self._held = self._held, []
         control = self.call(read_control, self.redis, self.keys)
         self._screen(released, control, self._screened, None)
@@ -583,9 +589,17 @@ class Consumer:
         prompts = self.redis.llen(k.prompts)
         requeue = self.redis.xlen(k.requeue)
         dead = self.redis.xlen(k.dead)
+        ready = self.redis.xlen(k.results)
         reasons = []
         if control.paused:
             reasons.append("admission is paused (run `rollout resume`)")
+        if n > control.max_ready:
+            reasons.append(f"the batch of {n} is larger than max_ready ({control.max_ready}), where workers stop "
+                           f"claiming: it can never fill (`rollout configure --max-ready {n}`)")
+        elif ready >= control.max_ready:
+            reasons.append(f"the results backlog is at max_ready ({ready} of {control.max_ready} results waiting, "
+                           f"{len(self._uncommitted)} of them delivered to this trainer and not committed): workers "
+                           f"claim nothing until batches are committed, or `rollout configure --max-ready` raises it")
         if not live:
             if workers:
                 reasons.append(f"no live workers ({len(workers)} registered, lease expired)")

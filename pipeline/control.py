@@ -6,6 +6,12 @@ bound (max_staleness η with the batch size B it paces against). State: `paused`
 trainer's `weight_version` and the clock groups' versions are read on (`version_clock`:
 the engines' versions, or the queue's at first claim), the release policy of aborted groups,
 the engines `draining` for a rolling weight update.
+
+Every write goes through a pipeline.writer.Writer (lua/control.lua): a trainer passes its
+Consumer's (`writer=consumer.writer`), so a fenced trainer writes no control state and its
+writes wait for its replicas; without one, the write is an operator's (not fenced,
+recorded), with `durability` for its replica wait. The weight version only moves forward
+unless the write says `rollback`.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import redis
 from .keys import Keys
 from .retry import Durability
 from .types import Group, ReleasePolicy, VersionClock, member
+from .writer import Writer
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,11 @@ DEFAULT_LEASE_S = 30.0
 #: How often a worker heartbeats by default; a lease must cover at least three.
 DEFAULT_HEARTBEAT_S = 2.0
 HEARTBEATS_PER_LEASE = 3
+#: How often a reaper runs at most: a worker's maintenance loop ticks once a second, and a
+#: waiting trainer reaps between blocking reads of up to a second. Heartbeats and reaps are
+#: what tells a silence (lua/_prelude.lua) from a quiet pipeline: a lease shorter than the
+#: gap between them makes every reap look like a silence, so nobody is ever reaped.
+UPKEEP_S = 1.0
 #: Claims of one group without it finishing (each reap counts) before it is dead-lettered.
 DEFAULT_MAX_CLAIMS = 5
 #: Results waiting for the trainer at which workers stop claiming.
@@ -148,10 +160,11 @@ def read_control(client: redis.Redis, keys: Keys) -> ControlState:
 def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = None,
               batch_size: int | None = None, max_ready: int | None = None, lease_s: float | None = None,
               max_claims: int | None = None, release_policy: ReleasePolicy | str | None = None,
-              version_clock: VersionClock | str | None = None, durability: Durability | None = None) -> ControlState:
+              version_clock: VersionClock | str | None = None, durability: Durability | None = None,
+              writer: Writer | None = None) -> ControlState:
     """Set pipeline-wide settings. None leaves a setting unchanged; a negative
-    max_staleness, batch_size or max_ready removes it (back to the default). With
-    `durability`, returns once its replicas have them (see _write)."""
+    max_staleness, batch_size or max_ready removes it (back to the default). Written by
+    `writer` (a trainer's), else as an operator's write with `durability` (see _write)."""
     updates: dict[str, int | str] = {}
     removals: list[str] = []
     for name, value in (("max_staleness", max_staleness), ("batch_size", batch_size), ("max_ready", max_ready)):
@@ -164,8 +177,7 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
         else:
             updates[name] = int(value)
     if lease_s is not None:
-        if lease_s <= 0:
-            raise ValueError(f"lease must be positive, got {lease_s:g}s")
+        check_lease(client, keys, lease_s)
         updates["lease_ms"] = int(lease_s * 1000)
     if max_claims is not None:
         if max_claims < 1:
@@ -175,7 +187,46 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
         updates["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
     if version_clock is not None:
         updates["version_clock"] = member(VersionClock, version_clock, "version clock").value
-    return _write(client, keys, "settings", durability, updates, removals)
+    return _write(client, keys, "settings", durability, writer, updates, removals)
+
+
+def check_lease(client: redis.Redis, keys: Keys, lease_s: float) -> None:
+    """Refuse a lease the reapers and live workers cannot keep: shorter than the upkeep
+    period, or than a heartbeat and an upkeep period of a live worker (by the heartbeat it
+    reports), every reap would find a silence longer than the lease (see UPKEEP_S)."""
+    if not lease_s >= UPKEEP_S:
+        raise ValueError(f"a lease of {lease_s:g}s is shorter than the upkeep period ({UPKEEP_S:g}s: workers and the "
+                         f"trainer reap at most that often), so every reap would look like a silence and reap nobody; "
+                         f"use at least {HEARTBEATS_PER_LEASE * DEFAULT_HEARTBEAT_S:g}s (three heartbeats)")
+    now_ms = int(client.time()[0]) * 1000
+    live = [w for w, deadline in client.zrange(keys.workers, 0, -1, withscores=True) if deadline >= now_ms]
+    beats = []
+    for worker, raw in zip(live, client.hmget(keys.worker_info, live) if live else []):
+        try:
+            beats.append((float(json.loads(raw)["heartbeat_s"]), worker.decode(errors="replace")))
+        except (TypeError, ValueError, KeyError, AttributeError):
+            continue  # no heartbeat reported (an older worker): nothing to check it against
+    if beats:
+        heartbeat_s, worker = max(beats)
+        if lease_s < heartbeat_s + UPKEEP_S:
+            raise ValueError(f"a lease of {lease_s:g}s is shorter than a heartbeat and an upkeep period: worker "
+                             f"{worker} heartbeats every {heartbeat_s:g}s, so it would be reaped while alive or every "
+                             f"reap look like a silence; use at least {HEARTBEATS_PER_LEASE * heartbeat_s:g}s")
+
+
+def running_batch(client: redis.Redis, keys: Keys) -> tuple[str, int] | None:
+    """The current trainer session's consumer name and the batch size it asked for when it
+    started (its info), if there is one that said."""
+    session, info = client.hmget(keys.trainer, "session", "info")
+    try:
+        batch = int(json.loads(info)["batch"]) if info else None
+    except (TypeError, ValueError, KeyError):
+        batch = None
+    return (session.decode(errors="replace"), batch) if session and batch else None
+
+
+class WeightVersionBehind(ValueError):
+    """A weight version behind the recorded one, written without saying it is a rollback."""
 
 
 def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
@@ -183,54 +234,62 @@ def _announce(client: redis.Redis, keys: Keys, state: ControlState) -> None:
     client.publish(keys.events, json.dumps(state.to_dict()))
 
 
-def _write(client: redis.Redis, keys: Keys, what: str, durability: Durability | None,
-           fields: dict[str, int | str] | None = None, remove: list[str] | None = None) -> ControlState:
-    """One write of control state, then announced. With `durability`, WAIT for its replicas
-    in the same pipeline (one connection: WAIT counts this write). A failover that forgets
-    the write (it left with the old primary before a replica had it) fails the pipeline or
-    the WAIT, and the caller's Reconnect writes it again on the new primary: control state
-    must not roll back (a lost resume leaves the pipeline paused with nobody to resume it;
-    a lost η trains what the bound should have kept out). Returns the state it announced."""
-    pipe = client.pipeline(transaction=False)
-    if fields:
-        pipe.hset(keys.control, mapping=fields)
-    if remove:
-        pipe.hdel(keys.control, *remove)
-    if durability and durability.replicas:
-        durability.queue_wait(pipe)
-        durability.check(pipe.execute()[-1], what)
-    else:
-        pipe.execute()
+def _write(client: redis.Redis, keys: Keys, what: str, durability: Durability | None, writer: Writer | None,
+           fields: dict[str, int | str] | None = None, remove: list[str] | None = None, *,
+           rollback: bool = False, restart_budget: bool = False) -> ControlState:
+    """One write of control state through `writer` (fenced by its trainer session, on its
+    replicas before it returns: control state must not roll back in a failover, or a lost
+    resume leaves the pipeline paused with nobody to resume it), or an operator's write with
+    `durability`; then announced. Returns the state it announced."""
+    if writer is None:
+        writer = Writer(client, keys, durability)
+    elif durability is not None and durability != writer.durability:
+        raise ValueError("durability comes with the writer: give one or the other")
+    try:
+        writer.control(what, fields, remove, rollback=rollback, restart_budget=restart_budget)
+    except redis.ResponseError as exc:
+        if not str(exc).startswith("BEHIND "):
+            raise
+        asked, recorded = str(exc).split()[1:3]
+        raise WeightVersionBehind(
+            f"weight version {asked} is behind the recorded {recorded}: the weight version only moves forward, "
+            f"unless the write says it is a rollback (a trainer resumed from an earlier checkpoint: "
+            f"set_weight_version(..., rollback=True), `rollout resume --weight-version {asked} --rollback`)") from None
+    if writer.session is None:
+        log.info("%s of namespace %s by %s (no trainer session: not fenced)", what, keys.namespace, writer.who)
     state = read_control(client, keys)
     _announce(client, keys, state)
     return state
 
 
-def set_paused(client: redis.Redis, keys: Keys, paused: bool, durability: Durability | None = None) -> None:
-    _write(client, keys, "pause" if paused else "resume", durability, {"paused": 1 if paused else 0})
+def set_paused(client: redis.Redis, keys: Keys, paused: bool, durability: Durability | None = None,
+               writer: Writer | None = None, release_policy: ReleasePolicy | None = None) -> None:
+    """Pause or reopen admission; with `release_policy`, what aborted groups follow from then
+    on, in the same write."""
+    fields: dict[str, int | str] = {"paused": 1 if paused else 0}
+    if release_policy is not None:
+        fields["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
+    _write(client, keys, "pause" if paused else "resume", durability, writer, fields)
 
 
-def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str], durability: Durability | None = None) -> None:
+def set_draining(client: redis.Redis, keys: Keys, engine_urls: list[str], durability: Durability | None = None,
+                 writer: Writer | None = None) -> None:
     """Take these engines out of the workers' rotation (none: every engine back in).
     Stored space-separated: a URL has no spaces."""
     if engine_urls:
-        _write(client, keys, "draining", durability, {"draining": " ".join(engine_urls)})
+        _write(client, keys, "draining", durability, writer, {"draining": " ".join(engine_urls)})
     else:
-        _write(client, keys, "draining", durability, remove=["draining"])
+        _write(client, keys, "draining", durability, writer, remove=["draining"])
 
 
 def set_weight_version(client: redis.Redis, keys: Keys, version: int, *, restart_budget: bool = False,
-                       durability: Durability | None = None) -> None:
-    """Set the trainer's weight version. `restart_budget`: a trainer (re)starts at
-    `version`, e.g. resumed from an older checkpoint or a new run in a used namespace: the
-    staleness budget counts as if `version` batches had been committed since version 0,
-    not the namespace's lifetime count (which would block admission for good)."""
-    fields: dict[str, int | str] = {"weight_version": version}
-    if restart_budget:  # the clock restarts now: committed so far, less `version` batches
-        pipe = client.pipeline(transaction=False)
-        pipe.hget(keys.stats, "committed")
-        pipe.hget(keys.control, "batch_size")
-        committed, batch = pipe.execute()
-        fields["budget_base"] = ((_number(committed, "stats.committed", keys) or 0)
-                                 - version * (_number(batch, "batch_size", keys) or 0))
-    _write(client, keys, f"weight version {version}", durability, fields)
+                       rollback: bool = False, durability: Durability | None = None, writer: Writer | None = None,
+                       fields: dict[str, int | str] | None = None) -> None:
+    """Set the trainer's weight version (with other `fields`, in the same write). It only
+    moves forward (WeightVersionBehind) unless `rollback`: a trainer resumed from an
+    earlier checkpoint says so. `restart_budget`: a trainer (re)starts at `version`, e.g.
+    resumed from an older checkpoint or a new run in a used namespace: the staleness budget
+    counts as if `version` batches had been committed since version 0, not the namespace's
+    lifetime count (which would block admission for good)."""
+    _write(client, keys, f"weight version {version}" + (" (rollback)" if rollback else ""), durability, writer,
+           {**(fields or {}), "weight_version": version}, rollback=rollback, restart_budget=restart_budget)

@@ -13,6 +13,13 @@ with their partial output), loads the weights, continues and rejoins. The versio
 recorded first (the trainer has those weights now: the staleness bound and admission
 pacing count from it), and admission stays open throughout. Workers must be
 given the engines' own URLs: behind a router they cannot steer around one engine.
+
+Every Redis write goes through one pipeline.writer.Writer. A trainer passes its Consumer's
+(`Controller(queue, engines, writer=consumer.writer)`): its pauses, versions, releases and
+resumes are then fenced by its trainer session, like its reads and commits (a trainer that
+a newer one replaced can neither pause the pipeline nor roll its version back), and wait for
+the Consumer's replicas. Without one (`rollout pause`/`resume`, a script), the writes are an
+operator's: not fenced, recorded, with `replicas` for their replica wait.
 """
 from __future__ import annotations
 
@@ -22,9 +29,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .control import read_control, set_draining, set_paused, set_weight_version
+from .control import WeightVersionBehind, read_control, set_draining, set_paused, set_weight_version
 from .retry import TRAINER_OUTAGE_LIMIT_S, Durability, Reconnect
 from .types import PauseMode, ReleasePolicy, member
+from .writer import Writer
 
 if TYPE_CHECKING:
     from .queue import Queue
@@ -82,8 +90,8 @@ class Controller:
 
     def __init__(self, queue: "Queue", engines: EngineControl | None = None,
                  release_policy: ReleasePolicy | str = ReleasePolicy.CONTINUE, settle_s: float = 0.25,
-                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int = 0,
-                 replica_timeout_s: float = 5.0):
+                 outage_limit_s: float | None = TRAINER_OUTAGE_LIMIT_S, replicas: int | None = None,
+                 replica_timeout_s: float = 5.0, writer: Writer | None = None):
         self.queue = queue
         self.redis = queue.redis
         self.keys = queue.keys
@@ -97,17 +105,21 @@ class Controller:
         # a version, counting, releasing what the requeue stream holds.)
         self.reconnect = Reconnect(f"controller {queue.keys.namespace}", limit_s=outage_limit_s)
         self._call = self.reconnect.call
-        # Behind Sentinel: every control write (pause, version, resume, draining) returns once
-        # this many replicas have it, so a failover cannot roll the pipeline's state back
-        # (docs/operations.md, Durability). Use the trainer Consumer's `replicas`.
-        self.durability = Durability(replicas, replica_timeout_s)
+        # Every write (pause, version, release, resume, draining): a trainer's writer fences
+        # them by its session and waits for its replicas; an operator's waits for `replicas`
+        # (behind Sentinel, so a failover cannot roll the pipeline's state back).
+        if writer is not None and replicas is not None:
+            raise ValueError("a Controller given a writer waits for that writer's replicas: pass replicas to the "
+                             "Consumer the writer belongs to")
+        self.writer = writer or Writer(queue.redis, queue.keys, Durability(replicas or 0, replica_timeout_s),
+                                       self.reconnect)
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT, timeout_s: float = 60.0) -> PauseReport:
         """Stop admission, then pause every engine. With `abort`, wait until the
         workers have requeued every interrupted group."""
         mode = member(PauseMode, mode, "pause mode")
         started = time.monotonic()
-        self._call(set_paused, self.redis, self.keys, True, self.durability)
+        self._call(set_paused, self.redis, self.keys, True, writer=self.writer)
         if self.engines is not None:
             await self.engines.pause_generation(mode.value)
         remaining = 0
@@ -134,18 +146,20 @@ class Controller:
                     raise TimeoutError(f"pause: {remaining} groups still in flight after {timeout_s:g}s")
         return PauseReport(mode, time.monotonic() - started, self._call(self.redis.xlen, self.keys.requeue), remaining)
 
-    async def resume(self, weight_version: int | None = None) -> ResumeReport:
+    async def resume(self, weight_version: int | None = None, rollback: bool = False) -> ResumeReport:
         """Record the new version, continue the engines, release aborted groups to the
         head of the prompt list, reopen admission. Returns at once: timing the first
-        claim after a resume is the benchmark's business (bench/pause.py)."""
+        claim after a resume is the benchmark's business (bench/pause.py). A version behind
+        the recorded one is refused (WeightVersionBehind, nothing done) unless `rollback`."""
         if weight_version is not None:
-            self._call(set_weight_version, self.redis, self.keys, weight_version, durability=self.durability)
+            self._call(set_weight_version, self.redis, self.keys, weight_version, rollback=rollback,
+                       writer=self.writer)
         if self.engines is not None:
             await self.engines.continue_generation()
-        # Recorded so the workers' own releases (of groups aborted later) follow it too.
-        self._call(self.redis.hset, self.keys.control, "release_policy", self.release_policy.value)
-        released = self._call(self.queue.release, self.release_policy)
-        self._call(set_paused, self.redis, self.keys, False, self.durability)
+        released = self.writer.settle(self.keys.requeue, self._call(self.queue.release_items, self.release_policy))[0]
+        # The policy in the same write that reopens admission: the workers' own releases (of
+        # groups aborted later) follow it from then on.
+        self._call(set_paused, self.redis, self.keys, False, writer=self.writer, release_policy=self.release_policy)
         return ResumeReport(self._call(read_control, self.redis, self.keys).weight_version, released)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int,
@@ -174,14 +188,17 @@ class Controller:
         if self.engines is None:
             raise WeightUpdateError("no engines configured for this controller")
         started = time.monotonic()
-        if self._call(read_control, self.redis, self.keys).weight_version < weight_version:
-            self._call(set_weight_version, self.redis, self.keys, weight_version, durability=self.durability)
+        try:
+            self._call(set_weight_version, self.redis, self.keys, weight_version, writer=self.writer)
+        except WeightVersionBehind:
+            log.info("rolling update to version %d: a newer version is recorded already; not recording it",
+                     weight_version)
         urls = await self.engines.refresh()
         out_of_rotation: dict[str, float] = {}
         for url in urls:
             since = time.monotonic()
             # Listed before the pause, so a worker answered by an abort finds it in Redis.
-            self._call(set_draining, self.redis, self.keys, [url], self.durability)
+            self._call(set_draining, self.redis, self.keys, [url], writer=self.writer)
             engine = self.engines.only(url)
             try:
                 await engine.pause_generation(PauseMode.ABORT.value)
@@ -191,6 +208,6 @@ class Controller:
                 raise WeightUpdateError(f"rolling weight update to version {weight_version} from {model_path} "
                                         f"failed at engine {url}; it stays paused and out of rotation, the "
                                         f"engines before it serve version {weight_version}: {exc}") from exc
-            self._call(set_draining, self.redis, self.keys, [], self.durability)
+            self._call(set_draining, self.redis, self.keys, [], writer=self.writer)
             out_of_rotation[url] = time.monotonic() - since
         return RollingReport(weight_version, time.monotonic() - started, out_of_rotation)

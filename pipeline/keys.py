@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 #: fullmatch, never `$`: that also matches before a final newline ("exp1\n").
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+#: A name a process goes by in Redis (a trainer's consumer name): part of its session's
+#: name and of every group's history line, whose fields are separated by spaces.
+_NAME = re.compile(r"[A-Za-z0-9._\-:@#]{1,64}")
+NAME_CHARACTERS = "letters, digits and . _ - : @ #"
 
 # The trainer's consumer group on the results stream.
 CONSUMER_GROUP = "trainer"
@@ -37,6 +41,14 @@ def check_namespace(namespace: str) -> str:
         raise ValueError(f"namespace {namespace!r} is invalid: a name ending in {EVAL_SUFFIX!r} is the evaluation "
                          f"companion of namespace {namespace.removesuffix(EVAL_SUFFIX)!r} (its workers serve both)")
     return namespace
+
+
+def check_name(what: str, name: str) -> str:
+    """`name`, or ValueError naming what is wrong with it and what is allowed."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{what} {name!r} is invalid: use 1-64 characters, {NAME_CHARACTERS} (it is part of the "
+                         f"names Redis records and splits on spaces)")
+    return name
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
@@ -27,12 +26,12 @@ from .checkpoints import (CHECKPOINT_MAX_BYTES, CHECKPOINT_MAX_RECORDS, Checkpoi
                           GroupCheckpoint)
 from .codec import DecodeError, decode_group, encode_group
 from .control import DEFAULT_LEASE_S, DEFAULT_MAX_CLAIMS, DEFAULT_MAX_READY
-from .keys import CONSUMER_GROUP, Keys
+from .keys import Keys
 from .types import DeadReason, Group, ReleasePolicy, VersionClock
+from .writer import ScriptCall, TrainerSession, fenced, settle_arguments
 
 log = logging.getLogger(__name__)
 
-COMMITTED_IDS_KEPT = 200_000  # recent committed ids remembered for deduplication (~16 MB)
 STAGED_TTL_S = 3600  # a staged result outlives its MULTI only if the publish script failed (NOSCRIPT twice)
 #: A dead letter larger than this keeps only its first DEAD_LETTER_HEAD bytes and its size:
 #: a 50 MB poison row must not become a 50 MB dead letter.
@@ -65,10 +64,6 @@ class Published(StrEnum):
     REFUSED = "refused"  # the worker no longer holds the group under this token
 
 
-class SessionFenced(RuntimeError):
-    """A newer trainer session took over; this one may no longer read or commit."""
-
-
 @dataclass
 class ClaimedGroup:
     group_id: str
@@ -95,17 +90,6 @@ class Heartbeat:
 
 
 @dataclass
-class TrainerSession:
-    consumer: str  # its consumer name in the results stream's consumer group: "<base>.<generation>-<id>"
-    generation: int  # sessions started so far, for people; a lost write can hand it out twice
-    id: str  # random, never reissued: the fence every trainer script checks
-
-    @staticmethod
-    def new_id() -> str:
-        return secrets.token_hex(6)
-
-
-@dataclass
 class StreamEntry:
     entry_id: str
     group_id: str
@@ -113,6 +97,7 @@ class StreamEntry:
     error: str | None = None
     token: str = ""  # results entries: the claim token naming the payload key
     reason: str | None = None  # dead letters: the short category (max_claims, missing_label, engine, ...)
+    fate: str = ""  # results entries a Consumer handed out: committed or handed back (its ledger)
 
     def decode(self) -> Group:
         return decode_group(self.data)
@@ -424,16 +409,24 @@ class Queue:
 
     # -- producer ----------------------------------------------------------------
 
-    def _push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int, int]:
+    def push_call(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> ScriptCall:
+        """The push script's call for (destination, group id, payload) items (see `push`)."""
         k = self.keys
         args: list = [cursor_field, expected_cursor]
         for dest, gid, payload in items:
             args += [dest, gid, payload]
-        reply = self._scripts["push"](keys=[k.prompts, k.payloads, k.stats, k.dataset, k.dead], args=args)
+        return ScriptCall(self._scripts["push"], [k.prompts, k.payloads, k.stats, k.dataset, k.dead], args)
+
+    def pushed(self, reply: list) -> tuple[bool, int, int]:
+        """(pushed, cursor after, duplicates skipped) from the push script's reply."""
         duplicates = int(reply[2]) if len(reply) > 2 else 0
         if duplicates:
             log.warning("push: %d group ids were queued or in flight already; not pushed again", duplicates)
         return text(reply[0]) == "ok", int(reply[1]), duplicates
+
+    def _push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int, int]:
+        call = self.push_call(cursor_field, expected_cursor, items)
+        return self.pushed(call.script(keys=call.keys, args=call.args))
 
     def push(self, cursor_field: str, expected_cursor: int, items: list[tuple[str, str, bytes]]) -> tuple[bool, int]:
         """Push (destination, group id, payload) items if the cursor is where the caller
@@ -445,33 +438,31 @@ class Queue:
     def push_groups(self, groups: list[Group]) -> int:
         """Push groups without a dataset cursor (tests, retries, tools). A group id
         already queued or in flight is skipped. Returns how many were pushed."""
-        _, _, duplicates = self._push("", 0, [("prompt", g.group_id, encode_group(g)) for g in groups])
+        _, _, duplicates = self._push("", 0, self.group_items(groups))
         return len(groups) - duplicates
+
+    @staticmethod
+    def group_items(groups: list[Group]) -> list[tuple[str, str, bytes]]:
+        """Groups as push items (to the prompt list), for push_call."""
+        return [("prompt", g.group_id, encode_group(g)) for g in groups]
 
     # -- streams -----------------------------------------------------------------
 
     def settle(self, stream: str, items: list[Settle], session: TrainerSession | None = None) -> tuple[int, int]:
-        """Settle stream entries (lua/settle.lua). On the results stream, `session` is
-        the trainer session that was delivered them; raises SessionFenced when a newer
-        session took over. Returns (settled, already committed before)."""
+        """Settle stream entries (lua/settle.lua), as workers (requeue) and operators (dead
+        letters) do; a trainer settles through its pipeline.writer.Writer, which adds its
+        fence and the replica wait. On the results stream, `session` is the trainer session
+        that was delivered them; raises SessionFenced when a newer session took over.
+        Returns (settled, already committed before)."""
         if not items:
             return 0, 0
-        k = self.keys
-        if stream == k.results and session is None:
-            raise ValueError("settling results entries needs the trainer session they were delivered to")
-        args: list = [CONSUMER_GROUP, session.consumer, session.id] if session else ["", "", ""]
-        args.append(COMMITTED_IDS_KEPT)
-        for it in items:
-            args += [it.action, it.entry_id, it.group_id, it.text, it.payload, it.reason]
-        keys = [stream, k.prompts, k.payloads, k.dead, k.dropped, k.committed, k.stats, k.admitted, k.claims,
-                k.history, k.trainer]
-        if stream == k.results:
-            keys += [k.result(it.group_id, it.token) for it in items]
+        keys, args = settle_arguments(self.keys, stream, items, session)
         try:
             settled, already = self._scripts["settle"](keys=keys, args=args)
         except redis.ResponseError as exc:
-            if str(exc).startswith("FENCED"):
-                raise SessionFenced(str(exc)[len("FENCED "):]) from None
+            refusal = fenced(exc)
+            if refusal is not None:
+                raise refusal from None
             raise
         return int(settled), int(already)
 
@@ -501,6 +492,11 @@ class Queue:
         """Move aborted groups from the requeue stream back to the head of the prompt
         list. `continue` keeps their partial output, `restart` forgets it, `drop`
         drops them (counted, logged). Malformed entries go to dead letters."""
+        return self.settle(self.keys.requeue, self.release_items(policy, max_count))[0]
+
+    def release_items(self, policy: ReleasePolicy | str = ReleasePolicy.CONTINUE,
+                      max_count: int = 1000) -> list[Settle]:
+        """What `release` settles, oldest last (each goes to the head of the prompt list)."""
         policy = ReleasePolicy(policy)
         items = []
         for entry in self.read_stream(self.keys.requeue, max_count):
@@ -515,7 +511,7 @@ class Queue:
             else:  # continue: as the worker left it, already validated
                 items.append(Settle("prompt", entry.entry_id, group.group_id, "continue", entry.data))
         # Reversed: each item goes to the head, so the oldest ends up first.
-        return self.settle(self.keys.requeue, items[::-1])[0]
+        return items[::-1]
 
     # -- state ---------------------------------------------------------------------
 

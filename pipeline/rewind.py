@@ -21,6 +21,11 @@ import redis
 from .control import ControlState
 from .keys import Keys
 from .types import Group, VersionClock
+from .writer import Writer
+
+
+#: Marks written (and forgotten) per write of the trainer's writer.
+MARKS_PER_WRITE = 1000
 
 
 @dataclass(frozen=True)
@@ -48,18 +53,22 @@ class Mark:
             return None
 
 
-def mark_admitted(client: redis.Redis, keys: Keys, version: int) -> int:
+def mark_admitted(client: redis.Redis, keys: Keys, version: int, writer: Writer, call=None) -> int:
     """The queue's clock went back to `version`: mark every group admitted so far with it
-    (the lower version where one admission was marked twice). Marks of groups no longer
-    admitted are forgotten. Returns how many groups are marked. Only the trainer writes marks."""
-    gids = sorted(g.decode() for g in client.hkeys(keys.admitted))
-    pipe = client.pipeline(transaction=False)
-    pipe.hkeys(keys.abandoned)
-    if gids:
-        pipe.hmget(keys.admitted, gids)
-        pipe.hmget(keys.abandoned, gids)
-    marked, *rest = pipe.execute()
-    admitted, earlier = rest if gids else ([], [])
+    (the lower version where one admission was marked twice), written by the trainer's
+    `writer` (fenced, on its replicas); marks of groups no longer admitted are forgotten.
+    `call` runs the reads (a Consumer's, to wait out outages). Returns how many are marked."""
+    def read() -> tuple[list[str], list, list, list]:
+        gids = sorted(g.decode() for g in client.hkeys(keys.admitted))
+        pipe = client.pipeline(transaction=False)
+        pipe.hkeys(keys.abandoned)
+        if gids:
+            pipe.hmget(keys.admitted, gids)
+            pipe.hmget(keys.abandoned, gids)
+        marked, *rest = pipe.execute()
+        return (gids, marked, *(rest if gids else ([], [])))
+
+    gids, marked, admitted, earlier = (call or (lambda fn: fn()))(read)
     marks = {}
     for gid, adm, old in zip(gids, admitted, earlier):
         if adm is None:  # settled meanwhile
@@ -69,13 +78,11 @@ def mark_admitted(client: redis.Redis, keys: Keys, version: int) -> int:
         if before is not None and before.admitted == mark.admitted:
             mark = Mark(min(before.version, version), mark.admitted)
         marks[gid] = mark.encode()
-    stale = {g.decode() for g in marked} - set(marks)
-    pipe = client.pipeline(transaction=True)
-    if stale:
-        pipe.hdel(keys.abandoned, *stale)
-    if marks:
-        pipe.hset(keys.abandoned, mapping=marks)
-    pipe.execute()
+    stale = sorted({g.decode() for g in marked} - set(marks))
+    items = sorted(marks.items())
+    for i in range(0, max(len(items), len(stale)), MARKS_PER_WRITE):  # Lua's unpack takes ~8,000 values at most
+        writer.records(keys.abandoned, set_fields=dict(items[i:i + MARKS_PER_WRITE]),
+                       delete=stale[i:i + MARKS_PER_WRITE], what=f"rewind marks at version {version}")
     return len(marks)
 
 

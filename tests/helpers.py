@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 import redis
 
+from pipeline.connection import connect
 from pipeline.consumer import Consumer
 from pipeline.redis_server import free_port, wait_replicated  # noqa: F401 - wait_replicated re-exported
 from pipeline.types import Group
@@ -238,6 +239,25 @@ class FakeModelEngine:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def primary_and_replica(redis_factory, binary: str | None = None):
+    """A primary and a replica in sync: (primary server, replica server)."""
+    kwargs = {"aof": False} | ({"binary": binary} if binary else {})
+    primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
+    connect(replica.url).replicaof("127.0.0.1", primary.port)
+    wait_replicated(connect(primary.url), connect(replica.url))
+    return primary, replica
+
+
+def pause_replication(replica) -> None:
+    """`replica` stops applying its primary's writes (the primary's WAIT sees it lag) until
+    resume_replication; promoted meanwhile, it drops what it had not applied."""
+    connect(replica.url).execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+
+
+def resume_replication(replica) -> None:
+    connect(replica.url).execute_command("CLIENT", "UNPAUSE")
 
 
 class Forwarder:

@@ -168,7 +168,7 @@ def test_trainer_role_pushes_consumes_commits_pauses_and_resumes(admin, server, 
     assert admin.xlen(setup.keys.dead) == 1
 
     engines = EngineSet([sim.url])
-    controller = Controller(queue, engines)
+    controller = Controller(queue, engines, writer=consumer.writer)  # fenced by the trainer session
 
     async def update() -> int:
         try:

@@ -26,6 +26,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,7 +37,7 @@ from pipeline.checkpoints import CheckpointLog, CheckpointOutcome
 from pipeline.ops.audit import audit
 from pipeline.connection import connect
 from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
-from pipeline.control import configure, read_control, set_weight_version, staleness_limit
+from pipeline.control import DEFAULT_MAX_READY, configure, read_control, set_weight_version, staleness_limit
 from pipeline.queue import ClaimStatus, Place, Published, Queue, text
 from pipeline.types import Group, Status
 from tests.groups import generate
@@ -77,6 +78,7 @@ class ConservationMachine(RuleBasedStateMachine):
         self.lossy = {name: LoseReplies(self.queue._scripts[name])
                       for name in ("claim", "publish", "settle", "checkpoint")}
         self.queue._scripts.update(self.lossy)
+        self.max_ready = DEFAULT_MAX_READY if max_ready is None else max_ready
         if max_ready is not None:
             configure(self.client, self.queue.keys, max_ready=max_ready)
         self.eta, self.batch_size, self.version = max_staleness, batch_size, 0
@@ -116,7 +118,7 @@ class ConservationMachine(RuleBasedStateMachine):
     def _consumer(self) -> Consumer:
         consumer = Consumer(self.client, self.namespace, filter=self.filter, block_s=0.01)
         consumer.reconnect.first_s = 0.001  # lost replies are retried at once
-        consumer.queue._scripts.update(self.lossy)
+        consumer.writer._scripts["settle"] = self.lossy["settle"]  # the consumer's settles go through its writer
         return consumer
 
     def _retrying(self, fn, *args):
@@ -165,7 +167,7 @@ class ConservationMachine(RuleBasedStateMachine):
             if not (ready or queued or requeued):
                 break
             try:  # all that is left; if the filter drops some, the rest stays held for the next try
-                batch = consumer.next_batch(max(1, ready), timeout=0.01)
+                batch = consumer.next_batch(max(1, min(ready, self.max_ready)), timeout=0.01)
             except BatchTimeout:
                 continue
             self._check_new(batch)
@@ -313,6 +315,10 @@ class ConservationMachine(RuleBasedStateMachine):
     def next_batch(self, n, lose_reply):
         if self.eta is not None:
             n = self.batch_size  # pacing counts in batches of B: next_batch asks for exactly B
+        if n + sum(len(b) for b in self.batches) > self.max_ready:  # could never fill: refused at the call
+            with pytest.raises(ValueError, match="max_ready"):
+                self.consumer.next_batch(n, timeout=0.01)
+            return
         self.lossy["settle"].armed = int(lose_reply)  # a lost reply while screening settles entries
         try:
             batch = self.consumer.next_batch(n, timeout=0.01)

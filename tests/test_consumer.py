@@ -263,7 +263,7 @@ def test_lost_read_reply_strands_nothing(queue, consumer):
 def test_lost_commit_reply_then_retry_is_done_once(queue, consumer):
     produce(queue, 2)
     batch = consumer.next_batch(2, timeout=5)
-    settle = consumer.queue._scripts["settle"] = LoseReplies(consumer.queue._scripts["settle"], armed=1)
+    settle = consumer.writer._scripts["settle"] = LoseReplies(consumer.writer._scripts["settle"], armed=1)
     assert consumer.commit(batch) == 2 and not settle.armed
     assert queue.stats()["committed"] == 2
     assert_audit_ok(queue)
@@ -276,7 +276,7 @@ def test_a_lost_settle_reply_is_retried_even_when_the_wait_is_over(queue, client
     c = Consumer(client, namespace, filter="dapo", block_s=0.1)
     produce(queue, 1, prefix="flat", rewards=[0.0, 0.0])
     produce(queue, 1, prefix="k", rewards=[0.0, 2.0])
-    settle = c.queue._scripts["settle"] = LoseReplies(c.queue._scripts["settle"], armed=1)
+    settle = c.writer._scripts["settle"] = LoseReplies(c.writer._scripts["settle"], armed=1)
     try:
         batch = c.next_batch(1, timeout=0)  # the wait is over before the settle's reply is lost
     except BatchTimeout:  # what was screened stays screened; the next call goes on

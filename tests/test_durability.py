@@ -168,7 +168,7 @@ def test_killed_worker_groups_come_back_after_the_lease(redis_url, client, names
 
 def test_kill_at_a_random_instant_loses_nothing(redis_url, client, namespace):
     q = Queue(client, namespace)
-    configure(client, q.keys, lease_s=0.8)
+    configure(client, q.keys, lease_s=1.0)  # no shorter than the upkeep period (control.UPKEEP_S)
     n = 150
     q.push_groups([Group.fresh(f"g{i}", f"p{i}", 2, row=i) for i in range(n)])
     proc = spawn(BUSY_WORKER, redis_url, namespace, "busy")

@@ -22,7 +22,7 @@ from pipeline.queue import Place, Published, Queue, text
 from pipeline.retry import Reconnect, RedisUnavailable, is_transient
 from pipeline.redis_server import free_port
 from tests.groups import assert_audit_ok, claim, finish, fresh, produce
-from tests.helpers import cluster_port, outage, wait_for, wait_replicated
+from tests.helpers import cluster_port, outage, primary_and_replica, wait_for
 
 SPIN = ("local t0=redis.call('TIME') local s=tonumber(t0[1])+tonumber(t0[2])/1e6 while true do "
         "local t=redis.call('TIME') if tonumber(t[1])+tonumber(t[2])/1e6-s > tonumber(ARGV[1]) then break end "
@@ -35,15 +35,6 @@ def _error(fn) -> redis.RedisError:
     return info.value
 
 
-def _pair(redis_factory, binary: str | None = None):
-    """A primary and a replica in sync: (primary server, replica server)."""
-    kwargs = {"aof": False} | ({"binary": binary} if binary else {})
-    primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
-    connect(replica.url).replicaof("127.0.0.1", primary.port)
-    wait_replicated(connect(primary.url), connect(replica.url))
-    return primary, replica
-
-
 # -- o6: which errors a failover answers with, recognised by class -------------------------
 
 
@@ -51,7 +42,7 @@ def test_a_read_only_replica_is_transient_for_commands_and_scripts(redis_factory
     """Issue 21 o6: redis-py strips READONLY from the message (ReadOnlyError); Redis 6
     wraps a script's failed write as 'ERR Error running script ... -READONLY'. Both are
     waited out; each binary installed answers one of the two ways."""
-    _, replica = _pair(redis_factory, redis_binary)
+    _, replica = primary_and_replica(redis_factory, redis_binary)
     client = connect(replica.url)
     plain = _error(lambda: client.set("k", 1))
     assert isinstance(plain, redis.exceptions.ReadOnlyError) and is_transient(plain)
@@ -123,7 +114,7 @@ def _demote_until_noticed(client, reconnect: Reconnect) -> threading.Thread:
 def test_a_publish_and_a_batch_wait_out_a_demoted_primary(redis_factory):
     """Issue 21 o6: a failover leaves clients on the old primary, now a replica, until
     they move on: the worker's publish and the trainer's next_batch wait it out."""
-    primary, _ = _pair(redis_factory)
+    primary, _ = primary_and_replica(redis_factory)
     q = Queue(connect(primary.url, socket_timeout=5), "o6")
     produce(q, 1, prefix="r")  # a result ready for the trainer
     q.push_groups(fresh(1))

@@ -2,6 +2,7 @@
 of `rollout up` surviving a `rollout demo`, messages that name the fix."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -404,6 +405,9 @@ def test_a_worker_knob_has_one_default_in_worker_up_and_compose():
 
 
 def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
+    """A group dead-lettered for a missing label still has none: a retry dead-letters it again
+    at once, so `dead list --json` and `dead show` say it is not retriable and why, and
+    `dead retry` warns about it."""
     from pipeline.queue import Place
     from pipeline.types import Group
     from tests.groups import claim
@@ -414,6 +418,13 @@ def test_dead_retry_warns_about_letters_that_fail_the_same_way(run, queue):
                         "math_boxed needs a label, but sample.label is None", reason="missing_label")
     queue.publish_group("w", claimed["engine"].group, claimed["engine"].token, Place.DEAD, "engine down",
                         reason="engine")
+    listed = {d["group_id"]: d for d in json.loads(run("dead", "list", "--json").stdout)["dead_letters"]}
+    assert (listed["engine"]["retriable"], listed["engine"]["not_retriable_because"]) == (True, None)
+    assert listed["nolabel"]["retriable"] is False
+    assert "still have no label" in listed["nolabel"]["not_retriable_because"]
+    [shown] = [json.loads(line) for line in run("dead", "show", "nolabel", "--json").stdout.splitlines()]
+    assert shown["retriable"] is False and "still have no label" in shown["not_retriable_because"]
+    assert "retry      not as it is: its samples still have no label" in run("dead", "show", "nolabel").output
     result = run("dead", "retry", "--all")
     assert result.exit_code == 0 and "retried 2 dead letters" in result.output
     warnings = [l for l in result.output.splitlines() if l.startswith("warning:")]

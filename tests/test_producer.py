@@ -9,12 +9,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import redis
 
 from pipeline.ops.audit import audit
 from pipeline.codec import decode_group
+from pipeline.connection import connect
 from pipeline.producer import DatasetError, PushOptions, epoch_order, push_dataset
 from pipeline.queue import Queue
+from tests.conftest import CORE_REDIS_BINARIES
 from tests.groups import claim, publish
+
+REDIS7 = next((path for v, path in sorted(CORE_REDIS_BINARIES.items(), reverse=True)
+               if int(v.split(".")[0]) >= 7), None)
 
 ROWS = [
     {"input": "What is 1+1?", "label": "2", "metadata": {"source": "arith", "id": 0}},
@@ -331,3 +337,57 @@ def test_full_cycle_audit_adds_up(queue, client, namespace, tmp_path):
     consumer.commit(consumer.next_batch(5, timeout=5))
     report = assert_audit_ok(queue)
     assert (report.pushed, report.committed, report.dead) == (6, 5, 1)
+
+
+# -- a push Redis refuses partway leaves nothing behind --------------------------------------------
+
+
+def _nothing_placed(q: Queue) -> None:
+    """No group of the refused push is anywhere, and the audit adds up."""
+    k = q.keys
+    assert (q.redis.llen(k.prompts), q.redis.hlen(k.payloads), q.redis.xlen(k.dead)) == (0, 0, 0)
+    assert q.stats() == {} and not any(f.endswith(b":0") for f in q.redis.hkeys(k.dataset))  # no cursor moved
+    assert_audit_ok(q)
+
+
+@pytest.mark.parametrize("key", ["prompts", "payloads", "stats", "dead"])
+def test_a_push_refused_for_a_key_of_the_wrong_type_leaves_nothing_behind(queue, tmp_path, key):
+    """A key of the namespace holding another type (a hand-made key, another tool's) made the
+    push script fail after it had stored payloads: orphans the audit could not place."""
+    path = write_jsonl(tmp_path / "wt.jsonl", ROWS, raw_lines={2: "bad"})
+    name = getattr(queue.keys, key)
+    queue.redis.set(name, "not the pipeline's")
+    with pytest.raises(redis.ResponseError, match=rf"WRONGTYPE {re.escape(name)} holds a string"):
+        push_dataset(queue, path, PushOptions(skip_bad=True))
+    queue.redis.delete(name)
+    _nothing_placed(queue)
+    report = push_dataset(queue, path, PushOptions(skip_bad=True))  # fixed: the same push goes through
+    assert (report.pushed, report.dead) == (5, 1)
+    assert_audit_ok(queue)
+
+
+def test_a_push_refused_for_memory_leaves_nothing_behind(redis_factory, namespace, tmp_path):
+    server = redis_factory("full", aof=False)
+    client = connect(server.url)
+    q = Queue(client, namespace)
+    path = write_jsonl(tmp_path / "oom.jsonl", ROWS, raw_lines={2: "bad"})
+    client.config_set("maxmemory", 1)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        push_dataset(q, path, PushOptions(skip_bad=True))
+    client.config_set("maxmemory", 0)
+    _nothing_placed(q)
+
+
+@pytest.mark.skipif(REDIS7 is None, reason="redis.acl_check_cmd needs redis-server >= 7.0")
+def test_a_push_refused_a_permission_partway_leaves_nothing_behind(redis_factory, namespace, tmp_path):
+    """A user that may queue prompts but not dead-letter bad rows: the push used to store the
+    good rows' payloads and prompts, then fail at the bad row's XADD, counted nowhere."""
+    server = redis_factory("acl", aof=False, binary=REDIS7)
+    admin = connect(server.url)
+    admin.acl_setuser("pusher", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-xadd"])
+    q = Queue(connect(f"redis://pusher:pw@127.0.0.1:{server.port}"), namespace)
+    path = write_jsonl(tmp_path / "perm.jsonl", ROWS, raw_lines={2: "bad"})
+    with pytest.raises(redis.exceptions.NoPermissionError, match="XADD"):
+        push_dataset(q, path, PushOptions(skip_bad=True))
+    _nothing_placed(Queue(admin, namespace))

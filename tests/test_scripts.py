@@ -14,7 +14,8 @@ from pipeline.codec import decode_group, encode_group
 from pipeline.control import (DEFAULT_LEASE_S, configure, read_control, set_paused, set_weight_version,
                               staleness_limit)
 from pipeline.keys import CONSUMER_GROUP
-from pipeline.queue import ClaimStatus, Place, Publish, Published, Queue, SessionFenced, Settle, TrainerSession
+from pipeline.queue import ClaimStatus, Place, Publish, Published, Queue, Settle
+from pipeline.writer import SessionFenced, TrainerSession
 from pipeline.retry import Reconnect
 from pipeline.types import Group, Status
 from tests.helpers import LoseReplies
@@ -755,9 +756,9 @@ def test_settle_only_what_was_delivered_to_this_session(queue):
 
 
 def test_committed_ids_are_trimmed_with_their_history(queue, monkeypatch):
-    import pipeline.queue as qmod
+    import pipeline.writer as writer
 
-    monkeypatch.setattr(qmod, "COMMITTED_IDS_KEPT", 3)
+    monkeypatch.setattr(writer, "COMMITTED_IDS_KEPT", 3)
     produce(queue, 5)
     session = _session(queue)
     queue.settle(queue.keys.results, _delivered(queue, 5, session), session)

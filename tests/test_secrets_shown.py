@@ -21,11 +21,15 @@ BIDI = "\u202e"  # right-to-left override: hides what follows
     f"redis://127.0.0.1:1/0?password={SECRET}",
     f"redis://127.0.0.1:1/0?socket_timeout=1&password={SECRET}&username=bob",
     f"redis://127.0.0.1:1/0?PASSWORD={SECRET}",
+    f"redis://127.0.0.1:1/0?pass%77ord={SECRET}",  # redis-py decodes the name: it is the password
+    f"redis://127.0.0.1:1/0?password=pw&{SECRET}",  # a password holding '&', not percent-encoded
+    f"redis://127.0.0.1:1/0?password=pw#{SECRET}",  # ... or '#'
+    f"redis://127.0.0.1:1/0?password=pw&{SECRET}=1",
 ])
 def test_a_password_in_the_url_query_is_never_printed(url, run):
     line = run("status", url=url).output
     assert "Redis" in line and "redis://127.0.0.1:1" in line and SECRET not in line, line
-    assert SECRET not in redact(url) and "password=***" in redact(url).lower()
+    assert SECRET not in redact(url) and "=***" in redact(url)
     assert scrub(f"AUTH failed for {SECRET}", url) == "AUTH failed for ***"
 
 

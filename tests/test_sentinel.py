@@ -170,12 +170,13 @@ def test_commits_that_wait_for_the_replica_survive_a_lost_write_failover(deploym
 
 
 @pytest.mark.slow
-def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on_the_new_primary(deployment, caplog):
+def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on_the_new_primary(deployment):
     """Consumer(replicas=1), and the primary dies while a commit waits for the replica,
     which never got it: the promoted replica has the batch's delivery (a batch is handed
-    out only once a replica has it) but not its commit. The commit must not return on the
-    new primary's WAIT alone: it reads the commit back, finds it missing, commits again.
-    The batch is never delivered again (it would be trained twice)."""
+    out only once a replica has it) but not its commit. The commit, its mark and WAIT go
+    in one pipeline, so the retry on the new primary commits again there (its settle finds
+    the entries still delivered to the session) rather than returning on that primary's WAIT
+    alone. The batch is never delivered again (it would be trained twice)."""
     url, ns = deployment.url, "again"
     q = Queue(connect(url, socket_timeout=5), ns)
     produce(q, 4)
@@ -192,10 +193,49 @@ def test_a_commit_waiting_for_the_replica_when_the_primary_dies_is_made_again_on
     deployment.start_node(old)
     commit.join(60)
     assert committed == [2]
-    assert "is not on the primary (a failover lost it" in caplog.text
+    history = Queue(connect(url), ns).history(first.groups[0].group_id)
+    assert [detail for _, event, _, detail in history if event == "committed"] == [first.batch_id]  # once, here
     second = trainer.next_batch(2, timeout=30)
     assert {g.group_id for g in second.groups}.isdisjoint(g.group_id for g in first.groups)
     assert trainer.commit(second) == 2
+    report = audit(Queue(connect(url), ns))
+    assert report.ok and report.committed == 4, report.summary()
+
+
+@pytest.mark.slow
+def test_commit_trained_survives_a_lost_write_failover_without_training_twice(deployment):
+    """What slime's load() calls: a restarted trainer commits the batch its checkpoint
+    trained. The replica misses that commit and the primary dies: with replicas=1 the
+    commit does not return before a replica has it (it is made again on the promoted
+    replica), so the batch is never delivered again; it used to return at once, and the
+    failover handed the checkpoint's groups out a second time."""
+    url, ns = deployment.url, "checkpointed"
+    produce(Queue(connect(url, socket_timeout=5), ns), 4)
+    died = Consumer(connect(url, socket_timeout=5), ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
+    trained = died.next_batch(2, timeout=10)  # in the checkpoint; the trainer died before committing
+    client = connect(url, socket_timeout=5)
+    pending = client.xpending_range
+
+    def pending_then_cut(*args, **kwargs):  # the new session has started, and the replica has that
+        deployment.pause_replication(deployment.replica)
+        client.xpending_range = pending
+        return pending(*args, **kwargs)
+
+    client.xpending_range = pending_then_cut
+    restarted = Consumer(client, ns, block_s=0.2, replicas=1, replica_timeout_s=0.2)
+    done: list[int] = []
+    committing = threading.Thread(target=lambda: done.append(
+        restarted.commit_trained(set(trained.entry_ids), "slime checkpoint 0")))
+    committing.start()
+    wait_for(lambda: not committing.is_alive() or restarted.reconnect.down, what="the commit to return or wait")
+    old = deployment.kill_primary()  # the replica drops the commit it had not applied
+    deployment.wait_promoted(deployment.replica)
+    deployment.start_node(old)  # rejoins as the replica the commit waits for
+    committing.join(60)
+    assert done == [2]
+    batch = restarted.next_batch(2, timeout=30)
+    assert {g.group_id for g in batch.groups}.isdisjoint(g.group_id for g in trained.groups), "trained twice"
+    assert restarted.commit(batch) == 2
     report = audit(Queue(connect(url), ns))
     assert report.ok and report.committed == 4, report.summary()
 

@@ -114,7 +114,9 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas, create)
 
 @click.command()
 @click.option("--weight-version", type=click.IntRange(min=0),
-              help="The trainer's new weight version. Default: unchanged.")
+              help="The trainer's new weight version. Default: unchanged. It only moves forward, unless --rollback.")
+@click.option("--rollback", is_flag=True,
+              help="Allow --weight-version behind the recorded one (a trainer resumed from an earlier checkpoint).")
 @click.option("--release-policy", type=click.Choice(choices(ReleasePolicy)), default=ReleasePolicy.CONTINUE.value,
               show_default=True, help="Aborted groups: continue their partial output, restart them, or drop them.")
 @_ENGINE_URL_OPTION
@@ -122,16 +124,20 @@ def pause(obj: Context, mode, engine_urls, api_key, timeout_s, replicas, create)
 @REPLICAS_OPTION
 @CREATE_OPTION
 @click.pass_obj
-def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, replicas, create) -> None:
+def resume(obj: Context, weight_version, rollback, release_policy, engine_urls, api_key, replicas, create) -> None:
     """Record the new weight version, continue the engines, reopen admission.
 
     Aborted groups in the requeue stream go back to the head of the prompt list
-    first (continuing from their partial output by default).
+    first (continuing from their partial output by default). An operator's
+    pause and resume act whatever trainer session runs (they are not fenced)
+    and are recorded (`unfenced_write` in the trainer hash); a weight version
+    behind the recorded one needs --rollback.
 
     \b
     Example:
       rollout resume --weight-version 12
       rollout resume --weight-version 12 --engine-url http://router:30000
+      rollout resume --weight-version 8 --rollback
     """
     from pipeline.controller import Controller
     from workers.engine_set import EngineSet
@@ -144,7 +150,7 @@ def resume(obj: Context, weight_version, release_policy, engine_urls, api_key, r
         engines = EngineSet(urls, api_key=api_key) if urls else None
         try:
             controller = Controller(queue, engines, release_policy=release_policy, replicas=replicas)
-            report = await controller.resume(weight_version)
+            report = await controller.resume(weight_version, rollback=rollback)
             return report, (engines.engines if engines else [])
         finally:
             if engines is not None:

@@ -75,3 +75,33 @@ local function checkpoint_of(checkpoints, records, gid)
   end
   return out
 end
+
+-- The fence of every trainer write (pipeline/writer.py): a session id other than the
+-- current trainer session's is refused, before the script writes anything. '' is a writer
+-- without a session (an operator, a trainer before its first batch): not fenced.
+-- Returns the error reply to return, or nil.
+local function fence_error(trainer, session_id, consumer)
+  if session_id == '' then return nil end
+  local current = redis.call('HMGET', trainer, 'session_id', 'session')
+  if current[1] == session_id then return nil end
+  return redis.error_reply('FENCED trainer session ' .. consumer .. ' was replaced by session ' ..
+                           tostring(current[2]))
+end
+
+-- A key of the namespace holding another type than the script writes (a key made by hand or
+-- by another tool) is refused before the first write, naming it: a WRONGTYPE halfway through
+-- would leave half a move. Returns the error reply to return, or nil.
+local function type_error(key, kind)
+  local found = redis.call('TYPE', key)['ok']
+  if found == 'none' or found == kind then return nil end
+  return redis.error_reply('WRONGTYPE ' .. key .. ' holds a ' .. found .. ', not a ' .. kind ..
+                           ': it is not this pipeline\'s (delete or rename it)')
+end
+
+-- A command the caller's ACL user may not send on a key is refused before the first write
+-- too, for scripts whose writes depend on their input (Redis 7 has redis.acl_check_cmd; 6.2
+-- checks each call only as it comes). Returns the error reply to return, or nil.
+local function permission_error(command, key)
+  if not redis.acl_check_cmd or redis.acl_check_cmd(command, key) then return nil end
+  return redis.error_reply('NOPERM this user may not run ' .. command .. ' on ' .. key)
+end

@@ -6,7 +6,24 @@
 --       row that goes to dead letters.
 -- A group id already queued or in flight is not pushed again (one copy per group id).
 -- Returns {'ok', new cursor, duplicates} or {'moved', actual cursor} when another producer
--- got there first.
+-- got there first. Every refusal Redis could make partway (a key of the namespace holding
+-- another type, a command the user may not send) is checked before the first write, so a
+-- refused push leaves nothing behind; out of memory refuses only a script's first write.
+local refused = type_error(KEYS[1], 'list')
+  or type_error(KEYS[2], 'hash')
+  or type_error(KEYS[3], 'hash')
+  or type_error(KEYS[4], 'hash')
+  or type_error(KEYS[5], 'stream')
+if refused then return refused end
+local prompts, dead = false, false
+for i = 3, #ARGV, 3 do
+  if ARGV[i] == 'prompt' then prompts = true else dead = true end
+end
+refused = (prompts and (permission_error('HSETNX', KEYS[2]) or permission_error('RPUSH', KEYS[1])))
+  or (dead and permission_error('XADD', KEYS[5]))
+  or permission_error('HINCRBY', KEYS[3])
+  or (ARGV[1] ~= '' and permission_error('HSET', KEYS[4]))
+if refused then return refused end
 local cursor = 0
 if ARGV[1] ~= '' then
   cursor = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')

@@ -5,11 +5,8 @@
 -- ARGV: consumer group, consumer, session id, count
 -- Returns {newest entry id ('0-0' when empty), entries pending for this consumer, then
 -- the entries as XREADGROUP gives them}; the caller blocks (XREAD) outside when none came.
-local current = redis.call('HMGET', KEYS[2], 'session_id', 'session')
-if current[1] ~= ARGV[3] then
-  return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
-                           tostring(current[2]))
-end
+local refused = fence_error(KEYS[2], ARGV[3], ARGV[2])
+if refused then return refused end
 -- COUNT 0 would mean no limit: a count of 0 only confirms the session.
 local reply = nil
 if tonumber(ARGV[4]) > 0 then

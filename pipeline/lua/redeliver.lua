@@ -4,11 +4,8 @@
 -- KEYS: results, trainer
 -- ARGV: consumer group, consumer, session id, then entry ids
 -- Returns the delivery count of each entry still pending for this session (0: it is not).
-local current = redis.call('HMGET', KEYS[2], 'session_id', 'session')
-if current[1] ~= ARGV[3] then
-  return redis.error_reply('FENCED trainer session ' .. ARGV[2] .. ' was replaced by session ' ..
-                           tostring(current[2]))
-end
+local refused = fence_error(KEYS[2], ARGV[3], ARGV[2])
+if refused then return refused end
 local out = {}
 for i = 4, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)

@@ -1,13 +1,15 @@
 -- Settle entries of one stream (results, requeue or dead): each entry leaves the stream
 -- and goes to exactly one place. One script for every way out, so every path keeps the
 -- audit's books the same way. On the results stream only the current trainer session may
--- settle, and only entries delivered to it.
+-- settle, and only entries delivered to it; a trainer's settles elsewhere (the requeue
+-- stream at resume) are fenced too.
 -- KEYS: settled, prompts, payloads, dead, dropped, committed, stats, admitted, claims, history,
 --       trainer, result...
 -- (`settled` is the source stream; for the results stream one result payload key per entry follows)
--- ARGV: consumer group, consumer, session id ('' x3 for streams without a consumer group),
---       max committed ids to remember, then six items per entry: action, entry id, group id,
---       text, encoded group, dead letter's reason category ('' for none).
+-- ARGV: consumer group ('' for streams without one: no owner check), consumer, session id (''
+--       for a writer without a session: no fence), max committed ids to remember, then six
+--       items per entry: action, entry id, group id, text, encoded group, dead letter's reason
+--       category ('' for none).
 --   commit    the trainer trained on it (text: the batch, for the group's history)
 --   drop      filtered or too stale; logged with text as the reason
 --   duplicate a second copy of an already committed or held group
@@ -27,13 +29,8 @@ for i = 5, #ARGV, 6 do
   if not actions[ARGV[i]] then return redis.error_reply('settle: unknown action ' .. ARGV[i]) end
 end
 local group, consumer, session_id = ARGV[1], ARGV[2], ARGV[3]
-if session_id ~= '' then
-  local current = redis.call('HMGET', KEYS[11], 'session_id', 'session')
-  if current[1] ~= session_id then
-    return redis.error_reply('FENCED trainer session ' .. consumer .. ' was replaced by session ' ..
-                             tostring(current[2]))
-  end
-end
+local refused = fence_error(KEYS[11], session_id, consumer)
+if refused then return refused end
 local now = now_ms()
 local settled, already, committed = 0, 0, 0
 for i = 5, #ARGV, 6 do

@@ -230,13 +230,15 @@ WORKER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
 #: producer's cursor, the consumer's reads and diagnosis): they may send them on any key of
 #: their namespace. Their scripts' commands are limited to the keys the scripts name.
 TRAINER = CLIENT | READ_CONTROL | RELEASE | REAP | _access(
-    # the consumer's session, reads and hand-backs; settle (with RELEASE) for commits; push_groups
-    scripts=("session", "read", "redeliver", "push"),
+    # the consumer's session, reads and hand-backs; settle (with RELEASE) for commits; push_groups;
+    # control writes (Controller, configure) and the adapters' records, fenced (pipeline/writer.py)
+    scripts=("session", "read", "redeliver", "push", "control", "records"),
     commands={c: (ANY,) for c in (
         "xread", "xpending", "xrange", "mget", "zmscore",  # Consumer.next_batch
         "llen", "xlen", "zrevrange", "zrange", "hlen",  # the timeout error's diagnosis, in-flight count
-        "hset", "hdel",  # control fields (Controller, configure)
-        "hget",  # set_weight_version rebasing the staleness budget
+        "hset", "hdel",  # the writer's mark before WAIT (pipeline/writer.py); the producer's cursor
+        "hget",  # the producer's cursor and fingerprint
+        "time",  # configure checking a lease against the live workers' heartbeats
         "hincrby", "hsetnx", "hkeys",  # the producer's cursor and dataset fingerprints
         "hmget", "zscore",  # the live workers' info (timeout diagnosis, slime's engines); eval passes
         "exists",  # namespace_is_empty: consume, pause and resume check that the namespace exists

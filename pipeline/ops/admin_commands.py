@@ -71,6 +71,8 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
             durability=Durability(replicas))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    if max_ready is not None:
+        _warn_if_batches_cannot_fill(queue, state)
     if as_json:
         click.echo(json.dumps(state.to_dict()))
         return
@@ -90,6 +92,21 @@ def configure(obj: Context, max_staleness, batch_size, lease_s, max_claims, max_
     rich_console().print(Facts([("  staleness bound", [bound]), ("  lease", [f"{state.lease_s:g}s"]),
                                 ("  max claims", [str(state.max_claims)]), ("  max ready", [str(state.max_ready)]),
                                 ("  release policy", [str(state.release_policy)])]))
+
+
+def _warn_if_batches_cannot_fill(queue, state) -> None:
+    """A batch's groups all wait in the results stream until it is committed: a max_ready
+    below the batch the running trainer asks for (or below B) holds it forever."""
+    from pipeline.control import running_batch
+
+    running = running_batch(queue.redis, queue.keys)
+    if running and running[1] > state.max_ready:
+        click.echo(f"warning: trainer session {running[0]} asks for batches of {running[1]} groups: with "
+                   f"--max-ready {state.max_ready} they can never fill (workers stop claiming once max_ready "
+                   f"results wait); raise it to at least {running[1]}", err=True)
+    elif state.batch_size and state.batch_size > state.max_ready:
+        click.echo(f"warning: the batch size B is {state.batch_size}: with --max-ready {state.max_ready} a batch "
+                   f"of B can never fill; raise it to at least {state.batch_size}", err=True)
 
 
 @click.command()

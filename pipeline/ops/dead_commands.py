@@ -68,7 +68,7 @@ def dead_list(obj: Context, limit, as_json) -> None:
         g = l.group
         rows.append((printable(l.entry_id), printable(l.group_id), _age(l.age_s),
                      "-" if g is None else str(g.attempts), printable(l.category),
-                     ("[cannot retry] " if l.not_retriable else "") + printable(l.error or "-")))
+                     _retry_mark(l) + printable(l.error or "-")))
     # The error takes the room the other columns leave, on up to two lines (_two_lines).
     widths = column_widths(DEAD_COLUMNS, rows, console.width)
     rows = [(*r[:5], _two_lines(r[5], widths[5])) for r in rows]
@@ -114,6 +114,13 @@ def _end(text: str, n: int) -> str:
         words.insert(0, word)
     joined = " ".join(words)
     return joined if len(joined) >= n // 2 else text[-n:]
+
+
+def _retry_mark(letter) -> str:
+    """Before the error: a letter no retry can help (the reason column says what it is)."""
+    if letter.not_retriable:
+        return "[cannot retry] "
+    return "[fails again] " if letter.fails_again else ""
 
 
 def _age(seconds) -> str:
@@ -162,6 +169,8 @@ def dead_show(obj: Context, ident, as_json) -> None:
                  f"  reason     {l.category}", f"  error      {l.error or '-'}"]
         if l.not_retriable:
             lines.append(f"  retry      no: {l.not_retriable}")
+        elif l.fails_again:
+            lines.append(f"  retry      not as it is: {l.fails_again}")
         elif l.bad_row:
             lines.append(f"  retry      after fixing the row in its file: rollout dead retry {l.entry_id}")
         else:

@@ -65,6 +65,16 @@ class DeadLetter:
         return DeadReason.BAD_ROW.value if self.bad_row else "other"
 
     @property
+    def fails_again(self) -> str | None:
+        """Why a retry would be dead-lettered again at once (nothing changed what failed it),
+        or None. `dead list/show` then say not retriable, `dead retry` warns."""
+        g = self.group
+        if g is not None and self.reason == DeadReason.MISSING_LABEL and all(s.label is None for s in g.samples):
+            return ("its samples still have no label: unless the workers now run a reward that needs none, it is "
+                    "dead-lettered again at once (give the row a label in the file and push it again)")
+        return None
+
+    @property
     def bad_row(self) -> bool:
         """A dataset row that never was a generation: retrying it re-reads the row."""
         g = self.group
@@ -83,8 +93,8 @@ class DeadLetter:
             "error": self.error,
             "reason": self.reason,
             "age_s": round(self.age_s, 3),
-            "retriable": self.not_retriable is None,
-            "not_retriable_because": self.not_retriable,
+            "retriable": self.not_retriable is None and self.fails_again is None,
+            "not_retriable_because": self.not_retriable or self.fails_again,
             "bad_row": self.bad_row,
             "decode_error": self.decode_error,
             "payload_bytes": len(self.data),
@@ -267,10 +277,8 @@ def retry(queue: Queue, ids: list[str] | None = None, all_: bool = False, restar
         if group is None:
             continue
         result.done.append(letter)
-        if letter.reason == "missing_label" and all(s.label is None for s in group.samples):
-            result.doomed.append((letter, "its samples still have no label: unless the workers now run a reward "
-                                          "that needs none, it is dead-lettered again at once (give the row a label "
-                                          "in the file and push it again)"))
+        if letter.fails_again:
+            result.doomed.append((letter, letter.fails_again))
         if restart:
             group.reset()
         group.attempts = 0

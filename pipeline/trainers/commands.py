@@ -51,8 +51,13 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
 
     from pipeline import metrics as prom
     from pipeline.consumer import BatchTimeout, Consumer, SessionFenced
+    from pipeline.keys import check_name
     from pipeline.retry import RedisUnavailable
 
+    try:
+        check_name("--consumer", consumer)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     queue = obj.queue()
     if metrics_port:
         check_port_free(metrics_host, metrics_port, "--metrics-port")
@@ -70,7 +75,7 @@ def consume(obj: Context, batch_size, steps, as_json, timeout_s, consumer, metri
             try:
                 batch = reader.next_batch(batch_size, timeout=timeout_s)
                 reader.commit(batch)
-            except (BatchTimeout, RedisUnavailable) as exc:
+            except (BatchTimeout, RedisUnavailable, ValueError) as exc:
                 raise click.ClickException(f"after {done} of {steps} batches: {exc}") from None
             except SessionFenced as exc:
                 raise click.ClickException(f"after {done} of {steps} batches, another trainer took over this "

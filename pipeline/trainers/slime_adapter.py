@@ -13,7 +13,10 @@
 What keeps slime from training on the wrong data (docs/trainers.md):
 * the queue's weight version is slime's rollout id, set before each rollout is read,
   and groups are aged on the queue's clock (slime's engines number their weights from 1
-  in every run);
+  in every run); a trainer's first rollout may set it back (slime resumed from an earlier
+  checkpoint), and says so: the rollback is explicit, every later version moves forward;
+* every write (records, versions, settings, commits) goes through the Consumer's writer:
+  refused once a newer trainer session took over, on the replicas before it returns;
 * a batch is committed when the checkpoint that includes its step is saved
   (`save(rollout_id)`); after a restart and `load`, the uncommitted batches come back
   first, in order;
@@ -242,13 +245,13 @@ class RedisDataSource:
         eta = self.settings.max_staleness
         if eta is not None:
             control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
-                           max_staleness=int(eta), batch_size=batch, durability=self.consumer.durability)
+                           max_staleness=int(eta), batch_size=batch, writer=self.consumer.writer)
         elif control.max_staleness is not None and not control.batch_size and batch:
             control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE, batch_size=batch,
-                           durability=self.consumer.durability)
+                           writer=self.consumer.writer)
         elif control.version_clock != VersionClock.QUEUE:
             control = call(configure, self.client, self.queue.keys, version_clock=VersionClock.QUEUE,
-                           durability=self.consumer.durability)
+                           writer=self.consumer.writer)
         if self.checkpoints and batch:
             # With --async-save a checkpoint is durable (and its batches committed) one save later.
             intervals = 2 if getattr(self.args, "async_save", False) else 1
@@ -301,15 +304,15 @@ class RedisDataSource:
                 self._track(item, forget=True)
                 ours.append(item)
         if ours:
-            self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,  # not trained
-                               *(it.entry.entry_id for it in ours))
+            self._records(delete=[it.entry.entry_id for it in ours], what="records of groups given back")  # not trained
             self.consumer.release(Batch([it.group for it in ours], [it.entry for it in ours], 0, BatchMetrics(),
                                         "given back by slime"), "given back by slime")
         if foreign:
             self._check_group_sizes(foreign, [f"given back #{i}" for i in range(len(foreign))])
             groups = [Group(group_id=f"slime:{uuid.uuid4().hex}", samples=[from_slime_sample(s) for s in g],
                             dataset="slime", row=g[0].group_index or 0) for g in foreign]
-            self.consumer.call(self.queue.push_groups, groups)
+            self.consumer.writer.write("push of groups given back by slime",
+                                       [self.queue.push_call("", 0, self.queue.group_items(groups))])
             log.info("pushed %d groups given back by slime as prompts", len(groups))
 
     def trained(self, samples: list[Any]) -> None:
@@ -328,7 +331,7 @@ class RedisDataSource:
             it.returned = True
         log.info("slime's rollout %s left out %d groups it read: handed back, not committed",
                  "/".join(map(str, sorted(rollouts))), len(left_out))
-        self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts, *(it.entry.entry_id for it in left_out))
+        self._records(delete=[it.entry.entry_id for it in left_out], what="records of groups not trained")
         why = "read by slime's rollout and not trained"
         self.consumer.release(Batch([it.group for it in left_out], [it.entry for it in left_out], 0, BatchMetrics(),
                                     why), why)
@@ -338,8 +341,7 @@ class RedisDataSource:
         the model's save): the batches of those rollouts are committed now, not before,
         so a run resumed from this checkpoint neither skips nor repeats one. Which run
         saved it is recorded first, for `load`."""
-        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts, f"{CHECKPOINT_FIELD}{rollout_id}",
-                           self.run_id)
+        self._records({f"{CHECKPOINT_FIELD}{rollout_id}": self.run_id}, what=f"checkpoint {rollout_id}")
         num_rollout = getattr(self.args, "num_rollout", None)
         # train_async.py saves synchronously (force_sync) with --release-train and at the last rollout.
         forced = bool(getattr(self.args, "release_train", False)) or rollout_id == (num_rollout or 0) - 1
@@ -378,8 +380,7 @@ class RedisDataSource:
             log.warning("load(%d): %d groups read by another run than the one that saved this checkpoint are "
                         "not in it: they are trained again", rollout_id, ignored)
         committed = self.consumer.commit_trained(trained, f"slime checkpoint {rollout_id}")
-        if trained:
-            self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts, *trained)
+        self._records(delete=sorted(trained), what=f"records committed with checkpoint {rollout_id}")
         if committed:
             log.info("load(%d): committed %d groups read before that checkpoint and saved in it", rollout_id,
                      committed)
@@ -419,8 +420,8 @@ class RedisDataSource:
         self._pending.append(_Delivery(rollout_id, items, version, metrics))
         # Durable, for load(): which rollout read each entry, so a checkpoint that includes
         # that rollout commits it even when this process died before save() reached it.
-        self.consumer.call(self.client.hset, self.queue.keys.slime_rollouts,
-                           mapping={it.entry.entry_id: f"{self.run_id} {rollout_id}" for it in items})
+        self._records({it.entry.entry_id: f"{self.run_id} {rollout_id}" for it in items},
+                      what=f"records of rollout {rollout_id}")
         for it in items:
             self._track(it)
         if self.settings.commit_on_read:
@@ -430,9 +431,15 @@ class RedisDataSource:
 
     def _restart_clock(self, rollout_id: int) -> None:
         """This trainer's first rollout: resumed from an older checkpoint than the queue last
-        saw, or a new run in a used namespace. The staleness budget counts from here, and
-        groups admitted after it were made by weights of a run slime left (pipeline/rewind.py)."""
-        self.consumer.set_weight_version(rollout_id, restart_budget=True)
+        saw, or a new run in a used namespace. The staleness budget counts from here, groups
+        admitted after it were made by weights of a run slime left (pipeline/rewind.py), and
+        the version may go back: an explicit rollback, the one this trainer makes."""
+        recorded = self.consumer.call(read_control, self.client, self.queue.keys).weight_version
+        if recorded > rollout_id:
+            log.warning("slime starts at rollout %d: the queue's weight version goes back from %d to %d (resumed "
+                        "from an earlier checkpoint, or a new run in a used namespace)", rollout_id, recorded,
+                        rollout_id)
+        self.consumer.set_weight_version(rollout_id, restart_budget=True, rollback=True)
         self._budget_restarted = rollout_id
 
     def _refusals(self, groups: list[Group]) -> list[Refusal | None]:
@@ -498,14 +505,21 @@ class RedisDataSource:
                 # Forgotten only once committed: a commit that raised (Redis gone past the
                 # outage limit) is tried again by the next save, not left to a new session.
                 done += self.consumer.commit(batch)
-                self.consumer.call(self.client.hdel, self.queue.keys.slime_rollouts,
-                                   *(it.entry.entry_id for it in items))
+                self._records(delete=[it.entry.entry_id for it in items],
+                              what=f"records of rollout {delivery.rollout_id}, committed")
             for it in delivery.items:
                 self._track(it, forget=True)
             self._pending.popleft()
         return done
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _records(self, set_fields: dict[str, str] | None = None, delete: list[str] | None = None,
+                 what: str = "records") -> None:
+        """Write `slime_rollouts` through the Consumer's writer: fenced by its session, on its
+        replicas before returning (a record a failover brought back would make load() commit
+        a group given back as trained)."""
+        self.consumer.writer.records(self.queue.keys.slime_rollouts, set_fields, delete, what)
 
     def _track(self, item: _Item, forget: bool = False) -> None:
         """Remember which delivered group each slime sample belongs to (add_samples gets

@@ -9,11 +9,11 @@ from pipeline.control import configure
 
 s = server(); c = connect(s.url); ns = "r4"
 q = Queue(c, ns)
-configure(c, q.keys, lease_s=0.3)
+configure(c, q.keys, lease_s=1.0)                 # no shorter than the upkeep period
 q.push_groups([Group.fresh(f"g{i}", "p", 2, row=i) for i in range(3)])
 q.register("W")
 first = q.claim("W", "W:1", 1).groups[0]           # task T1 starts on g0
-time.sleep(0.4)                                     # W stalls (GC, partition) past the lease
+time.sleep(1.1)                                     # W stalls (GC, partition) past the lease
 print("reaped:", q.reap_expired())
 second = q.claim("W", "W:2", 1)                    # W's claim loop wakes first
 print("claim after the reap:", second.status.value, [x.group_id for x in second.groups])
