@@ -187,6 +187,8 @@ def configure(client: redis.Redis, keys: Keys, *, max_staleness: int | None = No
         updates["release_policy"] = member(ReleasePolicy, release_policy, "release policy").value
     if version_clock is not None:
         updates["version_clock"] = member(VersionClock, version_clock, "version clock").value
+    if not updates and not removals:  # only reading them: nothing to write, no key made
+        return read_control(client, keys)
     return _write(client, keys, "settings", durability, writer, updates, removals)
 
 

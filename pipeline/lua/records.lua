@@ -3,7 +3,7 @@
 -- pipeline/rewind.py), written under the trainer session's fence
 -- like every trainer write (pipeline/writer.py): a fenced trainer records no read or
 -- checkpoint, and deletes none, for entries its successor holds now.
--- KEYS: trainer, the hash (slime_rollouts or abandoned)
+-- KEYS: trainer, slime_rollouts|abandoned
 -- ARGV: session id ('' unfenced), consumer, n, then n field/value pairs to set, then fields
 --       to delete
 -- Returns the number of fields deleted, or an error starting with FENCED.
