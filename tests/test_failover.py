@@ -40,7 +40,7 @@ def _pair(redis_factory, binary: str | None = None):
     kwargs = {"aof": False} | ({"binary": binary} if binary else {})
     primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
     connect(replica.url).replicaof("127.0.0.1", primary.port)
-    wait_replicated(connect(primary.url), connect(replica.url))
+    wait_replicated(connect(primary.url), connect(replica.url, read_only=True))
     return primary, replica
 
 
@@ -52,7 +52,8 @@ def test_a_read_only_replica_is_transient_for_commands_and_scripts(redis_factory
     wraps a script's failed write as 'ERR Error running script ... -READONLY'. Both are
     waited out; each binary installed answers one of the two ways."""
     _, replica = _pair(redis_factory, redis_binary)
-    client = connect(replica.url)
+    # A client left on a demoted primary: its connections were checked when it was the primary.
+    client = connect(replica.url, read_only=True)
     plain = _error(lambda: client.set("k", 1))
     assert isinstance(plain, redis.exceptions.ReadOnlyError) and is_transient(plain)
     scripted = _error(lambda: Queue(client, "ro").register("w"))  # one of the pipeline's own scripts

@@ -17,15 +17,19 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import redis
+
 from pipeline import scripts
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import Queue, text
+from pipeline.server_checks import read_facts
 
 #: The keys of AuditReport.to_dict(), documented in docs/cli.md (`rollout audit --json`).
 AUDIT_JSON_KEYS = (
     "pushed", "prompts", "inflight", "inflight_by_worker", "requeue", "results_undelivered", "results_pending",
     "dead", "dropped", "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra",
-    "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight", "ok",
+    "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight",
+    "evicted_keys", "eviction_policy", "ok",
 )
 
 
@@ -47,6 +51,15 @@ class AuditReport:
     orphan_payloads: int = 0  # stored payloads of groups in no place
     missing_payloads: int = 0  # groups in a place with no payload
     unregistered_inflight: list[str] = field(default_factory=list)  # in-flight hashes of unregistered workers
+    evicted_keys: int = 0  # keys the server evicted since it started (INFO stats)
+    eviction_policy: str = ""  # its maxmemory-policy now
+
+    @property
+    def eviction_damage(self) -> bool:
+        """Evictions that may have taken this namespace's keys: under an allkeys-* policy any
+        key may go; under a volatile-* one only keys with a TTL, which the pipeline leaves
+        none of, unless the counts are off too."""
+        return self.evicted_keys > 0 and (self.eviction_policy.startswith("allkeys-") or self._conservation_broken)
 
     @property
     def accounted(self) -> int:
@@ -64,9 +77,13 @@ class AuditReport:
         return max(0, self.accounted - self.pushed)
 
     @property
-    def ok(self) -> bool:
-        return not (self.lost or self.extra or self.in_two_places or self.committed_and_live
+    def _conservation_broken(self) -> bool:
+        return bool(self.lost or self.extra or self.in_two_places or self.committed_and_live
                     or self.orphan_payloads or self.missing_payloads)
+
+    @property
+    def ok(self) -> bool:
+        return not (self._conservation_broken or self.eviction_damage)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -82,9 +99,15 @@ class AuditReport:
                 f" + dropped {self.dropped} + committed {self.committed} + discarded {self.discarded}")
         if self.duplicates_discarded:
             line += f" ({self.duplicates_discarded} duplicate copies discarded)"
+        evicted = (f"Redis evicted {self.evicted_keys} keys since it started (maxmemory-policy "
+                   f"{self.eviction_policy})") if self.evicted_keys else ""
         if self.ok:
-            return line + ": OK"
+            return line + ": OK" + (f" ({evicted}, none of them this namespace's as far as the counts show)"
+                                    if evicted else "")
         problems = []
+        if self.eviction_damage:
+            problems.append(f"{evicted}: keys of this namespace may be among them, losing groups without a trace "
+                            "(set maxmemory-policy noeviction; every writer now refuses such a server)")
         if self.lost:
             problems.append(f"{self.lost} lost")
         if self.extra:
@@ -318,4 +341,15 @@ def audit(queue: Queue, prompt_page: int = PROMPT_PAGE, dead_page: int = DEAD_PA
         orphan_payloads=max(0, orphans) + orphan_results,
         missing_payloads=snap["missing_payloads"] + len(prompts.missing_payload) + missing_results,
         unregistered_inflight=sorted(snap["unregistered"] or []),
+        **_evictions(queue),
     )
+
+
+def _evictions(queue: Queue) -> dict:
+    """What the server evicted since it started, and its policy (nothing for a cluster
+    client, whose INFO answers per node)."""
+    try:
+        facts = read_facts(queue.redis)
+    except (redis.RedisError, TypeError, ValueError, AttributeError, KeyError):
+        return {}
+    return {"evicted_keys": facts.evicted_keys, "eviction_policy": facts.policy}
