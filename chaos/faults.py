@@ -165,9 +165,9 @@ class WorkerStop(Fault):
         r, now = self.record, time.time()
         if self.proc.stopped:
             reaped = self.wid not in c.call(c.queue.workers)
-            # A Redis fault meanwhile moves the reap on: after a silence longer than the
-            # lease every worker gets a lease to renew first, and a failover can forget a
-            # reap; so 5 leases count from the last such fault's end as well.
+            # A Redis fault meanwhile moves the reap on: after a restart or a failover
+            # every worker gets a lease to renew first, and a failover can forget a reap;
+            # so 5 leases count from the last such fault's end as well.
             later = c.fleet.redis_fault_ended + 5 * c.settings.lease_s
             if not reaped and (now < max(self.deadline, later) or c.fleet.redis_busy):
                 return False

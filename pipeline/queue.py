@@ -176,7 +176,7 @@ class Queue:
         """Register a worker id with a lease; returns the lease in seconds. An id is
         registered once: a worker that was reaped registers under a new one."""
         k = self.keys
-        status, lease_ms = self._scripts["register"](keys=[k.workers, k.worker_info, k.control],
+        status, lease_ms = self._scripts["register"](keys=[k.workers, k.worker_info, k.control, k.beats],
                                                      args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
         if text(status) != "ok":
             raise ValueError(f"worker id {worker!r} is registered already")
@@ -339,7 +339,7 @@ class Queue:
         expired = self.redis.zrangebyscore(self.keys.workers, "-inf", f"({self.now_ms()}")
         for worker in expired:
             total += max(0, self.reap(text(worker)))
-        if not expired:  # still a sign of life for the silence check (lua/_prelude.lua)
+        if not expired:  # the lease clock still looks at the server (lua/_prelude.lua lease_clock)
             self._reap("", "expired")
         return total
 

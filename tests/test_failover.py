@@ -256,14 +256,18 @@ def test_the_torch_adapter_rides_out_an_outage(durable):
     assert assert_audit_ok(q).committed == 4
 
 
-# -- o8: a silence longer than the lease is not every worker's death ------------------------
+# -- o8: an outage longer than the lease is not every worker's death ------------------------
+
+_servers = iter(range(1, 1000))
 
 
 def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
     """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
-    deadline passed (forced, not waited for)."""
+    deadline passed (forced, not waited for), and another server process answering now
+    (a restart's new run id: the server's own evidence of the outage, lua/_prelude.lua
+    lease_clock; a silence without it is a lone death: tests/test_lease_clock.py)."""
     now = q.now_ms()
-    q.redis.hset(q.keys.beats, "seen_ms", now - 3 * lease_ms)
+    q.redis.hset(q.keys.beats, mapping={"seen_ms": now - 3 * lease_ms, "server": f"before-restart-{next(_servers)}"})
     q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
 
 
