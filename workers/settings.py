@@ -10,6 +10,7 @@ from pipeline import metrics
 from pipeline.control import DEFAULT_HEARTBEAT_S
 
 from .rewards import DEFAULT_REWARD_THREADS
+from .sample_budget import DEFAULT_MAX_PREEMPTIONS, DEFAULT_PREEMPTION_S
 from .sampling import SamplingSettings
 
 
@@ -36,6 +37,10 @@ class WorkerSettings:
     backoff_s: float = 0.5  # first retry delay; doubles up to backoff_max_s
     backoff_max_s: float = 30.0
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
+    # Aborts no pause, drain or weight update explains, per sample, before each is an engine
+    # failure: at most this many, within this long of the first (workers/sample_budget.py).
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    preemption_budget_s: float = DEFAULT_PREEMPTION_S
     request_timeout_s: float = 600.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # the namespace's lease must cover three
     progress_s: float = 60.0  # seconds between progress lines in the log (0: none)
