@@ -33,7 +33,9 @@ from pipeline.producer import PushOptions, epoch_order, group_id, read_cursor
 from pipeline.queue import Queue, text
 from pipeline.retry import Reconnect
 
-from .faults import Failover, Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
+from .fault_base import Fault, FaultKind
+from .faults import TrainerKill, TrainerRolling, WorkerStop, schedule
+from .redis_faults import Failover, RedisKill
 from .fleet import DATASET, DATASET_ROWS, DIRECT_WORKERS, Fleet, FleetSettings
 from .report import ChaosReport, Tally, committed_batches, kind_rows, reason_of, set_recovery
 from .ledger import LedgerEvent, Record, read_ledger
