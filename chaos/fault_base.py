@@ -12,7 +12,9 @@ chaos/faults.py (processes, links, engines) and chaos/redis_faults.py (the data 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -26,6 +28,8 @@ from .ledger import Record
 from .report import FaultRecord
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Campaign(Protocol):
@@ -74,6 +78,10 @@ class FaultKind(StrEnum):
     ROUTER_LATENCY = "router_latency"
     ENGINE_5XX = "engine_5xx"  # every engine answers /generate with 500/503
     ENGINE_HANG = "engine_hang"  # engines never answer some /generate (past the request timeout)
+    EVICTION = "eviction"  # the primary's maxmemory-policy turned to allkeys-lru, every connection cut
+    CLOCK_STEP = "clock_step"  # the server's clock steps back a minute, then forward a second
+    FENCED_TRAINER = "fenced_trainer"  # a second trainer; the first keeps running its update loop
+    ABORT_STORM = "abort_storm"  # every engine aborts every request after a few tokens
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 2.0) -> Any:
@@ -117,6 +125,38 @@ class WindowFault(Fault):
             return False
         self.lift(c)
         return True
+
+
+class ThreadFault(Fault):
+    """A fault whose work runs on a thread of its own, so the campaign's loop goes on (its
+    own Redis calls waiting out what the fault does): `_start(work)`; over when the work
+    returned; `_finish()` then fills the record. What the work raises is the problem."""
+
+    def _start(self, work: Callable[[], None]) -> None:
+        self.error = ""
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
+                log.exception("%s", self.record.kind)
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def step(self, c: Campaign) -> bool:
+        if self.thread.is_alive():
+            return False
+        self.record.problem = self.record.problem or self.error
+        self._finish(c)
+        return True
+
+    def _finish(self, c: Campaign) -> None:
+        """The record, once the work is over."""
+
+    def lift(self, c: Campaign) -> None:
+        self.thread.join()
 
 
 def _take_redis(c: Campaign) -> bool:

@@ -4,11 +4,10 @@ large audit beside the pipeline (chaos/fault_base.py says how a fault runs)."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
-from pipeline.connection import STARTUP_WAIT_S, ConnectionFailed, connect
+from pipeline.connection import STARTUP_WAIT_S, connect
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.ops.admin import purge
 from pipeline.ops.audit import audit
@@ -16,7 +15,8 @@ from pipeline.queue import Queue
 from pipeline.retry import Reconnect
 from pipeline.types import Group
 
-from .fault_base import Campaign, Fault, FaultKind, _release_redis, _take_redis
+from .clock import step_server_clock
+from .fault_base import WINDOW_S, Campaign, Fault, FaultKind, ThreadFault, _release_redis, _take_redis
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RedisKill(Fault):
             r.problem = f"Sentinel failed over to 127.0.0.1:{now} during the restart (down-after too short)"
 
 
-class LongOutage(Fault):
+class LongOutage(ThreadFault):
     """kill -9 of every data node, the same servers again from their AOFs 1.5-3 leases
     later (the primary first, then its replica): the server's clock ran on while nobody
     could renew, and no live worker may be reaped for it (issue 21, o8). Sentinel sees the
@@ -81,32 +81,21 @@ class LongOutage(Fault):
             time.sleep(self.down_s)
             try:
                 c.fleet.start_redis()
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                self.error = f"{type(exc).__name__}: {exc}"
             finally:
                 _release_redis(c)
 
-        self.error = ""
-        self.restart = threading.Thread(target=back, daemon=True)
-        self.restart.start()
+        self._start(back)
         return True
 
-    def step(self, c: Campaign) -> bool:
-        if self.restart.is_alive():
-            return False
+    def _finish(self, c: Campaign) -> None:
         self.record.ended = time.time()
-        self.record.problem = self.error
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        self.restart.join()
 
 
 #: How long a lossy failover lets the primary acknowledge writes its replica does not apply.
 LAG_S = 1.5
 
 
-class Failover(Fault):
+class Failover(ThreadFault):
     """kill -9 of the primary; Sentinel promotes the replica (after its down-after), and
     the old primary is started again from its AOF as the new primary's replica, so the next
     failover has a replica too. Every other failover (`lossy`, the first one seeded) goes
@@ -132,7 +121,6 @@ class Failover(Fault):
         r.unit = "bytes lost"  # of writes the promoted replica never had
         r.target = (f"primary 127.0.0.1:{old.port} -> 127.0.0.1:{new.port}"
                     + (f", which missed the last {LAG_S:g}s of writes" if self.lossy else ""))
-        self.error = ""
 
         def run() -> None:
             try:
@@ -147,40 +135,30 @@ class Failover(Fault):
                 d.start_node(old)
                 d.wait_synced(new, old, timeout_s=60)
                 self.rejoined_s = time.time() - r.ended
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                log.exception("failover")
-                self.error = f"{type(exc).__name__}: {exc}"
+            except Exception:
                 if self.lossy:  # never leave a node refusing writes behind
                     try:
                         d.resume_replication(new)
                     except Exception:  # noqa: BLE001 - down: a restart has no pause
                         pass
+                raise
             finally:
                 _release_redis(c)
 
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
+        self._start(run)
         return True
 
-    def step(self, c: Campaign) -> bool:
-        if self.thread.is_alive():
-            return False
-        r = self.record
-        r.problem = self.error
+    def _finish(self, c: Campaign) -> None:
         if not self.error:
-            r.note = (f"promoted after {self.promoted_s:.1f}s; the old primary rejoined as its replica after "
-                      f"{self.rejoined_s:.1f}s")
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        self.thread.join()
+            self.record.note = (f"promoted after {self.promoted_s:.1f}s; the old primary rejoined as its replica "
+                                f"after {self.rejoined_s:.1f}s")
 
 
 #: Queued groups of the namespace an `audit_load` fault audits (on the campaign's server).
 AUDIT_LOAD_GROUPS = 50_000
 
 
-class AuditLoad(Fault):
+class AuditLoad(ThreadFault):
     """An operator audits a large namespace on the pipeline's server while it runs: the
     audit holds the server only in short steps, so no process sees BUSY (issue 21, o7).
     Filled and audited on a thread of its own, through Reconnect (a Redis fault may
@@ -189,6 +167,8 @@ class AuditLoad(Fault):
     kind = FaultKind.AUDIT_LOAD
 
     def begin(self, c: Campaign) -> bool:
+        if c.fleet.refusing_writers:  # its client would be refused as it starts (eviction)
+            return False
         r = self.record
         r.started = time.time()
         namespace = f"chaos-audit-{int(r.at_s)}"
@@ -197,11 +177,8 @@ class AuditLoad(Fault):
 
         def load() -> None:
             reconnect = Reconnect(f"audit load {namespace}")
-            try:  # another fault may hold Redis down as this one starts
-                client = connect(c.fleet.redis_url, socket_timeout=60, wait_s=STARTUP_WAIT_S)
-            except ConnectionFailed as exc:
-                self.outcome["error"] = str(exc)
-                return
+            # Another fault may hold Redis down as this one starts.
+            client = connect(c.fleet.redis_url, socket_timeout=60, wait_s=STARTUP_WAIT_S)
             try:
                 q = reconnect.call(Queue, client, namespace)  # (asks the server which scripts it has)
                 for start in range(0, AUDIT_LOAD_GROUPS, 5000):
@@ -212,29 +189,145 @@ class AuditLoad(Fault):
                 report = reconnect.call(audit, q)
                 self.outcome.update(ok=report.ok, summary=report.summary(), audit_s=time.monotonic() - started)
                 reconnect.call(purge, client, namespace)
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                self.outcome["error"] = f"{type(exc).__name__}: {exc}"
             finally:
                 client.close()
 
-        self.thread = threading.Thread(target=load, daemon=True)
-        self.thread.start()
+        self._start(load)
         return True
 
-    def step(self, c: Campaign) -> bool:
-        if self.thread.is_alive():
-            return False
+    def _finish(self, c: Campaign) -> None:
         r = self.record
         r.ended = time.time()
-        if "error" in self.outcome:
-            r.problem = self.outcome["error"]
-        elif not self.outcome.get("ok"):
+        if r.problem:
+            return
+        if not self.outcome.get("ok"):
             r.problem = f"the audit of the loaded namespace: {self.outcome.get('summary', 'did not run')}"
         else:
             r.note = f"audited in {self.outcome['audit_s']:.1f}s while the pipeline ran"
+
+
+#: Commands that write, as INFO commandstats names them: none may reach the primary while
+#: its policy may evict (the scripts run by EVALSHA or FCALL; MULTI/EXEC around publishes).
+WRITE_COMMANDS = ("evalsha", "eval", "fcall", "exec", "set", "hset", "hdel", "hincrby", "hsetnx", "zadd", "zrem",
+                  "xadd", "xack", "xdel", "xgroup", "del", "unlink", "rename", "lpush", "rpush", "lpop", "lmove",
+                  "sadd", "srem", "incr", "expire")
+
+
+def _writes(client) -> int:
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in WRITE_COMMANDS)
+
+
+class Eviction(ThreadFault):
+    """For WINDOW_S the primary may evict keys (maxmemory-policy allkeys-lru, maxmemory just
+    above what it holds) and every client connection is cut: every writer reconnects,
+    finds a server that may evict and waits (the server check on each writing connection,
+    pipeline/server_checks.py), then carries on once the policy is noeviction again. The
+    promise: no write reached the server while it could evict, and nothing was evicted. No
+    process starts meanwhile (a refusal at start is a configuration error and exits): the
+    fault holds the trainer faults and WorkerKill off (Fleet.refusing_writers)."""
+
+    kind = FaultKind.EVICTION
+
+    def begin(self, c: Campaign) -> bool:
+        if c.trainer_fault is not None or c.fleet.redis_busy:
+            return False
+        node = c.fleet.redis.primary_node()
+        admin = connect(node.url, read_only=True)  # the operator's own: reads and CONFIG, no check
+        _take_redis(c)
+        c.trainer_fault = self
+        c.fleet.refusing_writers = True
+        r = self.record
+        r.started = time.time()
+        r.target, r.unit = f"primary 127.0.0.1:{node.port}", "reconnects"
+
+        def run() -> None:
+            try:
+                before = admin.info("stats")
+                admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + (1 << 20))
+                admin.config_set("maxmemory-policy", "allkeys-lru")
+                for kind in ("normal", "pubsub"):
+                    admin.client_kill_filter(_type=kind, skipme=True)
+                writes = _writes(admin)
+                time.sleep(WINDOW_S)
+                self.writes = _writes(admin) - writes
+                after = admin.info("stats")
+                r.affected = int(after["total_connections_received"]) - int(before["total_connections_received"])
+                self.evicted = int(after["evicted_keys"]) - int(before["evicted_keys"])
+            finally:
+                try:
+                    admin.config_set("maxmemory-policy", "noeviction")
+                    admin.config_set("maxmemory", 0)
+                finally:
+                    r.ended = time.time()
+                    admin.close()
+                    c.fleet.refusing_writers = False
+                    c.trainer_fault = None
+                    _release_redis(c)
+
+        self.writes = self.evicted = 0
+        self._start(run)
+        return True
+
+    def _finish(self, c: Campaign) -> None:
+        r = self.record
+        if self.writes or self.evicted:
+            r.problem = r.problem or (f"{self.writes} writes reached the primary while it could evict keys, "
+                                      f"{self.evicted} keys evicted")
+        elif not r.problem:
+            r.note = "no write reached it while it could evict; nothing evicted"
+
+
+
+#: How far the clock_step fault moves the server's clock back (then forward by FORWARD_MS):
+#: a failover to a replica whose clock is ten leases behind; and an NTP-sized step forward.
+BACK_LEASES = 10
+FORWARD_MS = 1000
+
+
+class ClockStep(Fault):
+    """The server's clock steps back ten leases, as every lease script sees it (the stored
+    deadlines and last-seen time moved: chaos/clock.py), then forward a second. The promise
+    (lua/_prelude.lua lease_clock): the first heartbeat or reap after the step back rebases
+    every deadline, so no worker that dies is reaped ten leases late; the step forward
+    reaps nobody alive (heartbeats every second against a 6 s lease)."""
+
+    kind = FaultKind.CLOCK_STEP
+
+    def begin(self, c: Campaign) -> bool:
+        if not _take_redis(c):
+            return False
+        q = c.queue
+        self.back_ms = int(BACK_LEASES * c.settings.lease_s * 1000)
+        self.rebased_before = int(c.call(q.redis.hget, q.keys.beats, "clock_back_ms") or 0)
+        r = self.record
+        r.started = time.time()
+        r.target = f"server clock {self.back_ms / 1000:g}s back, then {FORWARD_MS / 1000:g}s forward"
+        r.affected, r.unit = len(c.call(q.workers)), "leases rebased"
+        c.call(step_server_clock, q.redis, q.keys, -self.back_ms)
+        return True
+
+    def step(self, c: Campaign) -> bool:
+        q, r = c.queue, self.record
+        # Rebased by the step less the time since the last lease script before it (that
+        # much more lease for everyone: the heartbeats come every second).
+        rebased = int(c.call(q.redis.hget, q.keys.beats, "clock_back_ms") or 0) - self.rebased_before
+        enough = self.back_ms - c.settings.lease_s * 1000
+        if rebased < enough and time.time() < r.started + 3 * c.settings.lease_s:
+            return False
+        ahead = max(c.call(q.workers).values(), default=0.0) - c.settings.lease_s
+        if rebased < enough:
+            r.problem = f"the step back was not rebased within 3 leases ({rebased} of {self.back_ms} ms)"
+        elif ahead > 1.0:
+            r.problem = f"a lease deadline is still {ahead:.1f}s further away than a lease after the rebase"
+        else:
+            r.note = f"rebased {time.time() - r.started:.2f}s after the step back"
+        c.call(step_server_clock, q.redis, q.keys, FORWARD_MS)
+        r.ended = time.time()
+        _release_redis(c)
         return True
 
     def lift(self, c: Campaign) -> None:
-        self.thread.join()
-
-
+        if self.record.ended is None:
+            self.record.ended = time.time()
+            _release_redis(c)
