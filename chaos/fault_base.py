@@ -40,6 +40,7 @@ class Campaign(Protocol):
     fleet: Fleet
     rng: random.Random
     committed_batch_ids: set[str]
+    records: list[Record]  # the ledger read so far
     fenced_pids: set[int]
     trainer_fault: Fault | None
     engine_fault: Fault | None

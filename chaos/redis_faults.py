@@ -16,6 +16,7 @@ from pipeline.retry import Reconnect
 from pipeline.types import Group
 
 from .clock import step_server_clock
+from .ledger import LedgerEvent
 from .fault_base import WINDOW_S, Campaign, Fault, FaultKind, ThreadFault, _release_redis, _take_redis
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,7 @@ class Eviction(ThreadFault):
     kind = FaultKind.EVICTION
 
     def begin(self, c: Campaign) -> bool:
-        if c.trainer_fault is not None or c.fleet.redis_busy:
+        if c.trainer_fault is not None or c.fleet.redis_busy or _starting(c):
             return False
         node = c.fleet.redis.primary_node()
         admin = connect(node.url, read_only=True)  # the operator's own: reads and CONFIG, no check
@@ -279,6 +280,15 @@ class Eviction(ThreadFault):
 
 
 
+def _starting(c: Campaign) -> bool:
+    """Whether a worker or a trainer is still starting (not registered, no `start` in the
+    ledger): it would meet the refusal at start, which exits by design."""
+    registered = c.worker_ids()
+    started = {r.pid for r in c.records if r.event == LedgerEvent.START}
+    return (any(w.alive and w.pid not in registered for w in c.fleet.workers)
+            or any(t.alive and t.pid not in started for t in c.fleet.trainers))
+
+
 #: How far the clock_step fault moves the server's clock back (then forward by FORWARD_MS):
 #: a failover to a replica whose clock is ten leases behind; and an NTP-sized step forward.
 BACK_LEASES = 10
@@ -309,15 +319,14 @@ class ClockStep(Fault):
 
     def step(self, c: Campaign) -> bool:
         q, r = c.queue, self.record
-        # Rebased by the step less the time since the last lease script before it (that
-        # much more lease for everyone: the heartbeats come every second).
+        # Rebased by the step less the time since the last lease script before it (that much
+        # more lease for everyone: seconds while heartbeats come, more after an outage).
         rebased = int(c.call(q.redis.hget, q.keys.beats, "clock_back_ms") or 0) - self.rebased_before
-        enough = self.back_ms - c.settings.lease_s * 1000
-        if rebased < enough and time.time() < r.started + 3 * c.settings.lease_s:
+        if not rebased and time.time() < r.started + 3 * c.settings.lease_s:
             return False
         ahead = max(c.call(q.workers).values(), default=0.0) - c.settings.lease_s
-        if rebased < enough:
-            r.problem = f"the step back was not rebased within 3 leases ({rebased} of {self.back_ms} ms)"
+        if not rebased:
+            r.problem = "the step back was not rebased within 3 leases"
         elif ahead > 1.0:
             r.problem = f"a lease deadline is still {ahead:.1f}s further away than a lease after the rebase"
         else:
