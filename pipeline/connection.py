@@ -24,7 +24,7 @@ from redis.sentinel import Sentinel
 
 from .permissions import ExplainingRedis
 from .retry import is_transient
-from .server_checks import ServerFacts, UnsafeServer, check_connection, unsafe_for_writes
+from .server_checks import UnsafeServer, check_connection
 from .tls import check_tls_options
 
 log = logging.getLogger(__name__)
@@ -237,16 +237,16 @@ def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S,
             delay = min(2.0, delay * 2)
 
 
-def _checked(url: str, initialise: bool):
-    """redis-py's `redis_connect_func`: run on every new socket, after the handshake
-    (`initialise`: this function does it, as for a plain client; a cluster client does its
-    own first), then the server check of a writer."""
+def _checked(url: str, cluster: bool = False):
+    """redis-py's `redis_connect_func`: run on every new socket, after the handshake (this
+    function does it for a plain client; a cluster client does its own first), then the
+    server check of a writer."""
     shown = redact(url)
 
     def on_connect(connection) -> None:
-        if initialise:
+        if not cluster:
             connection.on_connect()
-        check_connection(connection, shown, url)
+        check_connection(connection, shown, url, cluster)
 
     return on_connect
 
@@ -260,25 +260,21 @@ def _connect(url: str, socket_timeout: float | None, read_only: bool = False) ->
         probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=probe_timeout,
                                      socket_connect_timeout=PROBE_TIMEOUT_S)
         try:
-            info = probe.info()
+            cluster_enabled = probe.info("cluster").get("cluster_enabled") == 1
         finally:
             probe.close()
-        cluster_enabled = info.get("cluster_enabled") == 1
-        problem = None if read_only else unsafe_for_writes(ServerFacts.from_info(info, _db_of(probe)), url)
-        if problem:
-            raise UnsafeServer(f"not writing to Redis at {redact(url)}: {problem}")
-        checks = {} if read_only else {"redis_connect_func": _checked(url, initialise=not cluster_enabled)}
+        checks = {} if read_only else {"redis_connect_func": _checked(url, cluster_enabled)}
         if not cluster_enabled:
-            return ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                            socket_connect_timeout=5, health_check_interval=30, **checks)
-        return RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                     socket_connect_timeout=5, **checks)
+            client = ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                              socket_connect_timeout=5, health_check_interval=30, **checks)
+        else:
+            client = RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                           socket_connect_timeout=5, **checks)
+        if not read_only:
+            client.ping()  # the first connection, checked now: a server no writer may use is refused at once
+        return client
     except (redis.RedisError, ValueError, TypeError, OSError) as exc:
         raise _failure(url, exc) from None
-
-
-def _db_of(client: redis.Redis) -> int:
-    return int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
 
 
 def _connect_sentinel(url: str, socket_timeout: float | None, probe_timeout: float,
@@ -289,7 +285,7 @@ def _connect_sentinel(url: str, socket_timeout: float | None, probe_timeout: flo
     target = sentinel_target(url)
     sentinel = Sentinel(target.sentinels, sentinel_kwargs={"socket_timeout": probe_timeout,
                                                            "socket_connect_timeout": PROBE_TIMEOUT_S})
-    checks = {} if read_only else {"redis_connect_func": _checked(url, initialise=True)}
+    checks = {} if read_only else {"redis_connect_func": _checked(url)}
     client = sentinel.master_for(target.service, redis_class=ExplainingRedis, db=target.db,
                                  username=target.username, password=target.password, protocol=PROTOCOL,
                                  socket_timeout=socket_timeout, socket_connect_timeout=5, health_check_interval=30,

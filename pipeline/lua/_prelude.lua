@@ -30,10 +30,10 @@ end
 -- The server time for the scripts that set or judge lease deadlines (register, heartbeat,
 -- reap), after acting on what the server's own evidence says happened since the last of
 -- them. The beats hash keeps `seen_ms` (the latest server time such a script saw) and
--- `server` (the run id and replication id of the server that saw it); a hash of its own,
--- so a worker's ACL user writes it and never the control hash.
---   * Another server answers now (a restart: a new run id; a failover: another run id or a
---     new replication id): nobody could renew through that outage, so every deadline moves
+-- `server` (the run id of the server process that saw it); a hash of its own, so a
+-- worker's ACL user writes it and never the control hash.
+--   * Another server answers now (a restart: a new run id; a failover: the promoted
+--     replica's): nobody could renew through that outage, so every deadline moves
 --     to at least a lease from now (a grace); live workers renew before anyone reaps, the
 --     dead are reaped one lease later. With nothing recorded yet, a server up for less than
 --     a lease counts as restarted.
@@ -44,8 +44,7 @@ end
 local function lease_clock(workers, beats, lease)
   local now = now_ms()
   local info = redis.call('INFO', 'server')
-  local server = string.match(info, 'run_id:(%x+)') .. ' ' ..
-    (string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or '')
+  local server = string.match(info, 'run_id:(%x+)')
   local last = redis.call('HMGET', beats, 'seen_ms', 'server')
   local seen, known = tonumber(last[1]), last[2]
   if seen and now < seen then
