@@ -33,7 +33,8 @@ from pipeline.producer import PushOptions, epoch_order, group_id, read_cursor
 from pipeline.queue import Queue, text
 from pipeline.retry import Reconnect
 
-from .faults import Failover, Fault, FaultKind, RedisKill, TrainerKill, TrainerRolling, WorkerStop, schedule
+from .fault_base import Fault, FaultKind
+from .faults import WorkerStop, schedule
 from .fleet import DATASET, DATASET_ROWS, DIRECT_WORKERS, Fleet, FleetSettings
 from .report import ChaosReport, Tally, committed_batches, kind_rows, reason_of, set_recovery
 from .ledger import LedgerEvent, Record, read_ledger
@@ -276,29 +277,29 @@ class Campaign:
 
     def _checks(self) -> list[str]:
         """One line per promise a fault kind tests, with its evidence."""
-        def injected(cls: type) -> list[Fault]:
-            return [f for f in self.faults if isinstance(f, cls) and f.record.started is not None]
+        def injected(kind: FaultKind) -> list:
+            return [f for f in self.faults if f.kind == kind and f.record.started is not None]
 
         lines = []
-        if stops := injected(WorkerStop):
+        if stops := injected(FaultKind.WORKER_STOP):
             lines.append(f"worker_stop: {len(stops)} workers stopped past their lease; the reaper took back the "
                          f"{sum(f.record.affected for f in stops)} groups they held; "
                          f"{sum(f.refused for f in stops)} of their publishes refused, none got through; "
                          f"{sum(1 for f in stops if 'registered as' in f.record.note)} registered anew")
-        if kills := injected(TrainerKill):
+        if kills := injected(FaultKind.TRAINER_KILL):
             after = sum(1 for f in kills if "after the commit" in f.record.note)
             lines.append(f"trainer_kill: {len(kills) - after} of {len(kills)} kills between next_batch and commit; "
                          f"their {sum(f.record.affected for f in kills)} groups went to the next session")
-        if rolls := injected(TrainerRolling):
+        if rolls := injected(FaultKind.TRAINER_ROLLING):
             clean = sum(1 for f in rolls if not f.record.problem)
             lines.append(f"trainer_rolling: {clean} of {len(rolls)} older trainers fenced and exited cleanly "
                          f"(SessionFenced, exit code 0); {sum(f.record.affected for f in rolls)} entries taken over")
-        if redis_kills := injected(RedisKill):
+        if redis_kills := injected(FaultKind.REDIS_KILL):
             downtimes = [f.downtime_s for f in redis_kills]
             lines.append(f"redis_kill: {len(redis_kills)} kill -9, each restarted from its AOF and answering again "
                          f"after {statistics.median(downtimes):.2f}s (median), {max(downtimes):.2f}s at most; "
                          f"aof_delayed_fsync at most {max(f.delayed_fsyncs for f in redis_kills)} before a kill")
-        if failovers := injected(Failover):
+        if failovers := injected(FaultKind.FAILOVER):
             lossy = [f for f in failovers if f.lossy]
             promoted = [f.promoted_s for f in failovers if f.promoted_s]
             lines.append(f"failover: {len(failovers)} promotions by Sentinel ({len(lossy)} to a replica that missed "
@@ -307,6 +308,23 @@ class Campaign:
                             if promoted else "-; ")
                          + f"{sum(1 for f in failovers if f.rejoined_s)} old primaries rejoined as replicas; the "
                          "trainer's deliveries, commits and weight updates waited for the replica (WAIT)")
+        if evictions := injected(FaultKind.EVICTION):
+            lines.append(f"eviction: {len(evictions)} windows in which the primary could evict keys; "
+                         f"{sum(f.record.affected for f in evictions)} reconnects meanwhile, {sum(f.writes for f in evictions)}"
+                         f" writes reached it, {sum(f.evicted for f in evictions)} keys evicted")
+        if steps := injected(FaultKind.CLOCK_STEP):
+            lines.append(f"clock_step: {len(steps)} steps of the server's clock back and forward; "
+                         f"{sum('rebased' in f.record.note for f in steps)} rebased at the next heartbeat, "
+                         f"{sum(f.record.affected for f in steps)} leases moved back")
+        if fenced := injected(FaultKind.FENCED_TRAINER):
+            lines.append(f"fenced_trainer: {len(fenced)} older trainers kept updating weights after the newer one "
+                         f"started: {'; '.join(f.record.note or f.record.problem for f in fenced)}")
+        if storms := injected(FaultKind.ABORT_STORM):
+            dead = sum("nothing explained" in e.error for e in self.queue.iter_stream(self.queue.keys.dead,
+                                                                                     with_data=False) if e.error)
+            lines.append(f"abort_storm: {sum(f.record.affected for f in storms)} requests aborted after 2 tokens in "
+                         f"{len(storms)} storms; samples past their preemption budget counted them as engine "
+                         f"failures ({dead} groups dead-lettered for it)")
         return lines
 
     def _report(self) -> ChaosReport:

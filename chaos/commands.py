@@ -36,8 +36,10 @@ def chaos(minutes, seed, fsync, workers, work_dir, keep, as_json) -> None:
     of a worker, the trainer, a simulator and the Redis primary; a Sentinel
     failover (every other one to a replica that missed the last writes); every
     Redis node down for 1.5-3 leases; a large audit beside the pipeline;
-    SIGSTOP of a worker past its lease; a second trainer; dropped replies,
-    resets and latency on the workers' links; engine 5xx and hangs. Then
+    SIGSTOP of a worker past its lease; a second trainer (and one whose
+    update loop outlives its fence); a primary that may evict keys; the
+    server's clock stepping back and forward; dropped replies, resets and
+    latency on the workers' links; engine 5xx, hangs and abort storms. Then
     drains and checks that every pushed group was trained exactly once or is a
     dead letter or a drop with its reason. Progress goes to stderr; exit code 1
     when the campaign is not ok. It starts its own Redis (--redis-url is not used).

@@ -1,113 +1,23 @@
-"""The faults of a fault campaign (`rollout chaos`), one class per kind.
-
-Each fault runs as a small state machine driven by the campaign's loop: `begin()`
-injects it (False: not possible right now, e.g. another trainer fault is under way; the
-loop asks again), `step()` says whether it is over, `lift()` ends a window early (the
-drain). Each fills its FaultRecord: when it was injected and over, what it hit, and any
-problem (a fault whose promise did not hold fails the campaign).
-"""
+"""The faults of a fault campaign (`rollout chaos`) on processes, links and engines, the
+registry of every kind and the schedule (chaos/fault_base.py says how a fault runs; the
+data nodes' faults are chaos/redis_faults.py)."""
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
 import signal
-import threading
 import time
-import urllib.error
-import urllib.request
-from enum import StrEnum
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
 
-from pipeline.connection import STARTUP_WAIT_S, ConnectionFailed, connect
-from pipeline.keys import CONSUMER_GROUP
-from pipeline.ops.admin import purge
-from pipeline.ops.audit import audit
-from pipeline.queue import Queue
-from pipeline.retry import Reconnect
-from pipeline.types import Group
 
+from .fault_base import REREGISTER_S, TRAINER_WAIT_S, Campaign, Fault, FaultKind, WindowFault, _http
 from .fault_proxy import LinkFaults
-from .fleet import Fleet, FleetSettings, Proc
-from .ledger import Record
+from .fleet import Proc
 from .report import FaultRecord
-
-T = TypeVar("T")
+from .ledger import LedgerEvent
+from .redis_faults import AuditLoad, ClockStep, Eviction, Failover, LongOutage, RedisKill
 
 log = logging.getLogger(__name__)
-
-
-class Campaign(Protocol):
-    """What a fault sees of the campaign that drives it (chaos/campaign.py): the fleet, the
-    ledger, and the one trainer fault and one engine window allowed at a time."""
-
-    settings: FleetSettings
-    fleet: Fleet
-    rng: random.Random
-    committed_batch_ids: set[str]
-    fenced_pids: set[int]
-    trainer_fault: Fault | None
-    engine_fault: Fault | None
-
-    @property
-    def queue(self) -> Queue: ...
-    def call(self, fn: Callable[..., T], *args) -> T: ...
-    def worker_ids(self) -> dict[int, str]: ...
-    def read_ledger(self) -> None: ...
-    def last_batch(self, pid: int, after: float) -> Record | None: ...
-
-#: How long a link or engine fault window lasts.
-WINDOW_S = 3.0
-#: A stopped worker that has not re-registered this long after SIGCONT is a failure.
-REREGISTER_S = 30.0
-#: A trainer fault that found no batch to interrupt, or an older trainer still running,
-#: this long after it began is given up.
-TRAINER_WAIT_S = 60.0
-
-
-class FaultKind(StrEnum):
-    WORKER_KILL = "worker_kill"  # kill -9 of a generation worker; a new one replaces it
-    WORKER_STOP = "worker_stop"  # SIGSTOP past its lease, then SIGCONT
-    TRAINER_KILL = "trainer_kill"  # kill -9 of the trainer between next_batch and commit
-    TRAINER_ROLLING = "trainer_rolling"  # a second trainer while the first runs
-    SIM_KILL = "sim_kill"  # kill -9 of a simulator, restarted on its port
-    REDIS_KILL = "redis_kill"  # kill -9 of the primary, restarted from its AOF (no failover)
-    LONG_OUTAGE = "long_outage"  # every data node down for 1.5-3 leases, then restarted from their AOFs
-    FAILOVER = "failover"  # kill -9 of the primary: Sentinel promotes the replica (every other one lagging)
-    AUDIT_LOAD = "audit_load"  # a large namespace on the same server audited while the pipeline runs
-    REDIS_DROP_REPLY = "redis_drop_reply"  # worker <-> Redis: requests done, replies lost
-    REDIS_RESET = "redis_reset"  # worker <-> Redis: connections reset
-    REDIS_LATENCY = "redis_latency"  # worker <-> Redis: every chunk delayed
-    ROUTER_DROP_REPLY = "router_drop_reply"  # worker <-> router: the same for HTTP
-    ROUTER_RESET = "router_reset"
-    ROUTER_LATENCY = "router_latency"
-    ENGINE_5XX = "engine_5xx"  # every engine answers /generate with 500/503
-    ENGINE_HANG = "engine_hang"  # engines never answer some /generate (past the request timeout)
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 2.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
-
-
-class Fault:
-    kind: FaultKind
-
-    def __init__(self, record: FaultRecord):
-        self.record = record
-
-    def begin(self, c: Campaign) -> bool:
-        raise NotImplementedError
-
-    def step(self, c: Campaign) -> bool:
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        """End the fault now (the campaign is draining)."""
 
 
 def _pick_worker(c: Campaign) -> tuple[int, Proc, str] | None:
@@ -124,7 +34,7 @@ class WorkerKill(Fault):
     kind = FaultKind.WORKER_KILL
 
     def begin(self, c: Campaign) -> bool:
-        picked = _pick_worker(c)
+        picked = None if c.fleet.refusing_writers else _pick_worker(c)  # its replacement would be refused
         if picked is None:
             return False
         i, proc, wid = picked
@@ -165,9 +75,9 @@ class WorkerStop(Fault):
         r, now = self.record, time.time()
         if self.proc.stopped:
             reaped = self.wid not in c.call(c.queue.workers)
-            # A Redis fault meanwhile moves the reap on: after a silence longer than the
-            # lease every worker gets a lease to renew first, and a failover can forget a
-            # reap; so 5 leases count from the last such fault's end as well.
+            # A Redis fault meanwhile moves the reap on: after a restart or a failover
+            # every worker gets a lease to renew first, and a failover can forget a reap;
+            # so 5 leases count from the last such fault's end as well.
             later = c.fleet.redis_fault_ended + 5 * c.settings.lease_s
             if not reaped and (now < max(self.deadline, later) or c.fleet.redis_busy):
                 return False
@@ -267,11 +177,15 @@ class TrainerRolling(Fault):
             c.trainer_fault = None
             return False
         self.old = old
+        self._before_replacing(c)
         self.new = new = c.fleet.spawn_trainer()
         r = self.record
         r.started = time.time()
         r.target = f"trainer pid {old.pid} replaced by pid {new.pid}"
         return True
+
+    def _before_replacing(self, c: Campaign) -> None:
+        """What the older trainer is told before the newer one starts."""
 
     def step(self, c: Campaign) -> bool:
         r = self.record
@@ -288,8 +202,12 @@ class TrainerRolling(Fault):
         # What the newer session took over from the older: its Consumer says so.
         taken = re.search(r"took over (\d+) entries", self.new.log_path.read_text(errors="replace"))
         r.affected = int(taken.group(1)) if taken else 0
+        self._check_older(c)
         c.trainer_fault = None
         return True
+
+    def _check_older(self, c: Campaign) -> None:
+        """What else must hold of the older trainer once it is gone."""
 
     def _read_fence(self, c: Campaign) -> bool:
         """Whether the older trainer exited cleanly after recording its fence, reading the
@@ -299,6 +217,34 @@ class TrainerRolling(Fault):
 
     def lift(self, c: Campaign) -> None:
         c.trainer_fault = None
+
+
+class FencedTrainer(TrainerRolling):
+    """A second trainer while the first runs, and the first one's weight-update loop runs
+    on after the newer session fenced it (chaos/trainer.py, FENCED_UPDATES), with the
+    versions it would have used. Its control writes must be refused like its reads and
+    commits: an old trainer that pauses the pipeline and is killed before it resumes leaves
+    the newer one waiting for good, and its versions set the newer one's back."""
+
+    kind = FaultKind.FENCED_TRAINER
+
+    def _before_replacing(self, c: Campaign) -> None:
+        (c.fleet.run_dir / f"fenced-loop-{self.old.pid}").touch()
+
+    def _check_older(self, c: Campaign) -> None:
+        r = self.record
+        c.read_ledger()
+        writes = [w.fields for w in c.records if w.pid == self.old.pid and w.event == LedgerEvent.FENCED_WRITE]
+        accepted = [w["version"] for w in writes if w["outcome"] == "accepted"]
+        refused = sum(w["outcome"] == "refused" for w in writes)
+        r.affected, r.unit = len(writes), "control writes"
+        if not writes:
+            r.problem = r.problem or f"the older trainer (pid {self.old.pid}) tried no weight update after its fence"
+        elif accepted:
+            r.problem = r.problem or (f"{len(accepted)} of {len(writes)} weight updates of the fenced trainer (pid "
+                                      f"{self.old.pid}) went through (versions {accepted})")
+        else:
+            r.note = f"{refused} of {len(writes)} weight updates of the fenced trainer refused (SessionFenced)"
 
 
 class SimKill(Fault):
@@ -336,256 +282,6 @@ class SimKill(Fault):
         return True
 
 
-def _take_redis(c: Campaign) -> bool:
-    """Reserve the data nodes for one fault that kills them or moves the primary."""
-    if c.fleet.redis_busy:
-        return False
-    c.fleet.redis_busy = True
-    return True
-
-
-def _release_redis(c: Campaign) -> None:
-    c.fleet.redis_busy = False
-    c.fleet.redis_fault_ended = time.time()
-
-
-class RedisKill(Fault):
-    """kill -9 of the primary, then the same server again from its AOF: back before
-    Sentinel's down-after, so it stays the primary (no failover)."""
-
-    kind = FaultKind.REDIS_KILL
-
-    def begin(self, c: Campaign) -> bool:
-        if not _take_redis(c):
-            return False
-        try:
-            self._kill(c)
-        finally:
-            _release_redis(c)
-        return True
-
-    def _kill(self, c: Campaign) -> None:
-        q, k = c.queue, c.queue.keys
-        inflight = c.call(q.inflight_count)
-        try:
-            pending = int(c.call(q.redis.xpending, k.results, CONSUMER_GROUP)["pending"])
-        except Exception:  # noqa: BLE001 - no consumer group yet: nothing delivered
-            pending = 0
-        # Writes Redis held back from its AOF past 2 s behind a slow fsync (see the README's
-        # durability paragraph): 0 means every acknowledged write had reached the file.
-        self.delayed_fsyncs = int(c.call(q.redis.info, "persistence").get("aof_delayed_fsync", 0))
-        r = self.record
-        r.started = r.ended = time.time()
-        port, self.downtime_s = c.fleet.restart_redis()
-        r.target = f"primary 127.0.0.1:{port} ({c.settings.fsync.value})"
-        r.affected = inflight + pending
-        r.note = f"answered again after {self.downtime_s:.2f}s; aof_delayed_fsync was {self.delayed_fsyncs}"
-        if (now := c.fleet.redis.primary_port()) != port:
-            r.problem = f"Sentinel failed over to 127.0.0.1:{now} during the restart (down-after too short)"
-
-
-class LongOutage(Fault):
-    """kill -9 of every data node, the same servers again from their AOFs 1.5-3 leases
-    later (the primary first, then its replica): the server's clock ran on while nobody
-    could renew, and no live worker may be reaped for it (issue 21, o8). Sentinel sees the
-    primary down past its down-after but has no replica to promote. The restart runs on a
-    thread of its own: the campaign's own calls wait Redis out meanwhile."""
-
-    kind = FaultKind.LONG_OUTAGE
-
-    def begin(self, c: Campaign) -> bool:
-        if not _take_redis(c):
-            return False
-        inflight = c.call(c.queue.inflight_count)
-        leases = c.rng.uniform(1.5, 3.0)
-        self.down_s = leases * c.settings.lease_s
-        r = self.record
-        r.started = time.time()
-        r.target = f"every data node, {self.down_s:.1f}s ({leases:.1f} leases)"
-        r.affected, r.unit = inflight, "groups in flight"
-        c.fleet.stop_redis()
-
-        def back() -> None:
-            time.sleep(self.down_s)
-            try:
-                c.fleet.start_redis()
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                self.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                _release_redis(c)
-
-        self.error = ""
-        self.restart = threading.Thread(target=back, daemon=True)
-        self.restart.start()
-        return True
-
-    def step(self, c: Campaign) -> bool:
-        if self.restart.is_alive():
-            return False
-        self.record.ended = time.time()
-        self.record.problem = self.error
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        self.restart.join()
-
-
-#: How long a lossy failover lets the primary acknowledge writes its replica does not apply.
-LAG_S = 1.5
-
-
-class Failover(Fault):
-    """kill -9 of the primary; Sentinel promotes the replica (after its down-after), and
-    the old primary is started again from its AOF as the new primary's replica, so the next
-    failover has a replica too. Every other failover (`lossy`, the first one seeded) goes
-    to a replica that missed the last writes: for LAG_S it stops applying the primary's
-    writes (CLIENT PAUSE WRITE on it), which the primary goes on acknowledging, and drops
-    them when the primary dies. Workers' publishes and claims, the feeder's pushes and
-    heartbeats are lost with them; the trainer's deliveries and commits are not (they wait
-    for the replica: Consumer(replicas=1)). Runs on a thread of its own; `ended` is the
-    kill."""
-
-    kind = FaultKind.FAILOVER
-    lossy = False  # set by schedule()
-    promoted_s = rejoined_s = 0.0
-
-    def begin(self, c: Campaign) -> bool:
-        if not _take_redis(c):
-            return False
-        d = c.fleet.redis
-        old = d.primary_node()
-        new = d.other(old)
-        r = self.record
-        r.started = time.time()
-        r.unit = "bytes lost"  # of writes the promoted replica never had
-        r.target = (f"primary 127.0.0.1:{old.port} -> 127.0.0.1:{new.port}"
-                    + (f", which missed the last {LAG_S:g}s of writes" if self.lossy else ""))
-        self.error = ""
-
-        def run() -> None:
-            try:
-                if self.lossy:
-                    d.pause_replication(new)
-                    time.sleep(LAG_S)
-                    r.affected = d.missed_bytes(old, new)
-                r.ended = time.time()
-                d.kill_primary()
-                d.wait_promoted(new, timeout_s=60)
-                self.promoted_s = time.time() - r.ended
-                d.start_node(old)
-                d.wait_synced(new, old, timeout_s=60)
-                self.rejoined_s = time.time() - r.ended
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                log.exception("failover")
-                self.error = f"{type(exc).__name__}: {exc}"
-                if self.lossy:  # never leave a node refusing writes behind
-                    try:
-                        d.resume_replication(new)
-                    except Exception:  # noqa: BLE001 - down: a restart has no pause
-                        pass
-            finally:
-                _release_redis(c)
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        return True
-
-    def step(self, c: Campaign) -> bool:
-        if self.thread.is_alive():
-            return False
-        r = self.record
-        r.problem = self.error
-        if not self.error:
-            r.note = (f"promoted after {self.promoted_s:.1f}s; the old primary rejoined as its replica after "
-                      f"{self.rejoined_s:.1f}s")
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        self.thread.join()
-
-
-#: Queued groups of the namespace an `audit_load` fault audits (on the campaign's server).
-AUDIT_LOAD_GROUPS = 50_000
-
-
-class AuditLoad(Fault):
-    """An operator audits a large namespace on the pipeline's server while it runs: the
-    audit holds the server only in short steps, so no process sees BUSY (issue 21, o7).
-    Filled and audited on a thread of its own, through Reconnect (a Redis fault may
-    overlap); the namespace is deleted afterwards."""
-
-    kind = FaultKind.AUDIT_LOAD
-
-    def begin(self, c: Campaign) -> bool:
-        r = self.record
-        r.started = time.time()
-        namespace = f"chaos-audit-{int(r.at_s)}"
-        r.target, r.affected, r.unit = f"namespace {namespace}", AUDIT_LOAD_GROUPS, "groups queued"
-        self.outcome: dict[str, Any] = {}
-
-        def load() -> None:
-            reconnect = Reconnect(f"audit load {namespace}")
-            try:  # another fault may hold Redis down as this one starts
-                client = connect(c.fleet.redis_url, socket_timeout=60, wait_s=STARTUP_WAIT_S)
-            except ConnectionFailed as exc:
-                self.outcome["error"] = str(exc)
-                return
-            try:
-                q = reconnect.call(Queue, client, namespace)  # (asks the server which scripts it has)
-                for start in range(0, AUDIT_LOAD_GROUPS, 5000):
-                    groups = [Group.fresh(f"load:{i}", "What is 1 + 1?", 4, row=i)
-                              for i in range(start, min(AUDIT_LOAD_GROUPS, start + 5000))]
-                    reconnect.call(q.push_groups, groups)
-                started = time.monotonic()
-                report = reconnect.call(audit, q)
-                self.outcome.update(ok=report.ok, summary=report.summary(), audit_s=time.monotonic() - started)
-                reconnect.call(purge, client, namespace)
-            except Exception as exc:  # noqa: BLE001 - the fault's problem, reported by step()
-                self.outcome["error"] = f"{type(exc).__name__}: {exc}"
-            finally:
-                client.close()
-
-        self.thread = threading.Thread(target=load, daemon=True)
-        self.thread.start()
-        return True
-
-    def step(self, c: Campaign) -> bool:
-        if self.thread.is_alive():
-            return False
-        r = self.record
-        r.ended = time.time()
-        if "error" in self.outcome:
-            r.problem = self.outcome["error"]
-        elif not self.outcome.get("ok"):
-            r.problem = f"the audit of the loaded namespace: {self.outcome.get('summary', 'did not run')}"
-        else:
-            r.note = f"audited in {self.outcome['audit_s']:.1f}s while the pipeline ran"
-        return True
-
-    def lift(self, c: Campaign) -> None:
-        self.thread.join()
-
-
-class WindowFault(Fault):
-    """A fault that holds for WINDOW_S: `_open` starts it (False: not now), `lift` ends it."""
-
-    def _open(self, c: Campaign) -> bool:
-        raise NotImplementedError
-
-    def begin(self, c: Campaign) -> bool:
-        if not self._open(c):
-            return False
-        self.record.started = time.time()
-        self.until = self.record.started + WINDOW_S
-        return True
-
-    def step(self, c: Campaign) -> bool:
-        if time.time() < self.until:
-            return False
-        self.lift(c)
-        return True
-
-
 class LinkFault(WindowFault):
     """A window of faults on one proxied link (workers <-> Redis or router)."""
 
@@ -615,34 +311,35 @@ class LinkFault(WindowFault):
 
 
 class EngineFault(WindowFault):
-    """A window in which every simulator answers some /generate with an error or never."""
+    """A window in which every simulator answers some /generate with an error, never, or
+    aborted after a few tokens (its fault knobs, POST /sim/faults)."""
 
-    def __init__(self, record: FaultRecord, kind: FaultKind, knob: str, rate: float, counter: str):
+    def __init__(self, record: FaultRecord, kind: FaultKind, knobs: dict[str, float], counter: str):
         super().__init__(record)
-        self.kind, self.knob, self.rate, self.counter = kind, knob, rate, counter
+        self.kind, self.knobs, self.counter = kind, knobs, counter
         self.record.unit = "requests"
 
-    def _set(self, c: Campaign, rate: float) -> dict[str, int]:
-        """Set the knob on every simulator; returns their counters."""
+    def _set(self, c: Campaign, knobs: dict[str, float]) -> dict[str, int]:
+        """Set the knobs on every simulator; returns their counters."""
         counts = {}
         for url in c.fleet.sim_urls:
             try:
-                _http(url + "/sim/faults", {self.knob: rate})
+                _http(url + "/sim/faults", knobs)
                 counts[url] = int(_http(url + "/sim/stats")["stats"].get(self.counter, 0))
             except (OSError, ValueError, KeyError, TypeError) as exc:  # restarting: it comes back without faults
-                log.info("simulator %s: %s not set (%s)", url, self.knob, exc)
+                log.info("simulator %s: %s not set (%s)", url, knobs, exc)
         return counts
 
     def _open(self, c: Campaign) -> bool:
         if c.engine_fault is not None:
             return False
         c.engine_fault = self
-        self.before = self._set(c, self.rate)
-        self.record.target = f"{self.knob}={self.rate:g} on {len(self.before)} engines"
+        self.before = self._set(c, self.knobs)
+        self.record.target = f"{', '.join(f'{k}={v:g}' for k, v in self.knobs.items())} on {len(self.before)} engines"
         return True
 
     def lift(self, c: Campaign) -> None:
-        after = self._set(c, 0.0)
+        after = self._set(c, {k: 0.0 for k in self.knobs if k.endswith("_rate")})
         # A simulator restarted meanwhile counts from zero again.
         self.record.affected = sum(n - b if n >= (b := self.before.get(u, 0)) else n for u, n in after.items())
         self.record.ended = time.time()
@@ -663,13 +360,16 @@ LINK_FAULTS = {
 }
 #: Each engine fault: the simulator's knob (POST /sim/faults), its rate, the counter in /sim/stats.
 ENGINE_FAULTS = {
-    FaultKind.ENGINE_5XX: ("error_rate", 1.0, "errors"),
-    FaultKind.ENGINE_HANG: ("hang_rate", 0.3, "hangs"),
+    FaultKind.ENGINE_5XX: ({"error_rate": 1.0}, "errors"),
+    FaultKind.ENGINE_HANG: ({"hang_rate": 0.3}, "hangs"),
+    # Past the workers' preemption budget (chaos/fleet.py MAX_PREEMPTIONS) within the window.
+    FaultKind.ABORT_STORM: ({"abort_rate": 1.0, "abort_after_tokens": 2}, "storm_aborts"),
 }
 PROCESS_FAULTS = {FaultKind.WORKER_KILL: WorkerKill, FaultKind.WORKER_STOP: WorkerStop,
                   FaultKind.TRAINER_KILL: TrainerKill, FaultKind.TRAINER_ROLLING: TrainerRolling,
-                  FaultKind.SIM_KILL: SimKill, FaultKind.REDIS_KILL: RedisKill,
-                  FaultKind.LONG_OUTAGE: LongOutage, FaultKind.FAILOVER: Failover, FaultKind.AUDIT_LOAD: AuditLoad}
+                  FaultKind.FENCED_TRAINER: FencedTrainer, FaultKind.SIM_KILL: SimKill,
+                  FaultKind.REDIS_KILL: RedisKill, FaultKind.LONG_OUTAGE: LongOutage, FaultKind.FAILOVER: Failover,
+                  FaultKind.AUDIT_LOAD: AuditLoad, FaultKind.EVICTION: Eviction, FaultKind.CLOCK_STEP: ClockStep}
 
 
 def make_fault(kind: FaultKind, record: FaultRecord) -> Fault:

@@ -47,6 +47,9 @@ MAX_GROUPS_PER_S = 100
 SENTINEL_DOWN_AFTER_MS = 5000
 #: Workers that reach Redis through its Sentinel URL; the rest go through the fault proxy.
 DIRECT_WORKERS = 1
+#: The workers' preemption budget per sample (`--max-preemptions`): low, so an abort storm
+#: spends some and the workers count its aborts as engine failures.
+MAX_PREEMPTIONS = 4
 
 
 @dataclass
@@ -130,6 +133,10 @@ class Fleet:
                                         down_after_ms=SENTINEL_DOWN_AFTER_MS)
         self.redis_busy = False  # a fault holds data nodes down or moves the primary: one at a time
         self.redis_fault_ended = 0.0  # time.time() when the last such fault ended
+        # A server every writer refuses (the eviction fault): a process started now would exit
+        # at once (a refusal at start is a configuration error), so no fault starts one.
+        self.refusing_writers = False
+        self.run_dir = run_dir
         self.proxies = ProxyThread()
         self.queue: Queue | None = None
         self.sim_ports: list[int] = []
@@ -207,7 +214,7 @@ class Fleet:
             url, NAMESPACE, [f"http://{self.router_proxy.address}"], path,
             ["--concurrency", str(self.s.concurrency), "--max-new-tokens", "256",
              "--heartbeat", str(self.s.heartbeat_s), "--request-timeout", str(self.s.request_timeout_s),
-             "--max-attempts", "5"])
+             "--max-attempts", "5", "--max-preemptions", str(MAX_PREEMPTIONS)])
         return Proc(role, popen, path, time.time())
 
     def _spawn_trainer(self) -> Proc:
@@ -215,7 +222,7 @@ class Fleet:
             sys.executable, "-m", "chaos.trainer", "--namespace", NAMESPACE,
             "--engine-url", self.router.url, "--ledger", str(self.ledger_path),
             "--batch-size", str(self.s.batch_size), "--step-s", str(self.s.step_s),
-            "--drain-file", str(self.drain_file)])
+            "--drain-file", str(self.drain_file), "--fenced-loop-dir", str(self.run_dir)])
 
     def _spawn_feeder(self) -> Proc:
         return self._popen("feeder", [

@@ -24,6 +24,7 @@ class LedgerEvent(StrEnum):
     COMMIT = "commit"  # that batch's commit succeeded: batch
     UPDATE = "update"  # a weight update finished: version, mode, seconds
     FENCED = "fenced"  # a newer session took over; this trainer exits: reason
+    FENCED_WRITE = "fenced_write"  # a weight update it tried after that (fenced_trainer): version, outcome
     DRAINED = "drained"  # every pushed group is settled; this trainer exits
 
 

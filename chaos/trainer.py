@@ -13,7 +13,10 @@ before it hands a batch out and before a commit returns, so a failover to a repl
 missed the last writes cannot make it train a batch twice.
 
 A newer session fencing this one (a rolling restart) ends it cleanly: `fenced` in the
-ledger, exit code 0. Once the drain file exists it takes what is left in smaller
+ledger, exit code 0. If the campaign left a file `fenced-loop-<pid>` in `--fenced-loop-dir`
+(the fenced_trainer fault), it first runs its weight-update loop FENCED_UPDATES more times
+with the versions it would have used, as a trainer whose update loop outlives its session
+does, recording each in the ledger (`fenced_write`: refused or accepted). Once the drain file exists it takes what is left in smaller
 batches and exits with `drained` when every pushed group is settled.
 """
 from __future__ import annotations
@@ -57,6 +60,8 @@ CONTROL_TIMEOUT_S = 30.0
 #: One WAIT for the replica blocks this long at most; then it is asked again (of the
 #: primary Sentinel names then).
 REPLICA_TIMEOUT_S = 1.0
+#: Weight updates a fenced trainer still tries when the campaign asks it to (fenced_trainer).
+FENCED_UPDATES = 3
 
 
 @dataclass
@@ -69,6 +74,7 @@ class TrainerSettings:
     drain_file: Path
     replicas: int = 1  # WAIT for this many replicas before handing a batch out and before a commit returns
     filter: str | None = "dapo"  # DAPO's dynamic sampling: drops groups whose rewards are all equal
+    fenced_loop_dir: Path | None = None  # where the fenced_trainer fault leaves fenced-loop-<pid>
 
 
 def outstanding(queue: Queue) -> int:
@@ -100,6 +106,7 @@ class ChaosTrainer:
                                      writer=self.consumer.writer)
         self.ledger = Ledger(settings.ledger)
         self.loop = asyncio.new_event_loop()
+        self.version = 0  # the last weight version this trainer recorded
 
     def run(self) -> int:
         self.ledger.append(LedgerEvent.START)
@@ -125,6 +132,8 @@ class ChaosTrainer:
                 self.ledger.append(LedgerEvent.COMMIT, batch=batch.batch_id)
                 self.update_weights(bump=True)
         except SessionFenced as exc:
+            if self.settings.fenced_loop_dir and (self.settings.fenced_loop_dir / f"fenced-loop-{os.getpid()}").exists():
+                self.fenced_updates()
             self.ledger.append(LedgerEvent.FENCED, reason=str(exc))
             log.warning("fenced: %s; exiting", exc)
             return 0
@@ -145,6 +154,7 @@ class ChaosTrainer:
                     f"/checkpoints/chaos/step-{version}", version, mode))
                 self.ledger.append(LedgerEvent.UPDATE, version=version, mode=mode.value,
                                    seconds=round(time.monotonic() - started, 4))
+                self.version = version
                 return
             except (WeightUpdateError, EngineError, TimeoutError, redis.RedisError) as exc:
                 if isinstance(exc, redis.RedisError) and not is_transient(exc):
@@ -154,6 +164,22 @@ class ChaosTrainer:
                 log.warning("weight update failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
+
+
+    def fenced_updates(self) -> None:
+        """A newer trainer took over, and this one's update loop runs on (fenced_trainer):
+        the next versions by its own count, each recorded as refused (SessionFenced: its
+        control writes are fenced by its session) or accepted."""
+        for version in range(self.version + 1, self.version + 1 + FENCED_UPDATES):
+            try:
+                self.loop.run_until_complete(self.controller.update_weights_from_disk(
+                    f"/checkpoints/chaos/step-{version}", version, PauseMode.ABORT))
+                outcome = "accepted"
+            except SessionFenced:
+                outcome = "refused"
+            except (WeightUpdateError, EngineError, TimeoutError, redis.RedisError) as exc:
+                outcome = f"failed: {type(exc).__name__}: {exc}"
+            self.ledger.append(LedgerEvent.FENCED_WRITE, version=version, outcome=outcome)
 
 
 def parse_args(argv: list[str] | None) -> TrainerSettings:
@@ -166,8 +192,11 @@ def parse_args(argv: list[str] | None) -> TrainerSettings:
     p.add_argument("--drain-file", type=Path, required=True, help="once it exists: train what is left, then exit")
     p.add_argument("--replicas", type=int, default=1,
                    help="replicas that must have a batch's delivery and its commit (WAIT); 0: the primary's word")
+    p.add_argument("--fenced-loop-dir", type=Path,
+                   help="a file fenced-loop-<pid> there: once fenced, run the update loop on a few times first")
     a = p.parse_args(argv)
-    return TrainerSettings(a.namespace, a.engine_url, a.ledger, a.batch_size, a.step_s, a.drain_file, a.replicas)
+    return TrainerSettings(a.namespace, a.engine_url, a.ledger, a.batch_size, a.step_s, a.drain_file, a.replicas,
+                           fenced_loop_dir=a.fenced_loop_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

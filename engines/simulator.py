@@ -48,7 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .core import Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
+from .core import ABORT_RUNNING, Engine, EngineRequest, EngineSettings, Output, State, WeightLoadError, WeightSource
 from .server import (EngineServer, ServerHandle, drop, error, error_response, json_reply, read_body,
                             start_in_thread)
 from .server import serve as serve_engine
@@ -69,6 +69,8 @@ FAULT_FIELDS = (
     "drop_rate",
     "restart_s",
     "weight_update_fail_rate",
+    "abort_rate",
+    "abort_after_tokens",
 )
 
 _CACHE_ENTRIES = 100_000  # bound on the simulated prefix cache
@@ -116,6 +118,11 @@ class SimConfig(EngineSettings):
     drop_rate: float = 0.0  # /generate connection closed without any response
     restart_s: float = 2.0  # downtime of POST /sim/restart
     weight_update_fail_rate: float = 0.0  # update_weights_* answer success=false, 400
+    # An abort storm: this share of /generate requests end after abort_after_tokens new tokens
+    # with finish type abort, as SGLang answers a request aborted while running, although
+    # nothing paused the engine (a scheduler bug, a misbehaving controller).
+    abort_rate: float = 0.0
+    abort_after_tokens: float = 1.0
     # Add meta_info["sim_model_time"] to every final answer (not SGLang's: off by default).
     model_times: bool = False
 
@@ -152,7 +159,7 @@ def validate_faults(values: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name} must be a finite number")
         if name.endswith("_rate") and not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
-        if name.endswith("_s") and value < 0:
+        if (name.endswith("_s") or name.endswith("_tokens")) and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
         out[name] = float(value)
     return out
@@ -209,6 +216,7 @@ class SimEngine(Engine):
         self.profile = engine_profile(config.engine_profile)
         self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()
         self._fault_rng = random.Random(f"{config.seed}|faults")
+        self._abort_rng = random.Random(f"{config.seed}|aborts")  # apart: the other draws stay as they were
         self._step = 0  # steps completed
         self._step_end: float | None = None  # end of the step in progress; None: idle, stopped or held
         self._step_done_at = 0.0  # end of the last step completed (model time)
@@ -449,6 +457,11 @@ class SimEngine(Engine):
         else:
             key = seed_material
         plan = plan_generation(spec, key, self.tokenizer, self.config, skill, produced)
+        if self.config.abort_rate and self._abort_rng.random() < self.config.abort_rate:
+            cut = int(self.config.abort_after_tokens)
+            if cut < len(plan.tokens):
+                self.stats["storm_aborts"] += 1
+                plan = Plan(plan.tokens[:cut], plan.logprobs[:cut], dict(ABORT_RUNNING))
         return SimRequest(spec, created, self._loop().create_future(), seed_material,
                           self._cached_tokens(digest, len(spec.input_ids)), plan)
 

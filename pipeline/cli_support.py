@@ -58,10 +58,12 @@ class Context:
                 "or start a local stack with `rollout up`")
         return local
 
-    def queue(self, wait_s: float = 0.0) -> Queue:
-        """`wait_s`: a long-running command waits that long for a Redis it cannot reach yet."""
+    def queue(self, wait_s: float = 0.0, read_only: bool = False) -> Queue:
+        """`wait_s`: a long-running command waits that long for a Redis it cannot reach yet.
+        `read_only`: a command that only reads (status, audit, dead list) works on a server
+        no writer may use (a replica, one that may evict keys: pipeline/server_checks.py)."""
         try:
-            return Queue(connect(self.url(), wait_s=wait_s), self.namespace)
+            return Queue(connect(self.url(), wait_s=wait_s, read_only=read_only), self.namespace)
         except ConnectionFailed as exc:
             raise click.ClickException(self.scrub(str(exc))) from None
 
@@ -90,11 +92,11 @@ class Context:
         if namespace_is_empty(queue.redis, queue.keys):
             click.echo(f"warning: {empty_message(queue.redis, self.namespace)}", err=True)
 
-    def nonempty_queue(self) -> Queue:
+    def nonempty_queue(self, read_only: bool = False) -> Queue:
         """The queue, or a one-line error when the namespace holds nothing at all."""
         from pipeline.namespaces import empty_message, namespace_is_empty
 
-        queue = self.queue()
+        queue = self.queue(read_only=read_only)
         if namespace_is_empty(queue.redis, queue.keys):
             raise click.ClickException(empty_message(queue.redis, self.namespace))
         return queue

@@ -24,6 +24,7 @@ from redis.sentinel import Sentinel
 
 from .permissions import ExplainingRedis
 from .retry import is_transient
+from .server_checks import UnsafeServer, check_connection
 from .tls import check_tls_options
 
 log = logging.getLogger(__name__)
@@ -227,12 +228,16 @@ def sentinel_target(url: str) -> SentinelTarget:
 
 def _failure(url: str, exc: Exception) -> ConnectionFailed:
     failure = _described(url, exc)
-    failure.transient = is_transient(exc)
+    # A server a writer must not use is waited out once running (a failover landed on
+    # it), but at start it is the URL or the server's configuration: say so at once.
+    failure.transient = is_transient(exc) and not isinstance(exc, UnsafeServer)
     return failure
 
 
 def _described(url: str, exc: Exception) -> ConnectionFailed:
     shown = redact(url)
+    if isinstance(exc, UnsafeServer):
+        return ConnectionFailed(str(exc))
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return ConnectionFailed(f"permission denied at Redis {shown}: {exc} (grant the user that command)")
     if isinstance(exc, redis.AuthenticationError):
@@ -244,17 +249,22 @@ def _described(url: str, exc: Exception) -> ConnectionFailed:
 
 
 def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S,
-            wait_s: float = 0.0) -> redis.Redis | RedisCluster:
+            wait_s: float = 0.0, read_only: bool = False) -> redis.Redis | RedisCluster:
     """A client for `url` (redis://, rediss://, unix://, redis+sentinel://). Returns a cluster client
     when the server runs in cluster mode. Raises ConnectionFailed with the reason. With
     `wait_s`, a Redis that cannot be reached yet (down, loading, failing over, a link that
     resets) is tried again with backoff for up to that long, saying so once in the log; a
-    wrong URL or password fails at once."""
+    wrong URL or password fails at once.
+
+    Every connection of a writing client (all but `read_only` ones: status, audit, dead
+    list) checks its server first (pipeline/server_checks.py): one that may evict keys, or
+    a replica named by a plain URL, is refused at once here, and waited out (UnsafeServer)
+    when a reconnect lands on one later."""
     deadline = time.monotonic() + wait_s
     delay, said = 0.1, False
     while True:
         try:
-            return _connect(url, socket_timeout)
+            return _connect(url, socket_timeout, read_only)
         except ConnectionFailed as exc:
             if not exc.transient or time.monotonic() + delay > deadline:
                 raise
@@ -265,11 +275,25 @@ def connect(url: str, socket_timeout: float | None = SOCKET_TIMEOUT_S,
             delay = min(2.0, delay * 2)
 
 
-def _connect(url: str, socket_timeout: float | None) -> redis.Redis | RedisCluster:
+def _checked(url: str, cluster: bool = False):
+    """redis-py's `redis_connect_func`: run on every new socket, after the handshake (this
+    function does it for a plain client; a cluster client does its own first), then the
+    server check of a writer."""
+    shown = redact(url)
+
+    def on_connect(connection) -> None:
+        if not cluster:
+            connection.on_connect()
+        check_connection(connection, shown, url, cluster)
+
+    return on_connect
+
+
+def _connect(url: str, socket_timeout: float | None, read_only: bool = False) -> redis.Redis | RedisCluster:
     check_url(url)
     probe_timeout = PROBE_TIMEOUT_S if socket_timeout is None else min(socket_timeout, PROBE_TIMEOUT_S)
     if url.startswith(SENTINEL_SCHEME + "://"):
-        return _connect_sentinel(url, socket_timeout, probe_timeout)
+        return _connect_sentinel(url, socket_timeout, probe_timeout, read_only)
     try:
         probe = redis.Redis.from_url(url, protocol=PROTOCOL, socket_timeout=probe_timeout,
                                      socket_connect_timeout=PROBE_TIMEOUT_S)
@@ -277,25 +301,33 @@ def _connect(url: str, socket_timeout: float | None) -> redis.Redis | RedisClust
             cluster_enabled = probe.info("cluster").get("cluster_enabled") == 1
         finally:
             probe.close()
+        checks = {} if read_only else {"redis_connect_func": _checked(url, cluster_enabled)}
         if not cluster_enabled:
-            return ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                            socket_connect_timeout=5, health_check_interval=30)
-        return RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
-                                     socket_connect_timeout=5)
+            client = ExplainingRedis.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                              socket_connect_timeout=5, health_check_interval=30, **checks)
+        else:
+            client = RedisCluster.from_url(url, protocol=PROTOCOL, socket_timeout=socket_timeout,
+                                           socket_connect_timeout=5, **checks)
+        if not read_only:
+            client.ping()  # the first connection, checked now: a server no writer may use is refused at once
+        return client
     except (redis.RedisError, ValueError, TypeError, OSError) as exc:
         raise _failure(url, exc) from None
 
 
-def _connect_sentinel(url: str, socket_timeout: float | None, probe_timeout: float) -> redis.Redis:
+def _connect_sentinel(url: str, socket_timeout: float | None, probe_timeout: float,
+                      read_only: bool = False) -> redis.Redis:
     """A client of the service's current primary: its connections ask the Sentinels where
     the primary is whenever they (re)connect, and drop a primary that was demoted (its
     READONLY reply), so a failover is one outage that Reconnect waits out."""
     target = sentinel_target(url)
     sentinel = Sentinel(target.sentinels, sentinel_kwargs={"socket_timeout": probe_timeout,
                                                            "socket_connect_timeout": PROBE_TIMEOUT_S})
+    checks = {} if read_only else {"redis_connect_func": _checked(url)}
     client = sentinel.master_for(target.service, redis_class=ExplainingRedis, db=target.db,
                                  username=target.username, password=target.password, protocol=PROTOCOL,
-                                 socket_timeout=socket_timeout, socket_connect_timeout=5, health_check_interval=30)
+                                 socket_timeout=socket_timeout, socket_connect_timeout=5, health_check_interval=30,
+                                 **checks)
     try:
         client.ping()
     except (redis.RedisError, ValueError, TypeError, OSError) as exc:

@@ -99,7 +99,7 @@ class Keys:
         return self._key("holders")
 
     @property
-    def beats(self) -> str:  # HASH seen_ms (the last heartbeat or reap, server ms): see lua/_prelude.lua
+    def beats(self) -> str:  # HASH the lease clock: seen_ms, server, clock_back_ms (lua/_prelude.lua lease_clock)
         return self._key("beats")
 
     @property

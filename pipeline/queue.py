@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
@@ -33,6 +34,11 @@ from .writer import ScriptCall, TrainerSession, fenced, settle_arguments
 log = logging.getLogger(__name__)
 
 STAGED_TTL_S = 3600  # a staged result outlives its MULTI only if the publish script failed (NOSCRIPT twice)
+#: The payload bytes one publish MULTI carries at most (a group larger than that goes
+#: alone): Redis counts a transaction's queued arguments against maxmemory until EXEC.
+PUBLISH_MULTI_BYTES = 8 << 20
+#: Outcomes remembered for the retry of a publish_many that raised (Queue._landed).
+LANDED_KEPT = 10_000
 #: A dead letter larger than this keeps only its first DEAD_LETTER_HEAD bytes and its size:
 #: a 50 MB poison row must not become a 50 MB dead letter.
 DEAD_LETTER_MAX_BYTES = 1 << 20
@@ -159,6 +165,9 @@ class Queue:
         self.keys = Keys(namespace)
         self._scripts = scripts.load(client, "claim", "register", "heartbeat", "reap", "handback", "publish",
                                      "push", "settle", "checkpoint")
+        #: (worker, group id, token) -> outcome of a group a publish_many call moved before it
+        #: raised: its retry answers them without sending their payloads again.
+        self._landed: dict[tuple[str, str, str], Published] = {}
 
     # -- workers -----------------------------------------------------------------
 
@@ -166,7 +175,7 @@ class Queue:
         """Register a worker id with a lease; returns the lease in seconds. An id is
         registered once: a worker that was reaped registers under a new one."""
         k = self.keys
-        status, lease_ms = self._scripts["register"](keys=[k.workers, k.worker_info, k.control],
+        status, lease_ms = self._scripts["register"](keys=[k.workers, k.worker_info, k.control, k.beats],
                                                      args=[worker, info, int(DEFAULT_LEASE_S * 1000)])
         if text(status) != "ok":
             raise ValueError(f"worker id {worker!r} is registered already")
@@ -239,53 +248,101 @@ class Queue:
         return self.publish_many(worker, [Publish(group_id, token, payload, place, error, reason)])[0]
 
     def publish_many(self, worker: str, items: list[Publish]) -> list[Published]:
-        """Publish several groups of `worker` in one round trip: one MULTI holding, per
-        group, the staged SET of a result and the publish script (lua/publish.lua), so
-        Redis runs them in one event-loop pass, one AOF write and, under appendfsync
-        always, one fsync for all. Each group is checked and moved on its own (a refused
-        one does not stop the others), and a retry of the whole call is safe: what went
-        through answers `already`. Returns an outcome per item, in order."""
-        k = self.keys
-        calls = []  # (staged key or None, payload, script keys, script args)
-        for it in items:
-            stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[it.place]
-            keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history, k.checkpoints,
-                    k.checkpoint_records]
-            payload, error = it.payload, it.error
-            if it.place == Place.DEAD:
-                payload, note = bounded_dead_letter(payload)
-                error = (error or "dead") + note
-            args = [it.group_id, it.token, payload, it.place.value, error or "", worker, it.reason]
-            staged = None
-            if it.place == Place.RESULTS:
-                # Staged with a plain SET in the same MULTI, then renamed by the script: see
-                # lua/publish.lua. Its expiry matters only if the script call fails (NOSCRIPT).
-                staged = k.staged(text(it.group_id), it.token)
-                keys += [staged, k.result(text(it.group_id), it.token)]
-                args[2] = b""
-            calls.append((staged, payload, keys, args))
-        script = self._scripts["publish"]
-        for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=True)
-            for staged, payload, keys, args in calls:
-                if staged is not None:
-                    pipe.set(staged, payload, ex=STAGED_TTL_S)
-                script.queue(pipe, keys, args)
-            replies = _script_replies(pipe.execute(raise_on_error=False), calls)
-            if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-                script.load()  # a restarted or flushed server forgot it: the SETs went through, again is fine
+        """Publish several groups of `worker`: per group, the staged SET of a result and the
+        publish script (lua/publish.lua) in one MULTI, so Redis runs them in one event-loop
+        pass, one AOF write and, under appendfsync always, one fsync for all. Each group is
+        checked and moved on its own (a refused one does not stop the others). Returns an
+        outcome per item, in order.
+
+        A MULTI carries at most PUBLISH_MULTI_BYTES of payloads: Redis holds a transaction's
+        queued arguments in memory until EXEC, so a batch can pass maxmemory where its groups
+        one by one fit. A MULTI refused for memory is split (each part at most half the
+        headroom INFO reports) down to single groups; a single group refused for memory
+        raises OutOfMemoryError, transient: the caller's Reconnect waits for room. A retry of
+        the whole call is safe, and cheap: groups that landed before it raised are answered
+        from `_landed` without their payloads being sent again (what went through answers
+        `already` anyway). Errors never quote payload bytes (redis-py's text of a failed
+        pipeline command quotes its arguments)."""
+        calls = [self._publish_call(worker, it) for it in items]
+        keys = [(worker, text(it.group_id), it.token) for it in items]
+        outcomes: list[Published | None] = [self._landed.get(key) for key in keys]
+        sizes = [len(payload) for _, payload, _, _ in calls]
+        parts = _parts([i for i, o in enumerate(outcomes) if o is None], sizes, PUBLISH_MULTI_BYTES)
+        while parts:
+            part = parts.pop(0)
+            try:
+                replies = self._publish_multi([calls[i] for i in part], sum(sizes[i] for i in part))
+            except redis.exceptions.OutOfMemoryError:
+                if len(part) == 1:
+                    raise
+                cap = min(PUBLISH_MULTI_BYTES, max(1, self._headroom() // 2))
+                split = _parts(part, sizes, cap)
+                parts[:0] = split if len(split) > 1 else [part[:len(part) // 2], part[len(part) // 2:]]
                 continue
-            break
-        outcomes = []
-        for it, reply in zip(items, replies):
-            if isinstance(reply, Exception):
-                raise reply
-            outcome = Published(text(reply[0]))
-            if outcome == Published.REFUSED:
-                log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
-                            "not publishing", text(it.group_id), worker, it.token)
-            outcomes.append(outcome)
+            if len(self._landed) > LANDED_KEPT:  # calls that raised and were never retried
+                self._landed.clear()
+            failed = [(i, reply) for i, reply in zip(part, replies) if isinstance(reply, Exception)]
+            for i, reply in zip(part, replies):
+                if isinstance(reply, Exception):
+                    continue
+                outcomes[i] = self._landed[keys[i]] = Published(text(reply[0]))
+                if outcomes[i] == Published.REFUSED:
+                    log.warning("group %s: worker %s no longer holds it under claim %s (reaped or handed back); "
+                                "not publishing", keys[i][1], worker, keys[i][2])
+            if failed:
+                i, reply = failed[0]
+                raise _without_arguments(reply, 1, sizes[i])
+        for key in keys:
+            self._landed.pop(key, None)
         return outcomes
+
+    def _publish_call(self, worker: str, it: Publish) -> tuple[str | None, bytes, list, list]:
+        """(staged key or None, payload, script keys, script args) of one group's publish."""
+        k = self.keys
+        stream = {Place.RESULTS: k.results, Place.REQUEUE: k.requeue, Place.DEAD: k.dead}[it.place]
+        keys = [k.inflight(worker), k.payloads, stream, k.stats, k.admitted, k.claims, k.history, k.checkpoints,
+                k.checkpoint_records]
+        payload, error = it.payload, it.error
+        if it.place == Place.DEAD:
+            payload, note = bounded_dead_letter(payload)
+            error = (error or "dead") + note
+        args = [it.group_id, it.token, payload, it.place.value, error or "", worker, it.reason]
+        staged = None
+        if it.place == Place.RESULTS:
+            # Staged with a plain SET in the same MULTI, then renamed by the script: see
+            # lua/publish.lua. Its expiry matters only if the script call fails (NOSCRIPT).
+            staged = k.staged(text(it.group_id), it.token)
+            keys += [staged, k.result(text(it.group_id), it.token)]
+            args[2] = b""
+        return staged, payload, keys, args
+
+    def _publish_multi(self, calls: list, size: int) -> list:
+        """One MULTI of publishes: the script's reply (or error) per call."""
+        replies = self._publish_once(calls, size)
+        if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            self._scripts["publish"].load()  # a restarted or flushed server forgot it: the SETs went through
+            replies = self._publish_once(calls, size)
+        return replies
+
+    def _publish_once(self, calls: list, size: int) -> list:
+        script = self._scripts["publish"]
+        pipe = self.redis.pipeline(transaction=True)
+        for staged, payload, keys, args in calls:
+            if staged is not None:
+                pipe.set(staged, payload, ex=STAGED_TTL_S)
+            script.queue(pipe, keys, args)
+        try:
+            return _script_replies(pipe.execute(raise_on_error=False), calls)
+        except redis.ResponseError as exc:  # Redis's refusals: redis-py quotes the command's arguments
+            raise _without_arguments(exc, len(calls), size) from None
+
+    def _headroom(self) -> int:
+        """Bytes left below maxmemory (0 when unknown: the refused MULTI is halved)."""
+        try:
+            info = self.redis.info("memory")
+            return max(0, int(info.get("maxmemory", 0)) - int(info.get("used_memory", 0)))
+        except (redis.RedisError, TypeError, ValueError, AttributeError):
+            return 0
 
     def publish_group(self, worker: str, group: Group, token: str, place: Place, error: str | None = None,
                       keep_response_text: bool = False, reason: str = "") -> Published:
@@ -367,7 +424,7 @@ class Queue:
         expired = self.redis.zrangebyscore(self.keys.workers, "-inf", f"({self.now_ms()}")
         for worker in expired:
             total += max(0, self.reap(text(worker)))
-        if not expired:  # still a sign of life for the silence check (lua/_prelude.lua)
+        if not expired:  # the lease clock still looks at the server (lua/_prelude.lua lease_clock)
             self._reap("", "expired")
         return total
 
@@ -562,6 +619,36 @@ def _checkpoint(group_id: str, reply: list) -> GroupCheckpoint | None:
     except DecodeError as exc:
         log.warning("group %s: its checkpoint is unreadable (%s); its samples start over", group_id, exc)
         return None
+
+
+def _parts(indices: list[int], sizes: list[int], cap: int) -> list[list[int]]:
+    """`indices` in order, cut into runs whose payloads add up to at most `cap` (a group
+    larger than that alone)."""
+    parts: list[list[int]] = []
+    total = 0
+    for i in indices:
+        if not parts or total + sizes[i] > cap:
+            parts.append([])
+            total = 0
+        parts[-1].append(i)
+        total += sizes[i]
+    return parts
+
+
+#: redis-py's text of a failed pipeline command: "Command # 3 (SET key <payload...>) of
+#: pipeline caused error: <Redis's reply>".
+_PIPELINE_COMMAND = re.compile(r"Command # \d+ \(.*?\) of pipeline caused error: ", re.DOTALL)
+
+
+def _without_arguments(exc: redis.ResponseError, groups: int, size: int) -> redis.ResponseError:
+    """`exc` of the same class (is_transient decides by class and code), its text without
+    the command arguments redis-py quotes (a payload's bytes, for a staged SET), saying
+    what was refused instead. Redis's reply stays first: its code is matched there."""
+    reply = _PIPELINE_COMMAND.sub("", str(exc))
+    try:
+        return type(exc)(f"{reply} (a publish of {groups} group{'s' * (groups != 1)}, {size:,} bytes)")
+    except TypeError:  # an exception class with another signature: the generic one
+        return redis.ResponseError(f"{reply} (a publish of {groups} groups, {size:,} bytes)")
 
 
 def _script_replies(replies: list, calls: list) -> list:

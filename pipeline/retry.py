@@ -20,6 +20,8 @@ from typing import Any, Callable, TypeVar
 
 import redis
 
+from .server_checks import UnsafeServer
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -31,11 +33,12 @@ T = TypeVar("T")
 #: code from these replies' text, so they are recognised by class, never by text. Memory
 #: full (maxmemory with noeviction, OutOfMemoryError) too: writes are refused until the
 #: trainer commits or an operator makes room; a worker holds what it finished and retries
-#: the publish, never dead-letters it for this.
+#: the publish, never dead-letters it for this. A reconnect that reached a server a writer
+#: must not use (UnsafeServer: it may evict keys, or it is a replica) waits until it is fixed.
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ReadOnlyError,
     redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,  # MasterDownError is one
-    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.OutOfMemoryError, UnsafeServer,
 )
 #: Wrong credentials are ConnectionErrors to redis-py, but waiting never fixes them.
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.AuthenticationError,

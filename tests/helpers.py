@@ -246,7 +246,7 @@ def primary_and_replica(redis_factory, binary: str | None = None):
     kwargs = {"aof": False} | ({"binary": binary} if binary else {})
     primary, replica = redis_factory("primary", **kwargs), redis_factory("replica", **kwargs)
     connect(replica.url).replicaof("127.0.0.1", primary.port)
-    wait_replicated(connect(primary.url), connect(replica.url))
+    wait_replicated(connect(primary.url), connect(replica.url, read_only=True))
     return primary, replica
 
 

@@ -21,7 +21,8 @@ from redis.retry import Retry
 
 from tests.helpers import http_json, wait_for
 from tests.test_json_schemas import CHAOS, check
-from chaos.faults import FaultKind, schedule
+from chaos.fault_base import FaultKind
+from chaos.faults import schedule
 from chaos.report import Tally, committed_batches, reason_of
 from chaos.fault_proxy import LinkFaults, ProxyThread
 from chaos.ledger import Ledger, LedgerEvent, read_ledger

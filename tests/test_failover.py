@@ -43,7 +43,8 @@ def test_a_read_only_replica_is_transient_for_commands_and_scripts(redis_factory
     wraps a script's failed write as 'ERR Error running script ... -READONLY'. Both are
     waited out; each binary installed answers one of the two ways."""
     _, replica = primary_and_replica(redis_factory, redis_binary)
-    client = connect(replica.url)
+    # A client left on a demoted primary: its connections were checked when it was the primary.
+    client = connect(replica.url, read_only=True)
     plain = _error(lambda: client.set("k", 1))
     assert isinstance(plain, redis.exceptions.ReadOnlyError) and is_transient(plain)
     scripted = _error(lambda: Queue(client, "ro").register("w"))  # one of the pipeline's own scripts
@@ -246,14 +247,18 @@ def test_the_torch_adapter_rides_out_an_outage(durable):
     assert assert_audit_ok(q).committed == 4
 
 
-# -- o8: a silence longer than the lease is not every worker's death ------------------------
+# -- o8: an outage longer than the lease is not every worker's death ------------------------
+
+_servers = iter(range(1, 1000))
 
 
 def _silence(q: Queue, workers: list[str], lease_ms: int) -> None:
     """What an outage longer than the lease leaves behind: no renewal for 3 leases, every
-    deadline passed (forced, not waited for)."""
+    deadline passed (forced, not waited for), and another server process answering now
+    (a restart's new run id: the server's own evidence of the outage, lua/_prelude.lua
+    lease_clock; a silence without it is a lone death: tests/test_lease_clock.py)."""
     now = q.now_ms()
-    q.redis.hset(q.keys.beats, "seen_ms", now - 3 * lease_ms)
+    q.redis.hset(q.keys.beats, mapping={"seen_ms": now - 3 * lease_ms, "server": f"before-restart-{next(_servers)}"})
     q.redis.zadd(q.keys.workers, {w: now - 2 * lease_ms for w in workers}, xx=True)
 
 

@@ -78,7 +78,7 @@ AUDIT = {"pushed": int, "prompts": int, "inflight": int, "inflight_by_worker": M
          "discarded": int, "duplicates_discarded": int, "accounted": int, "lost": int, "extra": int,
          "in_two_places": ListOf(str), "committed_and_live": ListOf(str), "orphan_payloads": int,
          "missing_payloads": int, "unregistered_inflight": ListOf(str), "checkpoints": int, "checkpoint_bytes": int,
-         "orphan_checkpoints": int, "ok": bool}
+         "orphan_checkpoints": int, "evicted_keys": int, "eviction_policy": str, "ok": bool}
 CONFIGURE = {"paused": bool, "weight_version": int, "max_staleness": (int, NONE), "batch_size": (int, NONE),
              "max_ready": int, "lease_s": NUM, "max_claims": int, "release_policy": str, "version_clock": str,
              "admitted": int, "committed": int, "budget_base": int, "staleness_limit": (int, NONE),

@@ -2,6 +2,7 @@
 retries the publish until there is room; status says why; nothing is dead-lettered."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ from engines.simulator import SimConfig, start_simulator
 from pipeline.connection import connect
 from pipeline.ops.audit import audit
 from pipeline.ops.status import snapshot
-from pipeline.queue import Queue
+from pipeline.queue import Published, Queue
 from pipeline.redis_server import Fsync
 from pipeline.retry import is_transient
 from pipeline.types import Group
@@ -68,3 +69,47 @@ def test_an_oom_reply_is_transient():
 
     assert is_transient(redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'."))
     assert not is_transient(redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"))
+
+
+MARKER = b"PAYLOAD-BYTES-NEVER-LOGGED"
+
+
+def test_a_publish_batch_refused_for_its_size_splits_and_lands_what_fits(redis_factory, caplog):
+    """Issue 31 item 3: Redis holds a MULTI's queued arguments in memory until EXEC, so a
+    batch of finished groups can pass maxmemory where each alone fits. The batch was
+    refused (OOM, EXECABORT), OOM is transient, and the same batch was retried whole,
+    forever: nothing landed although most would have. Now it splits; what fits lands; the
+    rest waits for room; the retry log quotes no payload bytes."""
+    from pipeline.queue import Place, Publish
+    from tests.groups import claim, fresh
+    from tests.test_publisher import context
+    from workers.publisher import Publisher
+
+    server = redis_factory("split", fsync=Fsync.EVERYSEC)
+    admin = connect(server.url, read_only=True)
+    queue = Queue(connect(server.url), "split")
+    queue.push_groups(fresh(8))
+    items = [Publish(c.group_id, c.token, MARKER + bytes(2 << 20), Place.RESULTS) for c in claim(queue, "w", 8).groups]
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory", used + (12 << 20))  # room for 4 groups of 2 MB, not for a MULTI of 7
+    publisher = Publisher(context(queue))
+    done: list = []
+
+    async def main():
+        first = asyncio.create_task(publisher.publish(queue, items[0]))
+        rest = [asyncio.create_task(publisher.publish(queue, it)) for it in items[1:]]  # behind the first: one MULTI
+        return await asyncio.gather(first, *rest)
+
+    thread = threading.Thread(target=lambda: done.append(asyncio.run(main())), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: admin.xlen(queue.keys.results) >= 4, timeout=30, what="the groups that fit published")
+        wait_for(lambda: publisher.ctx.reconnect.down, what="the rest waiting for room")
+    finally:
+        admin.config_set("maxmemory", 0)  # the trainer's commits made room
+    thread.join(60)
+    assert done == [[Published.OK] * 8]
+    assert admin.xlen(queue.keys.results) == 8
+    logged = "\n".join(r.getMessage() for r in caplog.records) + publisher.ctx.reconnect.last_error
+    assert "maxmemory" in logged and MARKER.decode() not in logged and "\\x00\\x00" not in logged
+    assert audit(queue).ok

@@ -77,6 +77,13 @@ DEFAULT_MAX_NEW_TOKENS = 1024
                    "--rollout-skip-special-tokens is off by default: --keep-special-tokens matches it.")
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1),
               help="Engine or reward failures per group before it is dead-lettered.")
+@click.option("--max-preemptions", default=WorkerSettings.max_preemptions, show_default=True,
+              type=click.IntRange(min=0),
+              help="Aborts per sample that no pause, rolling update or weight update explains before each counts as "
+                   "an engine failure (slime's rollout-end abort_all is one). E.g. --max-preemptions 16.")
+@click.option("--preemption-budget", "preemption_budget_s", default=WorkerSettings.preemption_budget_s,
+              show_default=True, type=Seconds(min=0),
+              help="Seconds from a sample's first unexplained abort within which further ones are still free.")
 @click.option("--heartbeat", "heartbeat_s", default=DEFAULT_HEARTBEAT_S, show_default=True,
               type=Seconds(min=0.05),
               help="Seconds between heartbeats. The lease (a namespace setting, `rollout configure --lease`) "
@@ -125,10 +132,11 @@ DEFAULT_MAX_NEW_TOKENS = 1024
                    "sglang-router drops it: behind a router, start the engines with --stream-interval N.")
 @click.pass_obj
 def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byte_tokenizer, apply_chat_template, reward,
-           apply_chat_template_kwargs, group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens, temperature, top_p, top_k, stop,
-           stop_token_ids, skip_special_tokens, max_attempts, heartbeat_s, request_timeout_s, reward_timeout_s,
-           reward_threads, mask_offpolicy_prefix, partial_rollout, generate_function, sample_timeout_s, max_context_len,
-           metrics_port, metrics_host, progress_s, keep_response_text, stream, stream_interval) -> None:
+           apply_chat_template_kwargs, group_reward, reward_key, rm_url, rm_type, serve_eval, reward_queue, max_new_tokens,
+           temperature, top_p, top_k, stop, stop_token_ids, skip_special_tokens, max_attempts, max_preemptions,
+           preemption_budget_s, heartbeat_s, request_timeout_s, reward_timeout_s, reward_threads, mask_offpolicy_prefix,
+           partial_rollout, generate_function, sample_timeout_s, max_context_len, metrics_port, metrics_host, progress_s,
+           keep_response_text, stream, stream_interval) -> None:
     """Run one generation worker until Ctrl-C / SIGTERM.
 
     It first waits for the engines to say which model they serve and loads that
@@ -198,7 +206,7 @@ def worker(obj: Context, engine_urls, api_key, concurrency, tokenizer, allow_byt
         apply_chat_template_kwargs=apply_chat_template_kwargs or {}, reward=reward,
         group_reward=group_reward,
         reward_key=reward_key, rm_url=rm_url, rm_type=rm_type, serve_eval=serve_eval, reward_queue=reward_queue,
-        max_attempts=max_attempts,
+        max_attempts=max_attempts, max_preemptions=max_preemptions, preemption_budget_s=preemption_budget_s,
         heartbeat_s=heartbeat_s, request_timeout_s=request_timeout_s, reward_timeout_s=reward_timeout_s,
         reward_threads=reward_threads, mask_offpolicy_prefix=mask_offpolicy_prefix, partial_rollout=partial_rollout,
         metrics_port=metrics_port, metrics_host=metrics_host,

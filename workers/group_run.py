@@ -23,6 +23,7 @@ from .generate_function import (GenerateFunction, GenerateFunctionFailed, genera
                                 shared_prompt_ids)
 from .publisher import Publisher
 from .rewards import MissingLabel, Reward, RewardError, RewardsHung, validate_reward
+from .sample_budget import SampleBudget
 from .tokenizer import encode_prompt, render_prompt
 
 log = logging.getLogger("workers.worker")  # the worker's log: its lines read as they always did
@@ -290,9 +291,9 @@ class GroupRunner:
             sample.tokens = list(group.prompt_ids)
         failures = group.attempts  # carried over from earlier claims of this group
         attempt = 0
-        stalled = 0  # abort answers in a row with no tokens and no weight change
+        budget = self._budget()
         while True:
-            remaining = s.sampling.max_new_tokens - sample.response_length
+            remaining = budget.tokens_left(sample.response_length)
             if remaining <= 0:
                 sample.status = Status.TRUNCATED  # nothing left to generate (aborted at its last token): no request
                 self._mask_offpolicy(sample)
@@ -307,11 +308,11 @@ class GroupRunner:
             # duplicate.
             rid = f"{self.ctx.id}/{run.serial}/{sample.index}/{attempt}"
             try:
-                version_before = sample.weight_versions[-1] if sample.weight_versions else None
                 # The sample's own seed: a continued request draws from the same stream.
                 params = s.sampling.params(remaining, group.sampling_seed(sample))
                 result = await self._request(rid, sample.tokens, params)
                 self._append(sample, result)
+                budget.observe(result.weight_version)
                 if result.finish_type != "abort":
                     self.engine_health.ok()
                     return
@@ -320,14 +321,11 @@ class GroupRunner:
                 if self.engine_health.drained(result.url):
                     self.ctx.counters.drained += 1
                     continue  # a rolling weight update took that engine out: the next request goes elsewhere
-                progressed = bool(result.output_ids) or (version_before is not None
-                                                         and result.weight_version != version_before)
-                stalled = 0 if progressed else stalled + 1
-                if progressed or stalled == 1:
-                    await self._preempted(sample, progressed)
+                problem = budget.charge(progressed=bool(result.output_ids))
+                if problem is None:
+                    await self._preempted(sample, bool(result.output_ids))
                     continue
-                error = EngineError(f"engine aborted request {rid} while nothing was paused, {stalled} times in a "
-                                    f"row with no token and no weight change "
+                error = EngineError(f"engine aborted request {rid} while nothing was paused: {problem} "
                                     f"({(result.finish_reason or {}).get('message', 'no message')})")
             except EngineRequestError as exc:
                 metrics.ENGINE_ERRORS.labels("bad_request").inc()
@@ -383,12 +381,16 @@ class GroupRunner:
         left (--partial-rollout: it gets it back), or `sample` as it was: started again."""
         s, group = self.settings, run.group
         failures = group.attempts
-        stalled = 0  # aborted returns in a row with no new token and no new weight version
+        budget = self._budget()
         if not s.partial_rollout and sample.status == Status.ABORTED:
             sample.reset()  # left partial by a worker with --partial-rollout: it starts again here
         while True:
             if self.ctx.paused or self.engine_health.down is not None:
                 return [sample]  # as in _generate_sample: requeued, continued later
+            left = budget.tokens_left(sample.response_length)
+            if left <= 0:  # the token budget holds across calls, as on the built-in path
+                sample.status = Status.TRUNCATED
+                return [sample]
             if s.partial_rollout and s.mask_offpolicy_prefix and sample.status == Status.ABORTED \
                     and sample.response_length:
                 sample.loss_mask = [0] * sample.response_length  # slime's generate_and_rm does the same
@@ -398,7 +400,7 @@ class GroupRunner:
                 try:
                     produced = await self.generate_function.call(
                         generate_args(s, url, group.n_samples, self.reward_args), sample,
-                        s.sampling.params(s.sampling.max_new_tokens), evaluation=run.queue is self.ctx.eval_queue,
+                        s.sampling.params(left), evaluation=run.queue is self.ctx.eval_queue,
                         timeout_s=s.sample_timeout_s)
                     problem = output_problem(sample, produced)
                     if problem:
@@ -410,6 +412,9 @@ class GroupRunner:
             self.last_answer = time.monotonic()
             progressed = any(p.response_length > sample.response_length
                              or len(p.weight_versions) > len(sample.weight_versions) for p in produced)
+            for p in produced:  # newer weights in an answer explain the aborts before it
+                for version in p.weight_versions[len(sample.weight_versions):]:
+                    budget.observe(version)
             if not any(p.status == Status.ABORTED for p in produced):
                 for p in produced:
                     await self._stamp_versions(p, url, sample)
@@ -432,16 +437,15 @@ class GroupRunner:
                 continue  # a rolling weight update took that engine out: the next call goes elsewhere
             # Unannounced (slime's updaters, an abort_all): a preemption when the engine made
             # something since the last call, as in _generate_sample; called again.
-            stalled = 0 if progressed else stalled + 1
-            if progressed or stalled == 1:
+            problem = budget.charge(progressed)
+            if problem is None:
                 await self._preempted(sample, progressed)
                 continue
             failures += 1
             group.attempts = max(group.attempts, failures)
             if failures >= s.max_attempts:
                 raise GroupFailed(f"generate function {self.generate_function.name} returned an aborted sample "
-                                  f"{failures} times while nothing was paused, with no new token and no new "
-                                  f"weight version", DeadReason.ENGINE)
+                                  f"while nothing was paused: {problem} ({failures} failures)", DeadReason.ENGINE)
             delay = min(s.backoff_max_s, s.backoff_s * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)
             log.debug("group %s: aborted while nothing was paused; calling the function again in %.1fs",
                       group.group_id, delay)
@@ -470,13 +474,18 @@ class GroupRunner:
                                      or sum(segments) != sample.response_length):
             del sample.metadata[SEGMENTS_KEY]  # the function's own bookkeeping: which call made what is unknown
 
+    def _budget(self) -> SampleBudget:
+        """One sample's budget of tokens and unexplained aborts (workers/sample_budget.py),
+        the same on both paths."""
+        s = self.settings
+        return SampleBudget(s.sampling.max_new_tokens, s.max_preemptions, s.preemption_budget_s)
+
     async def _preempted(self, sample: Sample, progressed: bool) -> None:
-        """An abort that is not the engine's fault: a pause (slime's weight updates pause
-        the engines with mode abort, unannounced), an `abort_all` (slime ends each of its
-        rollouts so), or a request aborted while it waited in the engine's queue (once).
-        The sample keeps its tokens and continues, stamped with the versions that made
-        them, counted against nothing. Told apart from a faulty engine by what it made:
-        tokens or a new weight version since the last abort (`stalled` in the caller)."""
+        """An abort the sample's budget covers (workers/sample_budget.py): slime's weight
+        updates pause the engines with mode abort, unannounced (the next answer's newer
+        version refunds it), an `abort_all` (slime ends each of its rollouts so), a request
+        aborted while it waited in the engine's queue. The sample keeps its tokens and
+        continues, stamped with the versions that made them."""
         self.ctx.counters.preempted += 1
         if progressed:
             self.engine_health.ok()

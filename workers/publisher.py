@@ -19,7 +19,8 @@ from .context import WorkerContext
 
 log = logging.getLogger("workers.worker")
 
-#: Groups per publish_many at most: one MULTI's payloads stay a few MB.
+#: Groups per publish_many at most (Queue.publish_many also caps a MULTI's bytes, and splits
+#: one Redis refuses for memory).
 MAX_BATCH = 32
 
 

@@ -11,6 +11,7 @@ from pipeline.control import DEFAULT_HEARTBEAT_S
 
 from .engine_stream import DEFAULT_STREAM_INTERVAL
 from .rewards import DEFAULT_REWARD_THREADS
+from .sample_budget import DEFAULT_MAX_PREEMPTIONS, DEFAULT_PREEMPTION_S
 from .sampling import SamplingSettings
 
 
@@ -40,6 +41,10 @@ class WorkerSettings:
     backoff_s: float = 0.5  # first retry delay; doubles up to backoff_max_s
     backoff_max_s: float = 30.0
     engine_down_after: int = 5  # consecutive engine failures that stop claiming
+    # Aborts no pause, drain or weight update explains, per sample, before each is an engine
+    # failure: at most this many, within this long of the first (workers/sample_budget.py).
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    preemption_budget_s: float = DEFAULT_PREEMPTION_S
     request_timeout_s: float = 600.0
     # Read answers as streams (workers/engine_stream.py), asking for a chunk every stream_interval tokens.
     stream: bool = False

@@ -27,21 +27,46 @@ local function staleness_limit(max_staleness, version, batch_size)
   return (max_staleness + version + 1) * batch_size
 end
 
--- A silence longer than a lease, in which no heartbeat and no reaper reached Redis (it
--- restarted or failed over, or nobody could reach it), is not every worker's death: the
--- first heartbeat or reap after it moves every lease deadline to a lease from now, so
--- live workers renew before anyone reaps. (Workers that really died are reaped one lease
--- later; reapers keep `seen_ms` fresh while they poll, so a grace is not renewed for them.)
--- `seen_ms` in the beats hash is the last heartbeat or reap, by server time: a hash of its
--- own, so a worker's ACL user writes it and never the control hash.
-local function grace_after_silence(workers, beats, now, lease)
-  local seen = tonumber(redis.call('HGET', beats, 'seen_ms'))
-  redis.call('HSET', beats, 'seen_ms', now)
-  if not seen or now - seen <= lease then return false end
-  for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. (now + lease))) do
-    redis.call('ZADD', workers, 'XX', now + lease, w)
+-- The server time for the scripts that set or judge lease deadlines (register, heartbeat,
+-- reap), after acting on what the server's own evidence says happened since the last of
+-- them. The beats hash keeps `seen_ms` (the latest server time such a script saw) and
+-- `server` (the run id of the server process that saw it); a hash of its own, so a
+-- worker's ACL user writes it and never the control hash.
+--   * Another server answers now (a restart: a new run id; a failover: the promoted
+--     replica's): nobody could renew through that outage, so every deadline moves
+--     to at least a lease from now (a grace); live workers renew before anyone reaps, the
+--     dead are reaped one lease later. With nothing recorded yet, a server up for less than
+--     a lease counts as restarted.
+--   * The clock went back (an NTP step, a failover to a replica whose clock is behind):
+--     every deadline moves back by as much, so nobody is reaped later than the lease says.
+-- A silence alone (the only worker died, nobody renewed for a while) is no evidence: the
+-- dead are reaped on time. Returns the server time and whether a grace was given.
+local function lease_clock(workers, beats, lease)
+  local now = now_ms()
+  local info = redis.call('INFO', 'server')
+  local server = string.match(info, 'run_id:(%x+)')
+  local last = redis.call('HMGET', beats, 'seen_ms', 'server')
+  local seen, known = tonumber(last[1]), last[2]
+  if seen and now < seen then
+    local back = seen - now
+    local rows = redis.call('ZRANGE', workers, 0, -1, 'WITHSCORES')
+    for i = 1, #rows, 2 do
+      redis.call('ZADD', workers, 'XX', tonumber(rows[i + 1]) - back, rows[i])
+    end
+    redis.call('HINCRBY', beats, 'clock_back_ms', back)
   end
-  return true
+  local graced = false
+  if known ~= server then
+    if known or tonumber(string.match(info, 'uptime_in_seconds:(%d+)')) * 1000 <= lease then
+      for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', '(' .. (now + lease))) do
+        redis.call('ZADD', workers, 'XX', now + lease, w)
+      end
+      graced = true
+    end
+    redis.call('HSET', beats, 'server', server)
+  end
+  redis.call('HSET', beats, 'seen_ms', now)
+  return now, graced
 end
 
 -- A group's in-flight checkpoint (lua/checkpoint.lua, pipeline/checkpoints.py): a header in the

@@ -3,16 +3,13 @@
 --   leave:   unconditionally, the worker's own hand-back on shutdown (the claims do not count)
 -- KEYS: workers, inflight, prompts, worker_info, stats, claims, history, last_claim, reaped, isolated,
 --       control, holders, beats
--- ARGV: worker ('' with mode expired: a reaper that found nobody expired, only the silence
---       check of the prelude), mode, default lease ms
--- Returns the number of groups returned, or -1 when the lease has not expired (or a silence
--- longer than a lease has just given every worker a grace: prelude).
+-- ARGV: worker ('' with mode expired: a reaper that found nobody expired, only the lease
+--       clock of the prelude), mode, default lease ms
+-- Returns the number of groups returned, or -1 when the lease has not expired (or a restart
+-- or failover has just given every worker a grace: prelude, lease_clock).
 local worker, mode = ARGV[1], ARGV[2]
-local now = now_ms()
-if mode == 'expired' then
-  grace_after_silence(KEYS[1], KEYS[13], now, tonumber(redis.call('HGET', KEYS[11], 'lease_ms')) or tonumber(ARGV[3]))
-  if worker == '' then return 0 end
-end
+local now = lease_clock(KEYS[1], KEYS[13], tonumber(redis.call('HGET', KEYS[11], 'lease_ms')) or tonumber(ARGV[3]))
+if mode == 'expired' and worker == '' then return 0 end
 local deadline = redis.call('ZSCORE', KEYS[1], worker)
 if mode == 'expired' and deadline and tonumber(deadline) >= now then return -1 end
 local gids = redis.call('HKEYS', KEYS[2])

@@ -18,16 +18,19 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import redis
+
 from pipeline import scripts
 from pipeline.keys import CONSUMER_GROUP
 from pipeline.queue import Queue, text
+from pipeline.server_checks import read_facts
 
 #: The keys of AuditReport.to_dict(), documented in docs/cli.md (`rollout audit --json`).
 AUDIT_JSON_KEYS = (
     "pushed", "prompts", "inflight", "inflight_by_worker", "requeue", "results_undelivered", "results_pending",
     "dead", "dropped", "committed", "discarded", "duplicates_discarded", "accounted", "lost", "extra",
     "in_two_places", "committed_and_live", "orphan_payloads", "missing_payloads", "unregistered_inflight",
-    "checkpoints", "checkpoint_bytes", "orphan_checkpoints", "ok",
+    "checkpoints", "checkpoint_bytes", "orphan_checkpoints", "evicted_keys", "eviction_policy", "ok",
 )
 
 
@@ -52,6 +55,15 @@ class AuditReport:
     checkpoints: int = 0  # groups with an in-flight checkpoint (queued or in flight)
     checkpoint_bytes: int = 0  # their records' bytes
     orphan_checkpoints: int = 0  # checkpoints (or records) of groups with no payload: nothing deletes them
+    evicted_keys: int = 0  # keys the server evicted since it started (INFO stats)
+    eviction_policy: str = ""  # its maxmemory-policy now
+
+    @property
+    def eviction_damage(self) -> bool:
+        """Evictions that may have taken this namespace's keys: under an allkeys-* policy any
+        key may go; under a volatile-* one only keys with a TTL, which the pipeline leaves
+        none of, unless the counts are off too."""
+        return self.evicted_keys > 0 and (self.eviction_policy.startswith("allkeys-") or self._conservation_broken)
 
     @property
     def accounted(self) -> int:
@@ -69,9 +81,13 @@ class AuditReport:
         return max(0, self.accounted - self.pushed)
 
     @property
-    def ok(self) -> bool:
-        return not (self.lost or self.extra or self.in_two_places or self.committed_and_live
+    def _conservation_broken(self) -> bool:
+        return bool(self.lost or self.extra or self.in_two_places or self.committed_and_live
                     or self.orphan_payloads or self.missing_payloads or self.orphan_checkpoints)
+
+    @property
+    def ok(self) -> bool:
+        return not (self._conservation_broken or self.eviction_damage)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -89,9 +105,15 @@ class AuditReport:
             line += f" ({self.duplicates_discarded} duplicate copies discarded)"
         if self.checkpoints:
             line += f"; {self.checkpoints} checkpoints ({self.checkpoint_bytes:,} bytes)"
+        evicted = (f"Redis evicted {self.evicted_keys} keys since it started (maxmemory-policy "
+                   f"{self.eviction_policy})") if self.evicted_keys else ""
         if self.ok:
-            return line + ": OK"
+            return line + ": OK" + (f" ({evicted}, none of them this namespace's as far as the counts show)"
+                                    if evicted else "")
         problems = []
+        if self.eviction_damage:
+            problems.append(f"{evicted}: keys of this namespace may be among them, losing groups without a trace "
+                            "(set maxmemory-policy noeviction; every writer now refuses such a server)")
         if self.lost:
             problems.append(f"{self.lost} lost")
         if self.extra:
@@ -330,4 +352,15 @@ def audit(queue: Queue, prompt_page: int = PROMPT_PAGE, dead_page: int = DEAD_PA
         checkpoints=snap["checkpoints"],
         checkpoint_bytes=snap["checkpoint_bytes"],
         orphan_checkpoints=snap["orphan_checkpoints"],
+        **_evictions(queue),
     )
+
+
+def _evictions(queue: Queue) -> dict:
+    """What the server evicted since it started, and its policy (nothing for a cluster
+    client, whose INFO answers per node)."""
+    try:
+        facts = read_facts(queue.redis)
+    except (redis.RedisError, TypeError, ValueError, AttributeError, KeyError):
+        return {}
+    return {"evicted_keys": facts.evicted_keys, "eviction_policy": facts.policy}

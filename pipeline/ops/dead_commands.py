@@ -49,7 +49,7 @@ def dead_list(obj: Context, limit, as_json) -> None:
     """
     from pipeline.ops import deadletters
 
-    queue = obj.nonempty_queue()
+    queue = obj.nonempty_queue(read_only=True)
     total = deadletters.count(queue)
     letters = deadletters.list_dead(queue, limit or None)
     if as_json:
@@ -153,7 +153,7 @@ def dead_show(obj: Context, ident, as_json) -> None:
     from pipeline.ops import deadletters
     from pipeline.ops.printable import printable
 
-    queue = obj.nonempty_queue()
+    queue = obj.nonempty_queue(read_only=True)
     letters, missing = deadletters.find(queue, [ident])
     if missing:
         raise click.ClickException(f"no dead letter {printable(ident)!r} in namespace {obj.namespace!r} "

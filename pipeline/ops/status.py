@@ -51,6 +51,7 @@ from pipeline.keys import CONSUMER_GROUP
 from pipeline.namespaces import namespace_is_empty
 from pipeline.queue import Queue, text
 from pipeline.retry import DEFAULT_RETRY_MAX_S
+from pipeline.server_checks import SAFE_POLICY, ServerFacts, read_facts, server_alerts
 
 WINDOW_S = 60.0
 STALENESS_SAMPLE = 200  # results entries decoded for the staleness figures
@@ -348,20 +349,25 @@ def snapshot(queue: Queue, tracker: RateTracker | None = None,
     snap.empty = (not counters and not names and not stray and not any((snap.prompts, results, snap.requeue,
                                                                        snap.dead))
                   and namespace_is_empty(r, k))
-    snap.alerts = poison + _memory_alert(r) + alerts(snap)
+    snap.alerts = poison + _server_alerts(r) + alerts(snap)
     return snap
 
 
-def _memory_alert(r) -> list[str]:
+def _server_alerts(r) -> list[str]:
+    """What the server itself says: full, may evict keys, a replica (pipeline/server_checks.py,
+    the same findings every writer's connection refuses)."""
+    try:
+        facts = read_facts(r)
+    except (redis.RedisError, TypeError, ValueError, AttributeError, KeyError):
+        return []  # a cluster answers per node, or INFO is not allowed: nothing to say
+    return _memory_alert(facts) + server_alerts(facts)
+
+
+def _memory_alert(facts: ServerFacts) -> list[str]:
     """Redis at maxmemory with noeviction refuses every write: say so first, since the
     workers' heartbeats (their state in this report) are among the writes refused."""
-    try:
-        info = r.info("memory")
-        used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
-        policy = str(info.get("maxmemory_policy", ""))
-    except (redis.RedisError, TypeError, ValueError, AttributeError):
-        return []  # a cluster answers per node, or INFO is not allowed: nothing to say
-    if not limit or used < limit or policy != "noeviction":
+    used, limit = facts.used_memory, facts.maxmemory
+    if not limit or used < limit or facts.policy != SAFE_POLICY:
         return []
     return [f"Redis is full ({used / 2**20:.1f} MiB used of maxmemory {limit / 2**20:.1f} MiB, noeviction): every "
             f"write is refused; workers hold the groups they finished and retry publishing them (every "

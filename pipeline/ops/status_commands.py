@@ -60,7 +60,7 @@ def status(obj: Context, as_json, watch, interval, sample_s, worker_name) -> Non
     from pipeline.ops.status import RateTracker, snapshot
     from pipeline.ops.status_render import render
 
-    queue = obj.queue()
+    queue = obj.queue(read_only=True)
     if worker_name is not None:
         if watch:
             raise click.UsageError("--worker shows one worker's groups once: drop --watch")
@@ -153,7 +153,7 @@ def inspect_cmd(obj: Context, group_id, as_json) -> None:
     from pipeline.ops.inspect import GroupPlace, locate
     from pipeline.ops.printable import printable
 
-    report = locate(obj.nonempty_queue(), group_id)
+    report = locate(obj.nonempty_queue(read_only=True), group_id)
     if as_json:
         click.echo(dump(report.to_dict()))
     else:
@@ -220,7 +220,7 @@ def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
     duplicates_discarded, accounted, lost, extra, in_two_places (group ids),
     committed_and_live (group ids), orphan_payloads, missing_payloads,
     unregistered_inflight (worker ids), checkpoints (groups with an in-flight
-    checkpoint), checkpoint_bytes, orphan_checkpoints, ok.
+    checkpoint), checkpoint_bytes, orphan_checkpoints, evicted_keys, eviction_policy, ok.
 
     \b
     Example:
@@ -229,7 +229,7 @@ def audit_cmd(obj: Context, as_json, reap_orphans) -> None:
     """
     from pipeline.ops.audit import audit
 
-    queue = obj.nonempty_queue()
+    queue = obj.nonempty_queue(read_only=not reap_orphans)
     if reap_orphans:
         click.echo(f"gave back {queue.reap_orphans(scan=True)} groups of unregistered workers", err=True)
     with rich_console(stderr=True).status("auditing (reading every stream) ..."):

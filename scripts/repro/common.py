@@ -40,7 +40,7 @@ def server() -> RedisServer:
 def replica_of(primary: RedisServer) -> RedisServer:
     """A second server replicating `primary`, caught up before it returns."""
     r = server()
-    client = connect(r.url)
+    client = connect(r.url, read_only=True)  # an admin's: it stays connected to the replica
     client.replicaof("127.0.0.1", primary.port)
     wait_replicated(connect(primary.url), client)
     return r

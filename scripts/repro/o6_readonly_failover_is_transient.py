@@ -20,7 +20,7 @@ try:
     [held] = claim(q, "w#1", 1).groups
     consumer = Consumer(connect(fwd.url, socket_timeout=5), ns, block_s=0.2)
     # Failover: R becomes the primary, P a replica of R; the address reaches P for 3 s more.
-    connect(R.url).replicaof("NO", "ONE"); connect(P.url).replicaof("127.0.0.1", R.port)
+    connect(R.url, read_only=True).replicaof("NO", "ONE"); connect(P.url).replicaof("127.0.0.1", R.port)
     threading.Timer(3.0, lambda: fwd.switch(R.port)).start()
     t0 = time.monotonic()
     worker = Reconnect("worker w#1")
