@@ -197,7 +197,7 @@ def test_a_task_the_function_left_running_cannot_change_what_was_scored_and_publ
 def test_a_function_that_blocks_its_event_loop_does_not_stop_the_heartbeat(redis_url, queue, namespace, sim):
     """retool's sandbox blocks its loop up to 120 s (subprocess.communicate): user code runs
     on a loop of its own, so the worker keeps renewing its lease and is never reaped."""
-    lease_s = 0.6
+    lease_s = 1.2  # the shortest a namespace takes is the upkeep period (1 s)
     configure(queue.redis, queue.keys, lease_s=lease_s)
     push(queue, ["What is 4 + 5?"], n_samples=1)
     worker = WorkerThread(settings(redis_url, namespace, [sim.url], "blocks_its_loop", heartbeat_s=0.15))

@@ -100,10 +100,11 @@ def test_an_engine_that_aborts_after_every_token_is_a_fault_on_the_function_path
 
 def test_the_function_path_keeps_to_the_token_budget_across_aborts(redis_url, queue, namespace, storm):
     """Each call is given what is left of max_new_tokens, and a sample that reached it is
-    truncated without another call, as on the built-in path."""
+    truncated without another call, as on the built-in path (the function continues its
+    partial sample: slime's --partial-rollout)."""
     queue.push_groups([Group.fresh("g0", "What is 1 + 1?", 1, label="2")])
     worker = WorkerThread(_settings(redis_url, namespace, storm.url, max_preemptions=1000,
-                                    generate_function=FUNCTION))
+                                    generate_function=FUNCTION, partial_rollout=True))
     try:
         [group] = consume_all(Consumer(queue.redis, namespace), 1, 1, timeout=60)
     finally:
