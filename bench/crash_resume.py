@@ -59,6 +59,7 @@ from pipeline.queue import Place, Queue  # noqa: E402
 from pipeline.redis_server import Fsync, RedisServer, free_port  # noqa: E402
 from pipeline.types import SEGMENTS_KEY, Group, Status  # noqa: E402
 from workers.engine_set import EngineSet  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 
 PROMPT_TOKENS = 256
 
@@ -193,7 +194,7 @@ def stream_cost(tmp: Path, requests: int, concurrency: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer groups and shorter samples (~15 s)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -229,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
               "checkpoint_memory_bytes_per_token": variants["128"]["memory_bytes_per_token"],
               "stream_client_us_per_token": streams, "variants": variants, "fsync": args.fsync,
               "quick": args.quick}
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
+    if not args.json:
+        print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

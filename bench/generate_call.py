@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pipeline.types import Sample, Status  # noqa: E402
 from workers.generate_function import GenerateFunction, generate_args  # noqa: E402
 from workers.settings import WorkerSettings  # noqa: E402
 from workers.worker import reward_args  # noqa: E402
+from bench.report import run_bench  # noqa: E402
 
 
 async def returns_at_once(args, sample, sampling_params):
@@ -67,22 +67,22 @@ async def measure(tokens: int, calls: int) -> dict:
             "call_p99_us": round(sorted(through)[int(0.99 * (len(through) - 1))] * 1e6, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, action="append", help="response tokens the sample holds (repeat)")
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--json", action="store_true")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     rows = [asyncio.run(measure(t, opts.calls)) for t in (opts.tokens or [0, 2048])]
     if opts.json:
-        print(json.dumps({"rows": rows}))
-        return
+        return {"rows": rows}
     print("| response tokens held | direct await (µs) | GenerateFunction.call (µs) | overhead (µs) | call p99 (µs) |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['response_tokens']:,} | {r['direct_us']} | {r['call_us']} | {r['overhead_us']} | "
               f"{r['call_p99_us']} |")
+    return {"rows": rows}
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

@@ -253,11 +253,11 @@ def primary_and_replica(redis_factory, binary: str | None = None):
 def pause_replication(replica) -> None:
     """`replica` stops applying its primary's writes (the primary's WAIT sees it lag) until
     resume_replication; promoted meanwhile, it drops what it had not applied."""
-    connect(replica.url).execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    connect(replica.url, read_only=True).execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
 
 
 def resume_replication(replica) -> None:
-    connect(replica.url).execute_command("CLIENT", "UNPAUSE")
+    connect(replica.url, read_only=True).execute_command("CLIENT", "UNPAUSE")
 
 
 class Forwarder:

@@ -397,7 +397,7 @@ def test_purge_counts_in_words_and_asks_nothing_of_an_empty_namespace(run, clien
     assert "deletes all 1 key of namespace" in one_error_line(run("purge"))
     Queue(client, namespace).register("w-live")
     result = run("purge", "--yes")
-    assert "purged namespace" in result.output and "3 keys deleted" in result.output  # + workers, worker_info
+    assert "purged namespace" in result.output and "4 keys deleted" in result.output  # + workers, worker_info, beats
     assert "1 live worker still uses" in result.stderr and "default settings" in result.stderr
 
 

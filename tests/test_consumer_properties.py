@@ -46,7 +46,9 @@ class Pair:
     def __init__(self, primary, replica):
         self.primary, self.replica = primary, replica
         self.forwarder = Forwarder(primary.port)
-        self._clients = {node.port: connect(node.url, socket_timeout=5) for node in (primary, replica)}
+        # The test's own admin connections (configuration, pauses, promotions): unchecked, as either
+        # node may be the replica.
+        self._clients = {node.port: connect(node.url, socket_timeout=5, read_only=True) for node in (primary, replica)}
         for node in (primary, replica):  # a resync at once, not after the default 5 s of waiting for more replicas
             self.client(node).config_set("repl-diskless-sync-delay", 0)
 

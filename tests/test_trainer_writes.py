@@ -109,7 +109,7 @@ def test_commit_trained_returns_once_the_replica_has_the_commits(redis_factory, 
         resume_replication(replica)
     committing.join(30)
     assert done == [2]
-    assert sorted(m.decode() for m in connect(replica.url).zrange(queue.keys.committed, 0, -1)) == ["g0", "g1"]
+    assert sorted(m.decode() for m in connect(replica.url, read_only=True).zrange(queue.keys.committed, 0, -1)) == ["g0", "g1"]
     assert [g.group_id for g in restarted.next_batch(1, timeout=5).groups] == ["g2"]
 
 
@@ -143,7 +143,7 @@ def test_the_slime_adapters_records_wait_for_the_replica(redis_factory, namespac
     finally:
         resume_replication(replica)
     given_back.join(30)
-    assert connect(replica.url).hlen(queue.keys.slime_rollouts) == 1
+    assert connect(replica.url, read_only=True).hlen(queue.keys.slime_rollouts) == 1
 
 
 def test_a_write_whose_replica_never_answers_gives_up_with_backoff(client, namespace, queue):

@@ -10,8 +10,9 @@ from workers.engine_answers import GenerateResult
 from workers.group_run import GroupRunner
 from workers.tokenizer import ByteTokenizer
 
-fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda version: None,
+fake = SimpleNamespace(settings=SimpleNamespace(mask_offpolicy_prefix=True), _check_version=lambda *_: None,
                        _refuse_unusable_version=lambda result: None, tokenizer=ByteTokenizer())
+fake._mask_offpolicy = lambda sample: GroupRunner._mask_offpolicy(fake, sample)
 
 
 def gen(sample, n, version, finish):
